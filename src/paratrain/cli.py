@@ -1,0 +1,137 @@
+"""``paratrain`` command line: train, launch, data.
+
+Every subcommand turns bad input into one line on stderr
+(``paratrain: error: ...``) and exit code 2, before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import UsageError
+
+_TRAIN_EPILOG = """\
+config keys (--set section.key=value; values are TOML literals):
+  data.corpus ptb|wikitext-2   data.mode bptt|sentence   data.bptt T   data.eval_batch_size
+  data.max_sentence_len   data.train_fraction   data.eval_fraction
+  model.embed_dim  model.hidden_dim  model.num_layers  model.dropout  model.tie_weights  model.init_range
+  train.epochs  train.max_steps  train.seed  train.batch_size (global)  train.ref_batch_size
+  train.lr_scaling none|linear|sqrt  train.warmup_steps  train.optimizer sgd|adam  train.lr
+  train.momentum  train.weight_decay  train.clip  train.convention sum_over_time|mean_over_tokens
+  train.schedule step|plateau|constant  train.decay  train.decay_start_epoch  train.plateau_patience
+  train.accumulation  train.dtype float32|float64  train.timeout_s  train.checkpoint_every
+  train.log_every  train.eval_every
+  dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
+  dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
+
+data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage first)
+        self.exit(2, f"paratrain: error: {message}; see '{self.prog} --help'\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .strategies import STRATEGIES
+
+    p = _Parser(prog="paratrain", description="Train PyTorch models on many devices, processes and machines.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="train the LSTM language model", epilog=_TRAIN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train the LSTM language model of a TOML recipe with a strategy.")
+    t.add_argument("config", nargs="?", help="TOML recipe (e.g. configs/ptb_small.toml); optional with --resume")
+    t.add_argument("--strategy", choices=list(STRATEGIES), help="how to split the work (default: the recipe's dist.strategy)")
+    t.add_argument("--nproc", type=int, help="worker processes on this node (--nproc 1 without --strategy means single)")
+    t.add_argument("--run-dir", type=Path, help="new run directory (default runs/<config>-<time>); never overwritten")
+    t.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its last checkpoint")
+    t.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA or the cache)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value; repeatable")
+    t.add_argument("--max-restarts", type=int, help="restarts of the worker group after a failure (torchrun)")
+    _add_multinode(t)
+
+    ln = sub.add_parser("launch", help="run your own script in N workers (torchrun semantics)",
+                        description="Run SCRIPT in N worker processes with RANK, LOCAL_RANK, WORLD_SIZE, "
+                                    "MASTER_ADDR/PORT set; loopback and a free port by default.")
+    ln.add_argument("--nproc", type=int, default=1, help="worker processes on this node")
+    ln.add_argument("--module", "-m", action="store_true", help="SCRIPT is a module name (python -m)")
+    ln.add_argument("--max-restarts", type=int, default=0)
+    ln.add_argument("--threads", type=int, default=0, help="intra-op threads per worker (default cores // nproc)")
+    _add_multinode(ln)
+    ln.add_argument("script")
+    ln.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    d = sub.add_parser("data", help="check (and download) a corpus",
+                       description="Make sure a corpus is present: use it, or download it and verify sha256.")
+    d.add_argument("corpus", choices=["ptb", "wikitext-2"])
+    d.add_argument("--data-dir")
+    return p
+
+
+def _add_multinode(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, help="this node's index (multi-node)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0 (multi-node)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "launch":
+            return cmd_launch(args)
+        if args.command == "data":
+            return cmd_data(args)
+    except UsageError as e:
+        print(f"paratrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("paratrain: interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .runs import prepare_run, start_run
+
+    run = prepare_run(args)
+    return start_run(run)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from . import launch
+    from .env import default_threads
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
+    if not args.module and not Path(args.script).is_file():
+        raise UsageError(f"script {args.script!r} does not exist; give the path of a Python file (or -m MODULE)")
+    nnodes = args.nnodes or 1
+    if nnodes > 1 and not args.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0")
+    spec = launch.LaunchSpec(nproc=args.nproc, target=[args.script, *args.script_args], module=args.module,
+                             nnodes=nnodes, node_rank=args.node_rank or 0, rdzv_endpoint=args.rdzv_endpoint or "",
+                             max_restarts=args.max_restarts)
+    return launch.run(launch.build_command(spec), args.threads or default_threads(args.nproc))
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from .data import ensure_corpus, load_corpus
+
+    t0 = time.perf_counter()
+    paths = ensure_corpus(args.corpus, args.data_dir)
+    corpus = load_corpus(paths)
+    for split in ("train", "valid", "test"):
+        s = getattr(corpus, split)
+        print(f"{split:5s} {paths[split]}  {s.num_lines:,} lines  {s.ids.numel():,} tokens (+eos)")
+    print(f"vocab {len(corpus.vocab):,} (with <eos>)  [{time.perf_counter() - t0:.1f} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

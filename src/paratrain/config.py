@@ -1,0 +1,327 @@
+"""Frozen, validated configuration: TOML recipes plus ``--set section.key=value``.
+
+A config has four sections, each a frozen keyword-only dataclass validated in
+``__post_init__``: ``data``, ``model``, ``train`` and ``dist``. Every bad value
+raises :class:`~paratrain.errors.UsageError` naming the key, the value and what
+is allowed. Units are in the names (``timeout_s``).
+
+Learning rate and clipping conventions: recipes state ``train.lr`` and
+``train.clip`` in the convention of their paper. ``train.convention =
+"sum_over_time"`` (Zaremba et al. 2014: loss summed over the T unrolled steps,
+averaged over the batch) or ``"mean_over_tokens"`` (the loss paratrain
+minimises). See :func:`paratrain.train.optim.effective_lr_clip`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+
+def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise UsageError(
+            f"{section}.{key} = {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}"
+        )
+
+
+def _at_least(section: str, key: str, value: float, low: float, strict: bool = False) -> None:
+    if value < low or (strict and value == low):
+        op = ">" if strict else ">="
+        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value {op} {low}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Corpus and batching. ``mode`` is ``bptt`` (B parallel streams unrolled
+    ``bptt`` steps, hidden state carried; Zaremba et al. 2014) or ``sentence``
+    (one line per sample, padded, loss masked)."""
+
+    corpus: str = "ptb"
+    mode: str = "bptt"
+    bptt: int = 20
+    eval_batch_size: int = 10
+    max_sentence_len: int = 0  # 0 = no limit (sentence mode: longer lines are cut)
+    train_fraction: float = 1.0  # use the first fraction of the training split (quick runs)
+    eval_fraction: float = 1.0  # use the first fraction of valid/test (quick runs)
+
+    def __post_init__(self) -> None:
+        _choice("data", "corpus", self.corpus, ("ptb", "wikitext-2"))
+        _choice("data", "mode", self.mode, ("bptt", "sentence"))
+        _at_least("data", "bptt", self.bptt, 1)
+        _at_least("data", "eval_batch_size", self.eval_batch_size, 1)
+        _at_least("data", "max_sentence_len", self.max_sentence_len, 0)
+        for key in ("train_fraction", "eval_fraction"):
+            v = getattr(self, key)
+            if not 0 < v <= 1:
+                raise UsageError(f"data.{key} = {v!r} is out of range; use a value in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """LSTM language model sizes (see :class:`paratrain.models.lstm_lm.LSTMLM`)."""
+
+    embed_dim: int = 200
+    hidden_dim: int = 200
+    num_layers: int = 2
+    dropout: float = 0.0
+    tie_weights: bool = False
+    init_range: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key in ("embed_dim", "hidden_dim", "num_layers"):
+            _at_least("model", key, getattr(self, key), 1)
+        if not 0 <= self.dropout < 1:
+            raise UsageError(f"model.dropout = {self.dropout!r} is out of range; use a value in [0, 1)")
+        _at_least("model", "init_range", self.init_range, 0, strict=True)
+        if self.tie_weights and self.embed_dim != self.hidden_dim:
+            raise UsageError(
+                f"model.tie_weights = true needs model.embed_dim == model.hidden_dim "
+                f"(got {self.embed_dim} and {self.hidden_dim}); make them equal or set tie_weights = false"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation. ``batch_size`` is the *global* batch (streams or sentences
+    per optimizer step, over all ranks and micro-steps)."""
+
+    epochs: int = 1
+    max_steps: int = 0  # > 0: stop after this many optimizer steps (overrides epochs)
+    seed: int = 0
+    batch_size: int = 20
+    ref_batch_size: int = 0  # the recipe's reference global batch for lr_scaling; 0 = batch_size
+    lr_scaling: str = "none"  # none | linear | sqrt (Goyal et al. 2017)
+    warmup_steps: int = 0
+    optimizer: str = "sgd"  # sgd | adam
+    lr: float = 1.0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    clip: float = 0.0  # global-norm clip in the recipe's convention; 0 = off
+    convention: str = "sum_over_time"  # sum_over_time | mean_over_tokens
+    schedule: str = "step"  # step | plateau | constant
+    decay: float = 0.5
+    decay_start_epoch: int = 4  # step schedule: lr *= decay ** max(epoch - decay_start_epoch, 0)
+    plateau_patience: int = 0
+    accumulation: int = 1  # micro-steps per optimizer step (no_sync on all but the last)
+    dtype: str = "float32"  # float32 | float64
+    timeout_s: float = 600.0  # process-group timeout for every collective
+    checkpoint_every: int = 0  # steps; 0 = only at epoch end
+    log_every: int = 50  # steps between metric records
+    eval_every: int = 0  # steps between validations; 0 = only at epoch end
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size", "accumulation", "log_every"):
+            _at_least("train", key, getattr(self, key), 1)
+        for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
+                    "decay_start_epoch", "plateau_patience", "eval_every"):
+            _at_least("train", key, getattr(self, key), 0)
+        _choice("train", "lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
+        _choice("train", "optimizer", self.optimizer, ("sgd", "adam"))
+        _choice("train", "convention", self.convention, ("sum_over_time", "mean_over_tokens"))
+        _choice("train", "schedule", self.schedule, ("step", "plateau", "constant"))
+        _choice("train", "dtype", self.dtype, ("float32", "float64"))
+        _at_least("train", "lr", self.lr, 0, strict=True)
+        for key in ("momentum", "weight_decay", "clip"):
+            _at_least("train", key, getattr(self, key), 0)
+        if not 0 < self.decay <= 1:
+            raise UsageError(f"train.decay = {self.decay!r} is out of range; use a value in (0, 1]")
+        _at_least("train", "timeout_s", self.timeout_s, 0, strict=True)
+        if self.batch_size % self.accumulation:
+            raise UsageError(
+                f"train.batch_size {self.batch_size} is not divisible by train.accumulation "
+                f"{self.accumulation}; use a multiple of {self.accumulation}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """How the work is split. ``strategy`` is a registry key of
+    :mod:`paratrain.strategies`; ``nproc`` is the number of worker processes on
+    this node."""
+
+    strategy: str = "allreduce"
+    nproc: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # intra-op threads per process; 0 = cores // local processes
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # host:port of the rendezvous; "" = 127.0.0.1 and a free port
+    max_restarts: int = 0
+    bucket_mb: float = 25.0  # allreduce: DDP gradient bucket size in MiB
+
+    def __post_init__(self) -> None:
+        from .strategies import STRATEGIES
+
+        _choice("dist", "strategy", self.strategy, tuple(STRATEGIES))
+        _at_least("dist", "nproc", self.nproc, 1)
+        _at_least("dist", "nnodes", self.nnodes, 1)
+        _at_least("dist", "threads", self.threads, 0)
+        _at_least("dist", "max_restarts", self.max_restarts, 0)
+        _at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"dist.node_rank = {self.node_rank} is out of range; use 0 .. {self.nnodes - 1}"
+            )
+        _choice("dist", "backend", self.backend, ("auto", "gloo", "nccl"))
+        _choice("dist", "device", self.device, ("auto", "cpu", "cuda"))
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UsageError("dist.nnodes > 1 needs dist.rdzv_endpoint (host:port of node 0)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run: ``data``, ``model``, ``train``, ``dist``; ``name`` labels run dirs."""
+
+    name: str = "run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.nproc * self.dist.nnodes
+
+    def check_world(self) -> None:
+        """Raise UsageError if the global batch cannot be split over the ranks."""
+        b, w, k = self.train.batch_size, self.world_size, self.train.accumulation
+        if w > b:
+            raise UsageError(
+                f"{w} worker processes for a global batch of {b}; use --nproc <= {b} "
+                f"or a larger train.batch_size"
+            )
+        if b % (w * k):
+            unit = w * k
+            raise UsageError(
+                f"global batch {b} is not divisible by world_size {w} x accumulation {k}; "
+                f"use a multiple of {unit} for train.batch_size"
+            )
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig}
+
+
+def _hint(name: str, candidates: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(candidates)}"
+
+
+def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted for floats."""
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if not ok:
+        raise UsageError(
+            f"{section}.{key} = {value!r} has type {type(value).__name__}; it must be {typ.__name__}"
+        )
+    return value
+
+
+def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
+    """Build a Config from nested dicts (TOML tables), on top of ``base``.
+
+    Raises UsageError for unknown sections or keys, wrong types and bad values.
+    """
+    base = base or Config()
+    kwargs: dict[str, Any] = {}
+    for sec, value in raw.items():
+        if sec == "name":
+            if not isinstance(value, str) or not value:
+                raise UsageError(f"name = {value!r} must be a non-empty string")
+            kwargs["name"] = value
+            continue
+        if sec not in SECTIONS:
+            raise UsageError(f"unknown config section {sec!r}{_hint(sec, list(SECTIONS) + ['name'])}")
+        if not isinstance(value, dict):
+            raise UsageError(f"config section [{sec}] must be a table of key = value lines")
+        cls = SECTIONS[sec]
+        hints = typing.get_type_hints(cls)
+        known = [f.name for f in fields(cls)]
+        updates = {}
+        for key, v in value.items():
+            if key not in known:
+                raise UsageError(f"unknown config key {sec}.{key}{_hint(key, known)}")
+            updates[key] = _coerce(sec, key, v, hints[key])
+        kwargs[sec] = replace(getattr(base, sec), **updates)
+    return replace(base, **kwargs)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as a TOML literal, else a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise UsageError(f"--set {text!r} is malformed; write --set section.key=value, e.g. --set train.lr=0.5")
+    lhs, rhs = text.split("=", 1)
+    sec, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()
+    return sec, key, value
+
+
+def load(path: str | Path | None, overrides: list[str] = (), extra: dict | None = None) -> Config:
+    """Load a TOML recipe, apply ``extra`` (nested dict, e.g. from CLI flags) and ``--set`` overrides.
+
+    Raises UsageError for a missing or malformed file and for any bad key or value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"config file {str(p)!r} does not exist; give the path of a TOML recipe such as configs/ptb_small.toml")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise UsageError(f"config file {str(p)!r} is not UTF-8 text; give a TOML recipe") from None
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        raw.setdefault("name", p.stem)
+    merged = _merge(raw, extra or {})
+    for text in overrides:
+        sec, key, value = parse_override(text)
+        merged = _merge(merged, {sec: {key: value}})
+    return from_dict(merged)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise a Config as TOML (scalars only), loadable by :func:`load`."""
+    d = to_dict(cfg)
+    lines = [f"name = {_toml_value(d.pop('name'))}"]
+    for sec, values in d.items():
+        lines.append(f"\n[{sec}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    import json
+
+    return json.dumps(str(v))

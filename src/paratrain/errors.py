@@ -1,0 +1,14 @@
+"""Errors a user can fix.
+
+:class:`UsageError` is raised for bad input (config, flags, data files, run
+directories, checkpoints). The command line prints its message as one line and
+exits with code 2, without a traceback; every message says what to change.
+"""
+
+
+class UsageError(Exception):
+    """Bad input from the user; the message names the problem and the fix."""
+
+
+class DataError(UsageError):
+    """A data file is missing, empty, unreadable or fails its checksum."""

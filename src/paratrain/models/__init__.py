@@ -1,0 +1,4 @@
+"""Reference models."""
+from .lstm_lm import LSTMLM
+
+__all__ = ["LSTMLM"]

@@ -1,0 +1,134 @@
+"""``paratrain train``: turn flags into a validated config and a run directory, then start it.
+
+Everything that can be wrong with the input is checked here, before a run
+directory is created or any process is started: config, world size against the
+global batch, data files, resume directory. A new run never writes into an
+existing non-empty directory; ``--resume DIR`` continues DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import config
+from .errors import UsageError
+
+
+@dataclass
+class PreparedRun:
+    cfg: config.Config
+    run_dir: Path
+    data_dir: str | None
+    resume: bool
+
+
+def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict:
+    dist: dict = {}
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
+        dist["nproc"] = args.nproc
+    if args.strategy:
+        dist["strategy"] = args.strategy
+        if args.strategy == "single":
+            if args.nproc not in (None, 1):
+                raise UsageError(f"--strategy single runs one process, not --nproc {args.nproc}; "
+                                 f"drop --nproc or use --strategy allreduce")
+            dist["nproc"] = 1
+    elif args.nproc == 1 and base_strategy in (None, "allreduce"):
+        dist["strategy"] = "single"
+    for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts"):
+        if getattr(args, key, None) is not None:
+            dist[key] = getattr(args, key)
+    return {"dist": dist} if dist else {}
+
+
+def _strategy_in(path: Path | str | None) -> str | None:
+    if path is None or not Path(path).is_file():
+        return None
+    import tomllib
+
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8")).get("dist", {}).get("strategy")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return None
+
+
+def prepare_run(args: argparse.Namespace) -> PreparedRun:
+    """Validate flags, config and data; create (or reopen) the run directory and write config.toml."""
+    from .data import ensure_corpus, load_corpus
+    from .train.checkpoint import latest
+
+    if args.resume is not None:
+        run_dir = args.resume
+        if not run_dir.is_dir():
+            raise UsageError(f"resume dir {str(run_dir)!r} does not exist; give the run dir of an earlier paratrain train")
+        if args.run_dir is not None and args.run_dir != run_dir:
+            raise UsageError("--run-dir and --resume name different folders; --resume continues its own run dir")
+        cfg_path = run_dir / "config.toml"
+        if not cfg_path.is_file():
+            raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
+        latest(run_dir)  # raises when there is no checkpoint
+    else:
+        if args.config is None:
+            raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
+        cfg_path = Path(args.config)
+    cfg = config.load(cfg_path, args.overrides, _flag_overrides(args, _strategy_in(cfg_path)))
+    cfg.check_world()
+    corpus = load_corpus(ensure_corpus(cfg.data.corpus, args.data_dir))
+    _check_data_fits(cfg, corpus)
+    run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
+    (run_dir / "config.toml").write_text(config.to_toml(cfg), encoding="utf-8")
+    data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
+    return PreparedRun(cfg, run_dir, data_dir, args.resume is not None)
+
+
+def _check_data_fits(cfg: config.Config, corpus) -> None:
+    d, b = cfg.data, cfg.train.batch_size
+    train = corpus.train.head(d.train_fraction)
+    if d.mode == "bptt":
+        steps = (train.ids.numel() // b - 1) // d.bptt
+    else:
+        steps = train.num_lines // b
+    if steps < 1:
+        raise UsageError(f"the training split is too small for one step of global batch {b}"
+                         f"{' x bptt ' + str(d.bptt) if d.mode == 'bptt' else ''}; "
+                         f"use a smaller train.batch_size or a larger data.train_fraction")
+
+
+def _new_run_dir(requested: Path | None, name: str) -> Path:
+    if requested is None:
+        requested = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        i = 1
+        while requested.exists():
+            requested = requested.with_name(f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{i}")
+            i += 1
+    if requested.exists() and (not requested.is_dir() or any(requested.iterdir())):
+        raise UsageError(f"run dir {str(requested)!r} already exists and is not empty; "
+                         f"choose a new --run-dir, or continue it with --resume {requested}")
+    requested.mkdir(parents=True, exist_ok=True)
+    return requested
+
+
+def start_run(run: PreparedRun) -> int:
+    """Train in this process (``single``) or in ``dist.nproc`` workers via torchrun."""
+    from . import launch
+    from .env import default_threads
+
+    cfg = run.cfg
+    print(f"[paratrain] run dir {run.run_dir}  strategy {cfg.dist.strategy}  world_size {cfg.world_size}  "
+          f"global batch {cfg.train.batch_size}", flush=True)
+    if cfg.dist.strategy == "single":
+        from .worker import train_worker
+
+        train_worker(run.run_dir, run.resume, run.data_dir)
+        return 0
+    target = ["paratrain.worker", str(run.run_dir)] + (["--resume"] if run.resume else [])
+    if run.data_dir:
+        target += ["--data-dir", run.data_dir]
+    d = cfg.dist
+    spec = launch.LaunchSpec(nproc=d.nproc, target=target, module=True, nnodes=d.nnodes, node_rank=d.node_rank,
+                             rdzv_endpoint=d.rdzv_endpoint, max_restarts=d.max_restarts)
+    return launch.run(launch.build_command(spec), d.threads or default_threads(d.nproc))

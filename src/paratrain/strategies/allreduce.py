@@ -1,0 +1,59 @@
+"""``allreduce``: multi-process data parallelism with DistributedDataParallel.
+
+Each rank holds a replica (DDP broadcasts rank 0's parameters at setup);
+gradients are averaged by bucketed ring all-reduce overlapped with backward
+(Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training"). gloo on CPU, NCCL on GPU (chosen by :mod:`paratrain.env`).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..errors import UsageError
+from .base import NoSyncMixin, Strategy
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class AllReduce(NoSyncMixin, Strategy):
+    """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25)."""
+
+    name = "allreduce"
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        if not dist.is_initialized():
+            if self.env.world_size > 1:
+                raise UsageError("strategy 'allreduce' needs a process group; start it with paratrain launch/train --nproc N")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
+        ids = [self.device] if self.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, bucket_cap_mb=self.options.get("bucket_mb", 25.0),
+                   gradient_as_bucket_view=True)
+
+    def no_sync(self) -> ContextManager:
+        return self.model.no_sync() if self.model is not None else nullcontext()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.env.world_size > 1:
+            dist.all_reduce(tensor, op=_OPS[op])
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.env.world_size > 1:
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.env.world_size > 1:
+            dist.barrier()
+
+    def teardown(self) -> None:
+        if getattr(self, "_own_group", False):
+            dist.destroy_process_group()
+            self._own_group = False

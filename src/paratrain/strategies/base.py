@@ -1,0 +1,136 @@
+"""The Strategy interface: how replicas are set up and how their gradients meet.
+
+The training loop calls only these methods and never asks which strategy it
+has. A strategy is constructed with the process' :class:`~paratrain.env.DistEnv`,
+then ``setup(model, optimizer)`` once, ``train_step`` every optimizer step,
+``teardown`` at the end.
+
+Gradient contract: strategies *average* the replicas' gradients (all-reduce
+mean, like DistributedDataParallel). A loss normalised by a global count must
+therefore be divided by ``count / num_replicas`` on each replica, so that the
+average of the replicas' gradients is the gradient of the global mean.
+
+Optional abilities are mixins checked with ``isinstance``:
+:class:`NoSyncMixin` (skip gradient communication on accumulation micro-steps).
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch import nn
+
+from ..env import DistEnv
+
+
+@dataclass
+class StepResult:
+    """loss: sum of the micro-batch losses on this replica (detached, 0-dim).
+    grad_norm: global L2 norm of the merged gradient before clipping (0-dim), or
+    None when clipping is off. compute_s, update_s: wall seconds of
+    forward+backward (communication included where it overlaps) and of clip+update."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor | None
+    compute_s: float
+    update_s: float
+
+
+class NoSyncMixin:
+    """Ability: a context in which backward does not communicate (gradient accumulation)."""
+
+    def no_sync(self) -> ContextManager:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Strategy(ABC):
+    """Base class. Subclasses set ``name`` and implement ``_wrap`` plus collectives."""
+
+    name: str = ""
+
+    def __init__(self, env: DistEnv, **options: Any) -> None:
+        self.env = env
+        self.options = options
+        self.model: nn.Module | None = None  # the wrapped model (what forward is called on)
+        self.module: nn.Module | None = None  # the plain model (state dicts, evaluation)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas' gradients are averaged each step."""
+        return self.env.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Place the model, make replicas identical, wrap for communication.
+
+        Every rank must call it (collective). ``optimizer`` must already hold
+        ``model``'s parameters. Returns (wrapped model, optimizer).
+        """
+        self.module = model.to(self.device)
+        self.optimizer = optimizer
+        self.model = self._wrap(self.module)
+        return self.model, optimizer
+
+    @abstractmethod
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        """Return the module forward should be called on."""
+
+    def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                   clip: float = 0.0) -> StepResult:
+        """One optimizer step over this replica's micro-batches.
+
+        ``loss_fn(model, micro_batch) -> loss`` (0-dim) is called once per
+        micro-batch; gradients of the micro-batch losses are *summed* locally and
+        averaged over replicas (communication only on the last micro-batch when
+        the strategy has :class:`NoSyncMixin`). Then, on the merged gradient:
+        global-norm clipping to ``clip`` (0 = off; Pascanu et al. 2013), the
+        optimizer update and ``zero_grad``. Every rank must call it (collective).
+        """
+        t0 = time.perf_counter()
+        total = None
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(micro_batches):
+            ctx = self.no_sync() if (i < last and isinstance(self, NoSyncMixin)) else nullcontext()
+            with ctx:
+                loss = loss_fn(self.model, mb)
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        t1 = time.perf_counter()
+        norm = None
+        if clip > 0:
+            norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(total, norm, t1 - t0, time.perf_counter() - t1)
+
+    # collectives: every rank must call them, in the same order
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` (``op`` in sum, max, min); returns it."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast of ``tensor`` from rank ``src``; returns it."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's state_dict (no wrapper prefixes); same on every rank."""
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a plain model state_dict (from any strategy or world_size) on every rank."""
+        self.module.load_state_dict(state)
+
+    def teardown(self) -> None:
+        """Release communication resources. Every rank must call it."""

@@ -1,0 +1,100 @@
+"""Checkpoints: one file per save, written by rank 0 only, atomically.
+
+A checkpoint ``checkpoint-<step>.pt`` in the run directory is a dict of plain
+types and CPU tensors, loadable with ``torch.load(..., weights_only=True)`` on
+any device and for any world_size:
+
+``model`` (plain state_dict), ``optimizer``, ``schedule``, ``step`` (optimizer
+steps done), ``epoch`` (1-based epoch of the next step), ``batch_index``
+(index of the next step in that epoch), ``hidden`` (the carried BPTT state for
+the *whole* global batch, {key: [h, c]} each (L, B, H), or empty),
+``format`` and ``paratrain`` (versions).
+
+Writes go to a temp file in the same folder, are fsynced, then renamed over the
+target, so a crash during a save leaves the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+
+FORMAT = 1
+_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+
+def to_cpu(obj: Any) -> Any:
+    """Copy every tensor in a nested dict/list/tuple to CPU (detached)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
+    """Write ``state`` as ``checkpoint-<step>.pt`` atomically; keep the newest ``keep``.
+
+    Rank 0 only. Returns the path written.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / f"checkpoint-{step:08d}.pt"
+    payload = to_cpu({**state, "format": FORMAT, "step": step})
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=run_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint files of a run dir, oldest first (by step)."""
+    if not Path(run_dir).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest checkpoint; UsageError if there is none."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise UsageError(
+            f"resume dir {str(run_dir)!r} has no checkpoint-*.pt; give a run dir written by paratrain train"
+        )
+    return found[-1]
+
+
+def load(path: Path) -> dict:
+    """Load a checkpoint onto CPU with ``weights_only=True`` (no code runs on unpickling).
+
+    Raises UsageError for unreadable, truncated or foreign files.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, crafted pickle, not a checkpoint
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({first[:160]}); resume from another run dir") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise UsageError(f"checkpoint {str(path)!r} is not a paratrain checkpoint (no 'model' key)")
+    if state.get("format", FORMAT) > FORMAT:
+        raise UsageError(
+            f"checkpoint {str(path)!r} has format {state['format']}, newer than this paratrain reads ({FORMAT}); upgrade paratrain"
+        )
+    return state

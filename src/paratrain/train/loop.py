@@ -1,0 +1,267 @@
+"""The training loop: one loop for every strategy (``fit``).
+
+Per optimizer step: set the learning rate, hand this rank's micro-batches to
+``strategy.train_step`` (forward, backward, gradient merge, clip, update), count
+words. Around it: validation after every epoch (and every ``eval_every``
+steps), checkpoints every ``checkpoint_every`` steps and at epoch end, metrics
+every ``log_every`` steps, test perplexity at the end, a one-screen summary.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_batches,
+                    ensure_corpus, load_corpus, sentence_eval_batches)
+from ..env import DistEnv
+from ..models import LSTMLM
+from ..strategies import get_strategy
+from . import checkpoint
+from .metrics import MetricsLog, format_summary, perplexity
+from .optim import LRSchedule, build_optimizer, effective_lr_clip, scaling_factor
+from .task import LMTask, evaluate
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    """Builds model, optimizer, schedule, strategy and data for one rank and runs ``fit``.
+
+    Every rank constructs one and calls :meth:`fit` (collective). Rank 0 alone
+    prints and writes into ``run_dir``.
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, data_dir: str | None = None,
+                 progress: bool = True) -> None:
+        self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
+        d, t = cfg.data, cfg.train
+        corpus = load_corpus(ensure_corpus(d.corpus, data_dir, allow_download=False))
+        self.vocab_size = len(corpus.vocab)
+        self.train_split = corpus.train.head(d.train_fraction)
+        self.valid_split, self.test_split = corpus.valid.head(d.eval_fraction), corpus.test.head(d.eval_fraction)
+        torch.manual_seed(t.seed)  # same initial parameters on every rank and in single
+        m = cfg.model
+        model = LSTMLM(self.vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout,
+                       m.tie_weights, m.init_range).to(getattr(torch, t.dtype))
+        self.strategy = get_strategy(cfg.dist.strategy, env, bucket_mb=cfg.dist.bucket_mb)
+        T = d.bptt if d.mode == "bptt" else 1
+        lr, self.clip = effective_lr_clip(t, T)
+        optimizer = build_optimizer(model.parameters(), t, lr)
+        self.schedule = LRSchedule(t, lr, scaling_factor(t.lr_scaling, t.batch_size, t.ref_batch_size or t.batch_size))
+        self.strategy.setup(model, optimizer)
+        self.task = LMTask()
+        self.stream = self._train_stream()
+        self.step, self.epoch, self.batch_index = 0, 1, 0
+        self.progress = progress and env.is_main
+        self.log = MetricsLog(self.run_dir) if env.is_main else None
+        self.words = 0  # target tokens trained on, all ranks
+        self.train_time_s = 0.0
+        self.results: dict[str, float] = {}
+
+    def _train_stream(self):
+        d, t, env = self.cfg.data, self.cfg.train, self.env
+        if d.mode == "bptt":
+            return BPTTTrainStream(self.train_split, t.batch_size, d.bptt, env.rank, env.world_size, t.accumulation)
+        return SentenceTrainStream(self.train_split, t.batch_size, env.rank, env.world_size, t.accumulation,
+                                   t.seed, d.max_sentence_len)
+
+    @property
+    def total_steps(self) -> int:
+        t = self.cfg.train
+        full = t.epochs * self.stream.steps_per_epoch
+        return min(full, t.max_steps) if t.max_steps else full
+
+    def say(self, msg: str) -> None:
+        if self.env.is_main:
+            from tqdm import tqdm
+
+            tqdm.write(f"[rank {self.env.rank}] {msg}")
+
+    # ---- checkpoints -------------------------------------------------------
+    def _full_hidden(self) -> dict[int, list[torch.Tensor]]:
+        """Gather the carried BPTT state of the whole global batch (collective)."""
+        if self.cfg.data.mode != "bptt" or not self.task.hidden:
+            return {}
+        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.cfg.train.accumulation
+        per_micro = B // W // K
+        h_like = next(iter(self.task.hidden.values()))[0]
+        full = torch.zeros((2, h_like.size(0), B, h_like.size(2)), dtype=h_like.dtype, device=h_like.device)
+        for k, (h, c) in self.task.hidden.items():
+            lo = self.env.rank * (B // W) + k * per_micro
+            full[0, :, lo:lo + per_micro], full[1, :, lo:lo + per_micro] = h, c
+        self.strategy.all_reduce(full)
+        return {0: [full[0], full[1]]}
+
+    def _restore_hidden(self, hidden: dict) -> None:
+        self.task.reset_hidden()
+        if not hidden:
+            return
+        h, c = hidden[0]
+        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.cfg.train.accumulation
+        if h.size(1) != B:
+            return  # different global batch: the carried state does not apply; start from zeros
+        per_micro = B // W // K
+        dt = getattr(torch, self.cfg.train.dtype)
+        for k in range(K):
+            lo = self.env.rank * (B // W) + k * per_micro
+            self.task.hidden[k] = (h[:, lo:lo + per_micro].to(self.env.device, dt).contiguous(),
+                                   c[:, lo:lo + per_micro].to(self.env.device, dt).contiguous())
+
+    def save(self) -> None:
+        hidden = self._full_hidden()  # collective: every rank
+        if self.env.is_main:
+            state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
+                     "schedule": self.schedule.state_dict(), "epoch": self.epoch,
+                     "batch_index": self.batch_index, "hidden": hidden,
+                     "words": self.words, "train_time_s": self.train_time_s}
+            checkpoint.save(self.run_dir, state, self.step)
+
+    def restore(self, path: Path) -> None:
+        """Load model, optimizer, schedule, position and hidden state (every rank)."""
+        state = checkpoint.load(path)
+        try:
+            self.strategy.load_state_dict(state["model"])
+        except RuntimeError as e:
+            from ..errors import UsageError
+
+            raise UsageError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0][:120]}); "
+                             f"resume with the config it was written with") from None
+        self.strategy.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
+        self.words, self.train_time_s = state.get("words", 0), state.get("train_time_s", 0.0)
+        self._restore_hidden(state.get("hidden", {}))
+        self.say(f"resumed from {path.name}: step {self.step}, epoch {self.epoch}, batch {self.batch_index}")
+        if self.log:
+            self.log.write("resume", self.step, epoch=self.epoch, batch_index=self.batch_index, checkpoint=path.name)
+
+    # ---- evaluation --------------------------------------------------------
+    def evaluate(self, split_name: str) -> float:
+        """Perplexity of a whole split; every rank must call it (all-reduce)."""
+        d, env = self.cfg.data, self.env
+        split = self.valid_split if split_name == "valid" else self.test_split
+        if d.mode == "bptt":
+            batches = bptt_eval_batches(split, d.eval_batch_size, d.bptt, env.rank, env.world_size)
+        else:
+            batches = sentence_eval_batches(split, d.eval_batch_size, env.rank, env.world_size, d.max_sentence_len)
+        acc = self.strategy.all_reduce(evaluate(self.strategy.module, batches, env.device))
+        loss = float(acc[0] / acc[1])
+        ppl = perplexity(loss)
+        self.results[f"{split_name}_ppl"] = ppl
+        if self.log:
+            self.log.write(split_name, self.step, epoch=self.epoch, **{f"{split_name}_loss": loss, f"{split_name}_ppl": ppl})
+        where = f"epoch {self.epoch}" if self.batch_index else f"end of epoch {self.epoch - 1}"
+        self.say(f"step {self.step} ({where}): {split_name} perplexity {ppl:.2f}")
+        return loss
+
+    # ---- training ----------------------------------------------------------
+    def _log_train(self, t_last: float, words_last: int, lr: float, bar) -> None:
+        """Global mean training loss since the last record (collective), words/s."""
+        ce, n = self.task.take_log_counts()
+        acc = self.strategy.all_reduce(torch.stack([ce.to(self.env.device), ce.new_tensor(float(n)).to(self.env.device)]))
+        loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
+        wps = (self.words - words_last) / max(self.train_time_s - t_last, 1e-9)
+        if self.log:
+            self.log.write("train", self.step, epoch=self.epoch, loss=loss, ppl=perplexity(loss), lr=lr, words_per_s=wps)
+        if bar is not None:
+            bar.set_postfix_str(f"loss {loss:.3f} | ppl {perplexity(loss):.1f} | lr {lr:.3g} | {wps:,.0f} words/s")
+
+    def _run_epoch(self, bar) -> bool:
+        """Train from the current position to the end of the epoch or max_steps. True if the epoch ended."""
+        t, env = self.cfg.train, self.env
+        if self.batch_index == 0:
+            self.task.reset_hidden()  # Zaremba et al.: the state starts at zero every epoch
+        source = Prefetcher(self.stream.epoch(self.epoch, self.batch_index), env.device)
+        t_log, w_log = self.train_time_s, self.words
+        lr = self.schedule.lr(self.step, self.epoch)
+        try:
+            tick = time.perf_counter()
+            for sb in source:
+                lr = self.schedule.apply(self.strategy.optimizer, self.step, self.epoch)
+                self.task.norm = sb.global_tokens / self.strategy.num_replicas
+                if self.cfg.model.dropout > 0:  # dropout masks depend on (seed, rank, step) only: exact resume
+                    torch.manual_seed(t.seed * 1_000_003 + env.rank * 7919 + self.step)
+                self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
+                self.step, self.batch_index = self.step + 1, sb.index + 1
+                self.words += sb.global_tokens
+                if bar is not None:
+                    bar.update(1)
+                stop = bool(t.max_steps) and self.step >= t.max_steps
+                if self.step % t.log_every == 0 or stop or self.batch_index == self.stream.steps_per_epoch:
+                    _sync(env.device)
+                    now = time.perf_counter()
+                    self.train_time_s += now - tick
+                    self._log_train(t_log, w_log, lr, bar)
+                    t_log, w_log = self.train_time_s, self.words
+                    tick = time.perf_counter()
+                if stop:
+                    break
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or (t.eval_every and self.step % t.eval_every == 0):
+                    _sync(env.device)
+                    self.train_time_s += time.perf_counter() - tick
+                    if t.eval_every and self.step % t.eval_every == 0:
+                        self.evaluate("valid")
+                    if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                        self.save()
+                    tick = time.perf_counter()
+        finally:
+            source.close()
+        return self.batch_index >= self.stream.steps_per_epoch
+
+    def fit(self) -> dict[str, float]:
+        """Train to the end (epochs or max_steps), validate every epoch, test at the end.
+
+        Every rank must call it. Returns the summary numbers (perplexities, words/s, ...).
+        """
+        t0 = time.perf_counter()
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc=f"[rank 0] {self.cfg.dist.strategy}",
+                       unit="step", dynamic_ncols=True, mininterval=1.0)
+        try:
+            while self.step < self.total_steps:
+                ended = self._run_epoch(bar)
+                if ended:
+                    self.schedule.observe(self.evaluate("valid"))
+                    self.epoch, self.batch_index = self.epoch + 1, 0
+                    self.save()
+                elif self.step >= self.total_steps:  # stopped by max_steps inside an epoch
+                    self.evaluate("valid")
+                    self.save()
+            if "valid_ppl" not in self.results:
+                self.evaluate("valid")
+            self.evaluate("test")
+        finally:
+            if bar is not None:
+                bar.close()
+        return self._finish(time.perf_counter() - t0)
+
+    def _finish(self, wall_s: float) -> dict[str, float]:
+        t, env = self.cfg.train, self.env
+        summary = {
+            "strategy": self.cfg.dist.strategy, "world_size": env.world_size, "global_batch": t.batch_size,
+            "per_replica_batch": t.batch_size // self.strategy.num_replicas, "steps": self.step,
+            "epochs": round(self.step / self.stream.steps_per_epoch, 3),
+            "valid_ppl": self.results.get("valid_ppl", math.nan), "test_ppl": self.results.get("test_ppl", math.nan),
+            "words_per_s": self.words / max(self.train_time_s, 1e-9), "wall_time_s": wall_s,
+            "device": str(env.device), "backend": env.backend if env.world_size > 1 else "-",
+            "threads_per_process": torch.get_num_threads(),
+        }
+        if self.log:
+            self.log.write("summary", self.step, **summary)
+            self.log.close()
+            rows = [("run dir", str(self.run_dir)), *summary.items()]
+            print(format_summary(rows), flush=True)
+        return summary
+
+    def close(self) -> None:
+        self.strategy.teardown()

@@ -1,0 +1,63 @@
+"""Worker process entry point: ``python -m paratrain.worker RUN_DIR [--resume] [--data-dir DIR]``.
+
+Started by ``paratrain train`` through torchrun (one per rank) or called
+in-process for ``single``. Reads ``RUN_DIR/config.toml``, joins the process
+group, trains, leaves the group. A :class:`~paratrain.errors.UsageError`
+prints one line prefixed with the rank and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from . import config
+from .errors import UsageError
+
+
+def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None) -> dict:
+    """Train the run in ``run_dir`` as this process' rank; returns the summary. Every rank must call it."""
+    from .env import init, shutdown
+    from .train import Trainer
+    from .train.checkpoint import latest
+
+    cfg = config.load(run_dir / "config.toml")
+    env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, env, run_dir, data_dir)
+        if resume or (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and _has_checkpoint(run_dir)):
+            trainer.restore(latest(run_dir))
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from .train.checkpoint import list_checkpoints
+
+    return bool(list_checkpoints(run_dir))
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="paratrain.worker")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--data-dir", default=None)
+    args = p.parse_args(argv)
+    try:
+        train_worker(args.run_dir, args.resume, args.data_dir)
+    except UsageError as e:
+        print(f"[rank {os.environ.get('RANK', 0)}] paratrain: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
