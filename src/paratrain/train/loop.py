@@ -39,7 +39,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, data_dir: str | None = None,
-                 progress: bool = True) -> None:
+                 verbose: bool = True) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
         d, t = cfg.data, cfg.train
         corpus = load_corpus(ensure_corpus(d.corpus, data_dir, allow_download=False))
@@ -59,7 +59,8 @@ class Trainer:
         self.task = LMTask()
         self.stream = self._train_stream()
         self.step, self.epoch, self.batch_index = 0, 1, 0
-        self.progress = progress and env.is_main
+        self.verbose = verbose
+        self.progress = verbose and env.is_main
         self.log = MetricsLog(self.run_dir) if env.is_main else None
         self.words = 0  # target tokens trained on, all ranks
         self.train_time_s = 0.0
@@ -79,7 +80,7 @@ class Trainer:
         return min(full, t.max_steps) if t.max_steps else full
 
     def say(self, msg: str) -> None:
-        if self.env.is_main:
+        if self.env.is_main and self.verbose:
             from tqdm import tqdm
 
             tqdm.write(f"[rank {self.env.rank}] {msg}")
@@ -258,10 +259,14 @@ class Trainer:
         }
         if self.log:
             self.log.write("summary", self.step, **summary)
-            self.log.close()
+        if self.log and self.verbose:
             rows = [("run dir", str(self.run_dir)), *summary.items()]
             print(format_summary(rows), flush=True)
         return summary
 
     def close(self) -> None:
+        """Close metric files and release the strategy (every rank)."""
+        if self.log:
+            self.log.close()
+            self.log = None
         self.strategy.teardown()

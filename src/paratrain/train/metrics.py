@@ -25,6 +25,7 @@ class MetricsLog:
     """Writes records to ``<run_dir>/metrics.jsonl`` and TensorBoard (``<run_dir>/tb``)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.f = open(self.path, "a", encoding="utf-8")
         self.tb = None

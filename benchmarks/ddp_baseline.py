@@ -1,0 +1,211 @@
+"""Reference: a plain, hand-written PyTorch DDP training loop for the Zaremba small PTB LSTM.
+
+No paratrain code. This is what a competent user would write by hand, and the
+yardstick paratrain's ``allreduce`` strategy is measured against (speed and
+quality), see ``benchmarks/compare_ddp.py``.
+
+Recipe (Zaremba, Sutskever & Vinyals 2014, small, no dropout): embedding 200,
+2-layer LSTM 200, linear decoder, every parameter U(-0.1, 0.1) (decoder bias 0,
+as in PyTorch's word_language_model example), global batch 20 BPTT streams of
+20 steps, hidden state carried (detached) and reset at every epoch start, SGD.
+The paper's lr 1 / clip 5 are for the loss *summed* over the 20 steps; here the
+loss is the mean cross-entropy over tokens, so lr = 1 * 20 = 20 and
+clip_grad_norm_ = 5 / 20 = 0.25. lr *= 0.5 every epoch after epoch 4.
+
+Data parallelism: the 20 streams are split over world_size ranks as contiguous
+column blocks (rank r owns streams [r*20/W, (r+1)*20/W)); DDP averages the
+gradients, so each step equals the single-process step on all 20 streams.
+
+Start:  torchrun --standalone --nproc-per-node 2 benchmarks/ddp_baseline.py \
+            --data-dir /work/shared/data --epochs 1 [--max-steps N] [--warmup-steps W] [--json OUT]
+
+Measurement: words_per_s = target tokens of the global batch (20 x 20 per step)
+per second of training time, counting steps with index >= W only (the first W
+steps are warm-up) and excluding evaluation. words_per_s_all_steps counts every
+step. Validation perplexity (eval batch 10 streams, every prediction of the
+split once, cross-entropy sums all-reduced) at the end of every epoch and at
+the end of a run stopped by --max-steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+BPTT, BATCH, EVAL_BATCH = 20, 20, 10
+LR, CLIP = 1.0 * BPTT, 5.0 / BPTT  # the paper's lr 1 / clip 5 for the mean-over-tokens loss
+DECAY, DECAY_START = 0.5, 4
+
+
+# ---- data: a ~30-line corpus reader --------------------------------------------------
+def read_corpus(folder: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """Token ids (N,) per split, <eos> after every line. Vocabulary from the training
+    split in order of first appearance, <eos> = 0."""
+    vocab = {"<eos>": 0}
+    splits = {}
+    for split in ("train", "valid", "test"):
+        ids = []
+        with open(folder / f"ptb.{split}.txt", encoding="utf-8") as f:
+            for line in f:
+                for w in line.split() + ["<eos>"]:
+                    if split == "train":
+                        vocab.setdefault(w, len(vocab))
+                    ids.append(vocab[w])  # valid/test words must be in the vocabulary
+        splits[split] = torch.tensor(ids, dtype=torch.int64)
+    return len(vocab), splits
+
+
+def batchify(ids: torch.Tensor, streams: int) -> torch.Tensor:
+    """(N,) -> (N // streams, streams): stream b is column b; the ragged end is dropped."""
+    n = ids.numel() // streams
+    return ids[: n * streams].view(streams, n).t().contiguous()
+
+
+def eval_streams(ids: torch.Tensor, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (L, streams) covering all N-1 predictions exactly once.
+
+    The N-1 (input, target) pairs are cut into ``streams`` contiguous streams of
+    L = ceil((N-1)/streams); the tail of the last stream is padding with target -100
+    (ignored by cross_entropy), placed after the real tokens so it changes nothing.
+    """
+    n = ids.numel() - 1
+    L = -(-n // streams)
+    pad = L * streams - n
+    x = torch.cat([ids[:-1], ids.new_zeros(pad)]).view(streams, L).t().contiguous()
+    y = torch.cat([ids[1:], ids.new_full((pad,), -100)]).view(streams, L).t().contiguous()
+    return x, y
+
+
+# ---- model ------------------------------------------------------------------------------
+class LSTMLM(nn.Module):
+    def __init__(self, vocab: int, emb: int = 200, hidden: int = 200, layers: int = 2, init: float = 0.1):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, emb)
+        self.rnn = nn.LSTM(emb, hidden, layers)
+        self.decoder = nn.Linear(hidden, vocab)
+        for p in self.parameters():
+            nn.init.uniform_(p, -init, init)
+        nn.init.zeros_(self.decoder.bias)
+
+    def forward(self, x, hidden=None):  # x (T, B) -> logits (T, B, V), ((L, B, H), (L, B, H))
+        out, hidden = self.rnn(self.embedding(x), hidden)
+        return self.decoder(out), hidden
+
+
+# ---- evaluation ---------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int) -> float:
+    """Perplexity over all of (x, y); rank r takes streams [r*B//W, (r+1)*B//W). Collective."""
+    B = x.size(1)
+    lo, hi = B * rank // world, B * (rank + 1) // world
+    x, y = x[:, lo:hi], y[:, lo:hi]
+    model.eval()
+    acc = torch.zeros(2, dtype=torch.float64)  # (summed cross-entropy in nats, counted targets)
+    hidden = None
+    for i in range(0, x.size(0) if hi > lo else 0, BPTT):  # a rank may hold no stream
+        logits, hidden = model(x[i:i + BPTT], hidden)
+        tgt = y[i:i + BPTT].reshape(-1)
+        acc[0] += F.cross_entropy(logits.view(-1, logits.size(-1)), tgt, reduction="sum", ignore_index=-100).double()
+        acc[1] += int((tgt != -100).sum())
+    model.train()
+    dist.all_reduce(acc)
+    return math.exp(acc[0].item() / acc[1].item())
+
+
+# ---- training ------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data-dir", default=os.environ.get("PARATRAIN_DATA"), help="folder holding ptb/")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = run all epochs)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps left out of words_per_s")
+    p.add_argument("--log-every", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here (rank 0)")
+    args = p.parse_args()
+    if not args.data_dir:
+        p.error("give --data-dir (the folder holding ptb/) or set PARATRAIN_DATA")
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cores = len(os.sched_getaffinity(0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, cores // local_world))
+    assert BATCH % world == 0, f"global batch {BATCH} is not divisible by world_size {world}"
+
+    vocab, ids = read_corpus(Path(args.data_dir) / "ptb")
+    per_rank = BATCH // world
+    train = batchify(ids["train"], BATCH)[:, rank * per_rank:(rank + 1) * per_rank].contiguous()  # (L, B/W)
+    valid_x, valid_y = eval_streams(ids["valid"], EVAL_BATCH)
+    steps_per_epoch = (train.size(0) - 1) // BPTT  # full windows only (Zaremba)
+
+    torch.manual_seed(args.seed)
+    model = DDP(LSTMLM(vocab))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    step, train_time, train_time_all, valid_ppl = 0, 0.0, 0.0, math.nan
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    t_start = time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        if step >= total_steps:
+            break
+        for g in opt.param_groups:
+            g["lr"] = LR * DECAY ** max(epoch - DECAY_START, 0)
+        hidden, loss_sum, n_loss = None, 0.0, 0
+        last = time.perf_counter()
+        for i in range(steps_per_epoch):
+            x = train[i * BPTT:(i + 1) * BPTT]
+            y = train[i * BPTT + 1:(i + 1) * BPTT + 1]
+            logits, hidden = model(x, hidden)
+            hidden = tuple(h.detach() for h in hidden)
+            loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))  # mean over this rank's tokens
+            opt.zero_grad()
+            loss.backward()  # DDP averages the gradients over the ranks
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            loss_sum, n_loss = loss_sum + loss.item(), n_loss + 1
+            step += 1
+            if rank == 0 and step % args.log_every == 0:
+                print(f"[rank 0] epoch {epoch} step {step} loss {loss_sum / n_loss:.3f} (rank 0's shard) "
+                      f"lr {opt.param_groups[0]['lr']:g}", flush=True)
+                loss_sum, n_loss = 0.0, 0
+            now = time.perf_counter()
+            train_time_all += now - last
+            if step > args.warmup_steps:
+                train_time += now - last
+            last = now
+            if step >= total_steps:
+                break
+        valid_ppl = evaluate(model.module, valid_x, valid_y, rank, world)  # end of epoch or of the run
+        if rank == 0:
+            print(f"[rank 0] step {step} epoch {epoch}: valid perplexity {valid_ppl:.2f}", flush=True)
+
+    timed_steps = max(step - args.warmup_steps, 0)
+    result = {
+        "words_per_s": timed_steps * BATCH * BPTT / train_time if train_time > 0 else math.nan,
+        "words_per_s_all_steps": step * BATCH * BPTT / train_time_all,
+        "warmup_steps": args.warmup_steps, "valid_ppl": valid_ppl, "steps": step,
+        "epochs": round(step / steps_per_epoch, 3), "world_size": world, "global_batch": BATCH,
+        "threads_per_process": torch.get_num_threads(), "train_time_s": train_time_all,
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

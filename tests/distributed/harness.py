@@ -1,0 +1,71 @@
+"""Run a function on W spawned ranks (gloo, FileStore in a temp dir, process-group
+timeout, one thread each) under a hard deadline; a hang fails the test instead of CI."""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = Path(workdir) / f"result-{rank}.pt"
+    try:
+        if world_size > 1:
+            store = dist.FileStore(str(Path(workdir) / "filestore"), world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        torch.save(result, out)
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180.0,
+              pg_timeout_s: float = 60.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
+
+    ``fn`` must be a module-level function (spawn pickles it by name). Fails with
+    every rank's traceback on error, and kills all ranks after ``deadline_s``.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(workdir), args, pg_timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errors = "\n".join(f"--- rank {r}:\n{(workdir / f'error-{r}.txt').read_text()}"
+                       for r in range(world_size) if (workdir / f"error-{r}.txt").exists())
+    if hung:
+        raise AssertionError(f"ranks {hung} still running after {deadline_s} s (killed)\n{errors}")
+    bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    if bad:
+        raise AssertionError(f"ranks failed with exit codes {bad}\n{errors}")
+    return [torch.load(workdir / f"result-{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """max over tensors of max|a-b| / max|b| (b the reference)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-300))
+               for k in b)
