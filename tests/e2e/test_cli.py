@@ -1,0 +1,124 @@
+"""The command line as a user runs it: train with 2 workers, resume as single, launch a user script."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..conftest import REPO
+
+TINY = """
+name = "tiny"
+[data]
+corpus = "ptb"
+bptt = 5
+eval_batch_size = 4
+[model]
+embed_dim = 8
+hidden_dim = 12
+num_layers = 2
+[train]
+batch_size = 4
+lr = 0.5
+clip = 0.5
+convention = "mean_over_tokens"
+dtype = "float64"
+log_every = 2
+checkpoint_every = 4
+schedule = "constant"
+[dist]
+strategy = "allreduce"
+nproc = 2
+"""
+
+
+def paratrain(*args, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def final_model(run_dir: Path) -> dict:
+    last = sorted(run_dir.glob("checkpoint-*.pt"))[-1]
+    return torch.load(last, weights_only=True)["model"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "tiny.toml").write_text(TINY)
+    full = paratrain("train", "tiny.toml", "--nproc", 2, "--run-dir", "full", "--data-dir", tiny_data,
+                     "--set", "train.max_steps=10", cwd=tmp)
+    part = paratrain("train", "tiny.toml", "--nproc", 2, "--run-dir", "part", "--data-dir", tiny_data,
+                     "--set", "train.max_steps=6", cwd=tmp)
+    resumed = paratrain("train", "--resume", "part", "--strategy", "single", "--data-dir", tiny_data,
+                        "--set", "train.max_steps=10", cwd=tmp)
+    return tmp, full, part, resumed
+
+
+def test_train_two_workers(runs):
+    tmp, full, _, _ = runs
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = full.stdout
+    assert "valid perplexity" in out and "test perplexity" in out
+    assert "world_size" in out and "words_per_s" in out and "global_batch" in out  # the summary table
+    recs = records(tmp / "full")
+    kinds = {r["kind"] for r in recs}
+    assert {"train", "valid", "test", "summary"} <= kinds
+    assert all(r["words_per_s"] > 0 for r in recs if r["kind"] == "train")
+    summary = [r for r in recs if r["kind"] == "summary"][-1]
+    assert summary["world_size"] == 2 and summary["steps"] == 10 and summary["test_ppl"] > 1
+    assert list((tmp / "full" / "tb").glob("events.out.tfevents.*")), "TensorBoard scalars written"
+    assert (tmp / "full" / "config.toml").is_file()
+
+
+def test_resume_under_other_world_size_matches_uninterrupted(runs):
+    tmp, full, part, resumed = runs
+    assert part.returncode == 0, part.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint-00000006.pt" in resumed.stdout
+    a, b = final_model(tmp / "full"), final_model(tmp / "part")
+    for k in a:
+        rel = float((a[k] - b[k]).abs().max() / a[k].abs().max())
+        assert rel < 1e-10, (k, rel)
+    assert any(r["kind"] == "resume" for r in records(tmp / "part"))
+
+
+def test_new_run_never_overwrites(runs, tiny_data):
+    tmp = runs[0]
+    before = {p: p.stat().st_mtime_ns for p in (tmp / "full").rglob("*")}
+    res = paratrain("train", "tiny.toml", "--run-dir", "full", "--data-dir", tiny_data, cwd=tmp)
+    assert res.returncode == 2 and "--resume" in res.stderr and "Traceback" not in res.stderr
+    assert before == {p: p.stat().st_mtime_ns for p in (tmp / "full").rglob("*")}
+
+
+def test_launch_user_script(tmp_path):
+    res = paratrain("launch", "--nproc", 2, REPO / "examples" / "custom_model.py", "--epochs", 2, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("[rank 0] epoch")]
+    assert len(lines) == 2 and "world_size 2" in lines[-1]
+    assert float(lines[-1].split("mean loss ")[1].split()[0]) < 0.5
+
+
+def test_launch_reports_failed_rank(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    res = paratrain("launch", "--nproc", 2, script, cwd=tmp_path)
+    assert res.returncode == 1
+    assert "rank 1 failed" in res.stderr
+
+
+def test_train_help_documents_keys(tmp_path):
+    res = paratrain("train", "--help", cwd=tmp_path)
+    assert res.returncode == 0
+    for key in ("train.max_steps", "train.batch_size", "train.timeout_s", "--resume", "--set", "--nproc"):
+        assert key in res.stdout
