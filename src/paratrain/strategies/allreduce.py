@@ -54,6 +54,14 @@ class AllReduce(NoSyncMixin, Strategy):
             dist.barrier()
 
     def teardown(self) -> None:
+        """Wait for every rank, then drop the DDP reducer before the group goes away
+        (a reducer outliving its gloo group can abort the process at exit)."""
+        if self.env.world_size > 1 and dist.is_initialized():
+            dist.barrier()
+        self.model = None
+        import gc
+
+        gc.collect()
         if getattr(self, "_own_group", False):
             dist.destroy_process_group()
             self._own_group = False
