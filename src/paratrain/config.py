@@ -14,6 +14,7 @@ minimises). See :func:`paratrain.train.optim.effective_lr_clip`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -31,6 +32,8 @@ def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
 
 
 def _at_least(section: str, key: str, value: float, low: float, strict: bool = False) -> None:
+    if not math.isfinite(value):
+        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a finite number")
     if value < low or (strict and value == low):
         op = ">" if strict else ">="
         raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value {op} {low}")
@@ -155,6 +158,12 @@ class DistConfig:
     rdzv_endpoint: str = ""  # host:port of the rendezvous; "" = 127.0.0.1 and a free port
     max_restarts: int = 0
     bucket_mb: float = 25.0  # allreduce: DDP gradient bucket size in MiB
+    num_ps: int = 1  # ps-*: parameter-server processes per node
+    backup_workers: int = 0  # ps-sync: aggregate the first W - b gradients of a step (Chen et al. 2016)
+    max_staleness: int = -1  # ps-async: bound on update staleness in versions; -1 = unbounded
+    staleness_lr: bool = False  # ps-async: lr / staleness (Zhang et al. 2016)
+    slow_rank: int = -1  # straggler injection: this rank sleeps slow_ms before every step
+    slow_ms: float = 0.0
 
     def __post_init__(self) -> None:
         from .strategies import STRATEGIES
@@ -165,6 +174,17 @@ class DistConfig:
         _at_least("dist", "threads", self.threads, 0)
         _at_least("dist", "max_restarts", self.max_restarts, 0)
         _at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
+        _at_least("dist", "num_ps", self.num_ps, 1)
+        _at_least("dist", "backup_workers", self.backup_workers, 0)
+        _at_least("dist", "max_staleness", self.max_staleness, -1)
+        _at_least("dist", "slow_ms", self.slow_ms, 0)
+        if self.backup_workers and self.backup_workers >= self.nproc * self.nnodes:
+            raise UsageError(f"dist.backup_workers = {self.backup_workers} leaves no gradient to aggregate with "
+                             f"{self.nproc * self.nnodes} workers; use at most {self.nproc * self.nnodes - 1}")
+        if self.backup_workers and self.strategy != "ps-sync":
+            raise UsageError("dist.backup_workers applies to --strategy ps-sync only; drop it or use ps-sync")
+        if self.max_staleness >= 0 and self.strategy != "ps-async":
+            raise UsageError("dist.max_staleness applies to --strategy ps-async only; drop it or use ps-async")
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(
                 f"dist.node_rank = {self.node_rank} is out of range; use 0 .. {self.nnodes - 1}"
@@ -173,6 +193,11 @@ class DistConfig:
         _choice("dist", "device", self.device, ("auto", "cpu", "cuda"))
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("dist.nnodes > 1 needs dist.rdzv_endpoint (host:port of node 0)")
+        if self.strategy == "single" and (self.nproc, self.nnodes) != (1, 1):
+            raise UsageError(
+                f"dist.strategy = 'single' runs one process, not dist.nproc = {self.nproc} x dist.nnodes = "
+                f"{self.nnodes}; set dist.nproc = 1 (--nproc 1) or use dist.strategy = 'allreduce'"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +212,12 @@ class Config:
 
     @property
     def world_size(self) -> int:
+        """Data-parallel replicas (workers; parameter servers are not counted)."""
         return self.dist.nproc * self.dist.nnodes
+
+    @property
+    def uses_ps(self) -> bool:
+        return self.dist.strategy.startswith("ps-")
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""

@@ -51,15 +51,17 @@ def _strategy_in(path: Path | str | None) -> str | None:
     import tomllib
 
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8")).get("dist", {}).get("strategy")
+        dist = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("dist")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         return None
+    strategy = dist.get("strategy") if isinstance(dist, dict) else None
+    return strategy if isinstance(strategy, str) else None  # config.load reports a bad [dist] or strategy
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
     """Validate flags, config and data; create (or reopen) the run directory and write config.toml."""
     from .data import ensure_corpus, load_corpus
-    from .train.checkpoint import latest
+    from .train.checkpoint import latest, load as load_checkpoint
 
     if args.resume is not None:
         run_dir = args.resume
@@ -70,12 +72,14 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         cfg_path = run_dir / "config.toml"
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
-        latest(run_dir)  # raises when there is no checkpoint
+        load_checkpoint(latest(run_dir))  # raises when there is no checkpoint or it cannot be loaded
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
         cfg_path = Path(args.config)
     cfg = config.load(cfg_path, args.overrides, _flag_overrides(args, _strategy_in(cfg_path)))
+    if args.resume is not None:
+        _check_resume_keeps_model(config.load(cfg_path), cfg)
     cfg.check_world()
     corpus = load_corpus(ensure_corpus(cfg.data.corpus, args.data_dir))
     _check_data_fits(cfg, corpus)
@@ -83,6 +87,17 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     (run_dir / "config.toml").write_text(config.to_toml(cfg), encoding="utf-8")
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
     return PreparedRun(cfg, run_dir, data_dir, args.resume is not None)
+
+
+def _check_resume_keeps_model(old: config.Config, new: config.Config) -> None:
+    """--resume may change how to train, not the model or vocabulary its checkpoint holds."""
+    shape = ("embed_dim", "hidden_dim", "num_layers", "tie_weights")  # dropout, init_range may change
+    changed = [f"model.{k}" for k in shape if getattr(old.model, k) != getattr(new.model, k)]
+    if new.data.corpus != old.data.corpus:
+        changed.append("data.corpus")
+    if changed:
+        raise UsageError(f"--resume cannot change {', '.join(changed)} (the checkpoint holds the model of "
+                         f"its run); drop those overrides, or start a new run with --run-dir")
 
 
 def _check_data_fits(cfg: config.Config, corpus) -> None:

@@ -16,7 +16,8 @@ whatever the case adds, changes or removes. Every case checks the contract of
 Downloads cannot reach the network: ``PARATRAIN_DATA_URL`` points at a port on
 127.0.0.1 that is bound but not listening (connection refused at once), and the
 cache dir is inside ``tmp_path``. All errors happen before any worker process
-is started, so each case costs one interpreter start (about 1.5 s).
+is started, so each case costs one interpreter start plus the torch import
+(1.5-3 s on 2 busy cores).
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ class Case:
     match: str  # a piece of the error line that shows the right check fired
     # rel path -> text | bytes | callable returning either | None (remove); on top of cfg.toml + CORPUS
     files: dict[str, str | bytes | Callable[[], str | bytes] | None] = field(default_factory=dict)
+    real_run: str = ""  # copy the run dir of a real tiny training run (fixture tiny_run) to this folder first
 
 
 def cfg(changes: dict[str, Any] | None = None, top: str = "") -> dict:
@@ -127,14 +129,12 @@ CASES = [
     Case("toml-syntax-error", NEW, "is not valid TOML", {CFG: "[train]\nbatch_size = = 4\n"}),
     Case("config-not-utf8", NEW, "is not UTF-8", {CFG: b"[train]\nlr = 1.0 # \xff\xfe\x80\n"}),
     Case("unknown-section", NEW, "unknown config section 'trian'", cfg({"trian.lr": 0.5})),
-    Case("section-not-a-table", NEW, "[data] must be a table", {CFG: "data = 3\n"}),
     Case("dist-section-not-a-table", NEW, "[dist] must be a table", {CFG: "dist = 3\n"}),
     Case("unknown-key", NEW, "unknown config key train.lrr", cfg({"train.lrr": 0.5})),
     Case("empty-name", NEW, "name = '' must be a non-empty string", cfg(top='name = ""')),
     # --- types
     Case("str-for-int", NEW, "train.batch_size = '20' has type str", cfg({"train.batch_size": "20"})),
     Case("bool-for-int", NEW, "train.batch_size = True has type bool", cfg({"train.batch_size": True})),
-    Case("float-for-int", NEW, "data.bptt = 2.5 has type float", cfg({"data.bptt": 2.5})),
     # --- ranges
     Case("lr-zero", NEW, "train.lr = 0.0 is out of range", cfg({"train.lr": 0})),
     Case("lr-negative", NEW, "train.lr = -1.0 is out of range", cfg({"train.lr": -1})),
@@ -157,7 +157,6 @@ CASES = [
     # --- --set
     Case("set-no-equals", (*NEW, "--set", "train.lr"), "--set 'train.lr' is malformed"),
     Case("set-unknown-key", (*NEW, "--set", "train.foo=1"), "unknown config key train.foo"),
-    Case("set-wrong-type", (*NEW, "--set", "train.batch_size=abc"), "train.batch_size = 'abc' has type str"),
     # --- world size against the global batch
     Case("batch-not-divisible-by-world", (*NEW, "--nproc", "2"), "global batch 21 is not divisible by world_size 2",
          cfg({"train.batch_size": 21, "dist.strategy": "allreduce"})),
@@ -168,7 +167,6 @@ CASES = [
          "--strategy single runs one process"),
     Case("strategy-single-with-nproc-2-in-toml", NEW, "dist.nproc", cfg({"dist.nproc": 2})),
     Case("nnodes-without-endpoint", (*NEW, "--strategy", "allreduce", "--nnodes", "2"), "dist.rdzv_endpoint"),
-    Case("max-restarts-negative", (*NEW, "--max-restarts", "-1"), "dist.max_restarts = -1 is out of range"),
     # --- run directories
     Case("run-dir-not-empty", NEW, "run dir 'run' already exists and is not empty", {"run/notes.txt": "keep me\n"}),
     Case("run-dir-is-a-file", NEW, "run dir 'run' already exists", {"run": "not a folder\n"}),
@@ -179,6 +177,8 @@ CASES = [
          {"old/config.toml": run_config_toml}),
     Case("resume-and-other-run-dir", ("--resume", "old", *DATA, "--run-dir", "other"), "name different folders",
          {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": truncated_checkpoint}),
+    Case("resume-set-changes-model-shape", ("--resume", "old", *DATA, "--set", "model.hidden_dim=16"),
+         "model.hidden_dim", real_run="old"),
     Case("resume-truncated-checkpoint", ("--resume", "old", *DATA),
          "checkpoint 'old/checkpoint-00000001.pt' cannot be loaded",
          {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": truncated_checkpoint}),
@@ -210,7 +210,22 @@ def closed_url():
         s.close()
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, closed_url) -> dict[str, bytes]:
+    """The files of a finished run of TINY (config.toml and its last checkpoint), trained once per module."""
+    root = tmp_path_factory.mktemp("tiny-run")
+    _layout(root, {})
+    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", *NEW], cwd=root,
+                          env=_env(root, closed_url), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = root / "run"
+    checkpoints = sorted(run.glob("checkpoint-*.pt"))
+    assert checkpoints, sorted(p.name for p in run.iterdir())
+    return {"config.toml": (run / "config.toml").read_bytes(), checkpoints[-1].name: checkpoints[-1].read_bytes()}
+
+
 def _layout(root: Path, files: dict) -> None:
+    (root / "data" / "ptb").mkdir(parents=True, exist_ok=True)  # the corpus folder exists even without its files
     for rel, content in {CFG: recipe(), **CORPUS, **files}.items():
         path = root / rel
         if content is None:
@@ -261,8 +276,12 @@ def _env(tmp_path: Path, data_url: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: Path, closed_url: str) -> None:
-    _layout(tmp_path, case.files)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: Path, closed_url: str,
+                                                        request: pytest.FixtureRequest) -> None:
+    files = dict(case.files)
+    if case.real_run:
+        files = {f"{case.real_run}/{name}": data for name, data in request.getfixturevalue("tiny_run").items()} | files
+    _layout(tmp_path, files)
     before = _snapshot(tmp_path)
 
     proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", *case.args], cwd=tmp_path,

@@ -4,9 +4,9 @@ A ``ThreadingHTTPServer`` on 127.0.0.1 and a free port serves a temp folder laid
 out like the mirror that ``$PARATRAIN_DATA_URL`` names (``<root>/ptb/ptb.train.txt``
 ...), holding copies of the real PTB files, made in ``tmp_path`` at test time.
 ``PARATRAIN_DATA_URL`` reaches the library through its ``environ`` argument and
-the CLI through the subprocess environment. The real files come from
-``$PARATRAIN_TEST_PTB`` (default ``/work/shared/data/ptb``); without them the
-tests are skipped.
+the CLI through the subprocess environment. The real files come from the
+``real_data`` fixture (``$PARATRAIN_DATA``, else ``../shared/data``); without
+them the tests that serve them are skipped.
 """
 from __future__ import annotations
 
@@ -28,12 +28,8 @@ import pytest
 from paratrain.data.corpus import CORPORA, download, ensure_corpus
 from paratrain.errors import DataError
 
-REAL_PTB = Path(os.environ.get("PARATRAIN_TEST_PTB", "/work/shared/data/ptb"))
 PTB = CORPORA["ptb"]
 NAMES = [f.name for f in PTB.files.values()]  # ptb.train.txt, ptb.valid.txt, ptb.test.txt
-
-pytestmark = pytest.mark.skipif(not all((REAL_PTB / n).is_file() for n in NAMES),
-                                reason=f"real PTB files not found in {REAL_PTB} (set PARATRAIN_TEST_PTB)")
 
 
 def sha256(path: Path) -> str:
@@ -48,12 +44,21 @@ def _no_proxy(monkeypatch):
 
 
 @pytest.fixture
-def server(tmp_path, request):
+def real_ptb(real_data) -> Path:
+    """The folder with the real (read-only) PTB files; never written to."""
+    folder = real_data / "ptb"
+    if not all((folder / n).is_file() for n in NAMES):
+        pytest.skip(f"real PTB files not all found in {folder}")
+    return folder
+
+
+@pytest.fixture
+def server(tmp_path, request, real_ptb):
     """Serve ``tmp_path/srv`` (``ptb/`` = copies of the real files); ``requests`` lists the GET paths."""
     root = tmp_path / "srv"
     (root / "ptb").mkdir(parents=True)
     for name in NAMES:
-        shutil.copyfile(REAL_PTB / name, root / "ptb" / name)  # copyfile: writable copies of read-only files
+        shutil.copyfile(real_ptb / name, root / "ptb" / name)  # copyfile: writable copies of read-only files
     requests: list[str] = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -166,11 +171,11 @@ def test_closed_port_raises_data_error_quickly(closed_url, tmp_path):
     assert leftovers(dest.parent) == []
 
 
-def test_existing_files_are_not_downloaded_again(server, tmp_path):
+def test_existing_files_are_not_downloaded_again(server, tmp_path, real_ptb):
     folder = tmp_path / "data" / "ptb"
     folder.mkdir(parents=True)
     for name in NAMES:
-        shutil.copyfile(REAL_PTB / name, folder / name)
+        shutil.copyfile(real_ptb / name, folder / name)
     # a user's own (modified) file is used as it is: only downloads are checksummed
     (folder / "ptb.test.txt").write_text(" my own test file \n", encoding="utf-8")
     before = {n: ((folder / n).read_bytes(), (folder / n).stat().st_mtime_ns) for n in NAMES}
@@ -182,11 +187,11 @@ def test_existing_files_are_not_downloaded_again(server, tmp_path):
     assert {n: ((folder / n).read_bytes(), (folder / n).stat().st_mtime_ns) for n in NAMES} == before
 
 
-def test_empty_file_is_downloaded_again(server, tmp_path):
+def test_empty_file_is_downloaded_again(server, tmp_path, real_ptb):
     folder = tmp_path / "data" / "ptb"
     folder.mkdir(parents=True)
     for name in NAMES:
-        shutil.copyfile(REAL_PTB / name, folder / name)
+        shutil.copyfile(real_ptb / name, folder / name)
     (folder / "ptb.valid.txt").write_bytes(b"")
 
     ensure_corpus("ptb", tmp_path / "data", environ=server.environ)
