@@ -25,6 +25,7 @@ config keys (--set section.key=value; values are TOML literals):
   train.log_every  train.eval_every
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
+  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
 """
@@ -52,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value; repeatable")
     t.add_argument("--max-restarts", type=int, help="restarts of the worker group after a failure (torchrun)")
+    ps = t.add_argument_group("parameter server (--strategy ps-sync | ps-async)")
+    ps.add_argument("--num-ps", type=int, help="parameter-server processes per node, added to --nproc workers")
+    ps.add_argument("--backup-workers", type=int, help="ps-sync: aggregate the first W-b gradients, drop the late ones")
+    ps.add_argument("--max-staleness", type=int, help="ps-async: bound on update staleness in versions (-1 = none)")
+    ps.add_argument("--staleness-lr", action="store_true", help="ps-async: divide the lr by the staleness")
+    t.add_argument("--slow-rank", type=int, help="straggler injection: this rank sleeps --slow-ms before every step")
+    t.add_argument("--slow-ms", type=float, help="milliseconds of delay for --slow-rank")
     _add_multinode(t)
 
     ln = sub.add_parser("launch", help="run your own script in N workers (torchrun semantics)",

@@ -8,6 +8,7 @@ existing non-empty directory; ``--resume DIR`` continues DIR.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,10 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             dist["nproc"] = 1
     elif args.nproc == 1 and base_strategy in (None, "allreduce"):
         dist["strategy"] = "single"
-    for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts"):
+    if getattr(args, "staleness_lr", False):
+        dist["staleness_lr"] = True
+    for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "num_ps", "backup_workers",
+                "max_staleness", "slow_rank", "slow_ms"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
     return {"dist": dist} if dist else {}
@@ -144,6 +148,9 @@ def start_run(run: PreparedRun) -> int:
     if run.data_dir:
         target += ["--data-dir", run.data_dir]
     d = cfg.dist
-    spec = launch.LaunchSpec(nproc=d.nproc, target=target, module=True, nnodes=d.nnodes, node_rank=d.node_rank,
+    per_node = d.nproc + (d.num_ps if cfg.uses_ps else 0)  # parameter servers run in the same torchrun job
+    if cfg.uses_ps:  # TensorPipe logs a warning per closed connection at the (local) RPC shutdown
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    spec = launch.LaunchSpec(nproc=per_node, target=target, module=True, nnodes=d.nnodes, node_rank=d.node_rank,
                              rdzv_endpoint=d.rdzv_endpoint, max_restarts=d.max_restarts)
-    return launch.run(launch.build_command(spec), d.threads or default_threads(d.nproc))
+    return launch.run(launch.build_command(spec), d.threads or default_threads(per_node))

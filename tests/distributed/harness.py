@@ -11,9 +11,15 @@ from pathlib import Path
 import torch
 
 
-def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout_s: float) -> None:
+def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout_s: float,
+           deadline_s: float) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    # a rank still running just before the deadline writes every thread's stack (for the failure message)
+    stacks = open(Path(workdir) / f"stacks-{rank}.txt", "w")
+    faulthandler.dump_traceback_later(max(1.0, deadline_s - 10), exit=False, file=stacks)
     torch.set_num_threads(1)
     out = Path(workdir) / f"result-{rank}.pt"
     try:
@@ -42,7 +48,7 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(workdir), args, pg_timeout_s))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(workdir), args, pg_timeout_s, deadline_s))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -57,7 +63,9 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
     errors = "\n".join(f"--- rank {r}:\n{(workdir / f'error-{r}.txt').read_text()}"
                        for r in range(world_size) if (workdir / f"error-{r}.txt").exists())
     if hung:
-        raise AssertionError(f"ranks {hung} still running after {deadline_s} s (killed)\n{errors}")
+        stacks = "\n".join(f"--- rank {r} stacks:\n{(workdir / f'stacks-{r}.txt').read_text()[-4000:]}" for r in hung
+                           if (workdir / f"stacks-{r}.txt").exists())
+        raise AssertionError(f"ranks {hung} still running after {deadline_s} s (killed)\n{errors}\n{stacks}")
     bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if bad:
         raise AssertionError(f"ranks failed with exit codes {bad}\n{errors}")

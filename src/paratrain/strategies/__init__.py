@@ -1,11 +1,15 @@
 """Strategy registry: name -> class. A new strategy is one file plus one line here."""
 from .allreduce import AllReduce
-from .base import NoSyncMixin, StepResult, Strategy
+from .base import IndependentReplicasMixin, NoSyncMixin, StepResult, Strategy
+from .ps_async import PSAsync
+from .ps_sync import PSSync
 from .single import SingleDevice
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
     "allreduce": AllReduce,
+    "ps-sync": PSSync,
+    "ps-async": PSAsync,
 }
 
 
@@ -18,4 +22,5 @@ def get_strategy(name: str, env, **options) -> Strategy:
     return cls(env, **options)
 
 
-__all__ = ["STRATEGIES", "get_strategy", "Strategy", "StepResult", "NoSyncMixin", "AllReduce", "SingleDevice"]
+__all__ = ["STRATEGIES", "get_strategy", "Strategy", "StepResult", "NoSyncMixin", "IndependentReplicasMixin",
+           "PSSync", "PSAsync", "AllReduce", "SingleDevice"]

@@ -47,6 +47,14 @@ class NoSyncMixin:
         raise NotImplementedError
 
 
+class IndependentReplicasMixin:
+    """Ability marker: replicas never talk to each other (parameter server).
+
+    ``all_reduce`` is rank-local, evaluation runs on rank 0 over the whole
+    split, and checkpoints carry no BPTT hidden state (it cannot be gathered).
+    """
+
+
 class Strategy(ABC):
     """Base class. Subclasses set ``name`` and implement ``_wrap`` plus collectives."""
 
@@ -123,6 +131,26 @@ class Strategy(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Wait until every rank arrives."""
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's state_dict for the whole model (what a checkpoint stores)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load a whole-model optimizer state_dict (from any strategy)."""
+        self.optimizer.load_state_dict(state)
+
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific numbers for the metrics file and summary (rank 0 reads them)."""
+        return {}
+
+    def finished(self, local_steps: int, total_steps: int) -> bool:
+        """True when training should stop; synchronous replicas stop after ``total_steps`` of their own."""
+        return local_steps >= total_steps
+
+    def words_trained(self, local_words: int, local_steps: int) -> int:
+        """Tokens trained on by all replicas, given rank 0's count of global-batch tokens."""
+        return local_words
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state_dict (no wrapper prefixes); same on every rank."""

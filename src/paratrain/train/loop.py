@@ -19,7 +19,7 @@ from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_
                     ensure_corpus, load_corpus, sentence_eval_batches)
 from ..env import DistEnv
 from ..models import LSTMLM
-from ..strategies import get_strategy
+from ..strategies import IndependentReplicasMixin, get_strategy
 from . import checkpoint
 from .metrics import MetricsLog, format_summary, perplexity
 from .optim import LRSchedule, build_optimizer, effective_lr_clip, scaling_factor
@@ -39,7 +39,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, data_dir: str | None = None,
-                 verbose: bool = True) -> None:
+                 verbose: bool = True, strategy_options: dict | None = None) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
         d, t = cfg.data, cfg.train
         corpus = load_corpus(ensure_corpus(d.corpus, data_dir, allow_download=False))
@@ -50,7 +50,7 @@ class Trainer:
         m = cfg.model
         model = LSTMLM(self.vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout,
                        m.tie_weights, m.init_range).to(getattr(torch, t.dtype))
-        self.strategy = get_strategy(cfg.dist.strategy, env, bucket_mb=cfg.dist.bucket_mb)
+        self.strategy = get_strategy(cfg.dist.strategy, env, bucket_mb=cfg.dist.bucket_mb, **(strategy_options or {}))
         T = d.bptt if d.mode == "bptt" else 1
         lr, self.clip = effective_lr_clip(t, T)
         optimizer = build_optimizer(model.parameters(), t, lr)
@@ -62,7 +62,8 @@ class Trainer:
         self.verbose = verbose
         self.progress = verbose and env.is_main
         self.log = MetricsLog(self.run_dir) if env.is_main else None
-        self.words = 0  # target tokens trained on, all ranks
+        self.words = 0  # target tokens of the global batches rank 0 has stepped through
+        self._log_words = 0
         self.train_time_s = 0.0
         self.results: dict[str, float] = {}
 
@@ -88,7 +89,7 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------
     def _full_hidden(self) -> dict[int, list[torch.Tensor]]:
         """Gather the carried BPTT state of the whole global batch (collective)."""
-        if self.cfg.data.mode != "bptt" or not self.task.hidden:
+        if self.cfg.data.mode != "bptt" or not self.task.hidden or isinstance(self.strategy, IndependentReplicasMixin):
             return {}
         B, W, K = self.cfg.train.batch_size, self.env.world_size, self.cfg.train.accumulation
         per_micro = B // W // K
@@ -118,7 +119,7 @@ class Trainer:
     def save(self) -> None:
         hidden = self._full_hidden()  # collective: every rank
         if self.env.is_main:
-            state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer.state_dict(),
+            state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
                      "schedule": self.schedule.state_dict(), "epoch": self.epoch,
                      "batch_index": self.batch_index, "hidden": hidden,
                      "words": self.words, "train_time_s": self.train_time_s}
@@ -134,10 +135,11 @@ class Trainer:
 
             raise UsageError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0][:120]}); "
                              f"resume with the config it was written with") from None
-        self.strategy.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_optimizer_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
         self.words, self.train_time_s = state.get("words", 0), state.get("train_time_s", 0.0)
+        self._log_words = self.words
         self._restore_hidden(state.get("hidden", {}))
         self.say(f"resumed from {path.name}: step {self.step}, epoch {self.epoch}, batch {self.batch_index}")
         if self.log:
@@ -148,12 +150,17 @@ class Trainer:
         """Perplexity of a whole split; every rank must call it (all-reduce)."""
         d, env = self.cfg.data, self.env
         split = self.valid_split if split_name == "valid" else self.test_split
-        if d.mode == "bptt":
-            batches = bptt_eval_batches(split, d.eval_batch_size, d.bptt, env.rank, env.world_size)
+        rank, world = env.rank, env.world_size
+        if isinstance(self.strategy, IndependentReplicasMixin):  # no collectives: rank 0 evaluates alone
+            rank, world = (0, 1) if env.rank == 0 else (0, 0)
+        if world == 0:
+            batches = []
+        elif d.mode == "bptt":
+            batches = bptt_eval_batches(split, d.eval_batch_size, d.bptt, rank, world)
         else:
-            batches = sentence_eval_batches(split, d.eval_batch_size, env.rank, env.world_size, d.max_sentence_len)
+            batches = sentence_eval_batches(split, d.eval_batch_size, rank, world, d.max_sentence_len)
         acc = self.strategy.all_reduce(evaluate(self.strategy.module, batches, env.device))
-        loss = float(acc[0] / acc[1])
+        loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
         ppl = perplexity(loss)
         self.results[f"{split_name}_ppl"] = ppl
         if self.log:
@@ -168,9 +175,13 @@ class Trainer:
         ce, n = self.task.take_log_counts()
         acc = self.strategy.all_reduce(torch.stack([ce.to(self.env.device), ce.new_tensor(float(n)).to(self.env.device)]))
         loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
-        wps = (self.words - words_last) / max(self.train_time_s - t_last, 1e-9)
-        if self.log:
-            self.log.write("train", self.step, epoch=self.epoch, loss=loss, ppl=perplexity(loss), lr=lr, words_per_s=wps)
+        if not self.log:
+            return
+        words = self.strategy.words_trained(self.words, self.step)
+        wps = (words - words_last) / max(self.train_time_s - t_last, 1e-9)
+        self._log_words = words
+        self.log.write("train", self.step, epoch=self.epoch, loss=loss, ppl=perplexity(loss), lr=lr, words_per_s=wps,
+                       **self.strategy.metrics())
         if bar is not None:
             bar.set_postfix_str(f"loss {loss:.3f} | ppl {perplexity(loss):.1f} | lr {lr:.3g} | {wps:,.0f} words/s")
 
@@ -180,8 +191,9 @@ class Trainer:
         if self.batch_index == 0:
             self.task.reset_hidden()  # Zaremba et al.: the state starts at zero every epoch
         source = Prefetcher(self.stream.epoch(self.epoch, self.batch_index), env.device)
-        t_log, w_log = self.train_time_s, self.words
+        t_log, w_log = self.train_time_s, self._log_words
         lr = self.schedule.lr(self.step, self.epoch)
+        slow_s = self.cfg.dist.slow_ms / 1000 if env.rank == self.cfg.dist.slow_rank else 0.0
         try:
             tick = time.perf_counter()
             for sb in source:
@@ -189,18 +201,20 @@ class Trainer:
                 self.task.norm = sb.global_tokens / self.strategy.num_replicas
                 if self.cfg.model.dropout > 0:  # dropout masks depend on (seed, rank, step) only: exact resume
                     torch.manual_seed(t.seed * 1_000_003 + env.rank * 7919 + self.step)
+                if slow_s:  # straggler injection (--slow-rank/--slow-ms)
+                    time.sleep(slow_s)
                 self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
                 self.step, self.batch_index = self.step + 1, sb.index + 1
                 self.words += sb.global_tokens
                 if bar is not None:
                     bar.update(1)
-                stop = bool(t.max_steps) and self.step >= t.max_steps
+                stop = self.strategy.finished(self.step, self.total_steps)
                 if self.step % t.log_every == 0 or stop or self.batch_index == self.stream.steps_per_epoch:
                     _sync(env.device)
                     now = time.perf_counter()
                     self.train_time_s += now - tick
                     self._log_train(t_log, w_log, lr, bar)
-                    t_log, w_log = self.train_time_s, self.words
+                    t_log, w_log = self.train_time_s, self._log_words
                     tick = time.perf_counter()
                 if stop:
                     break
@@ -229,13 +243,13 @@ class Trainer:
             bar = tqdm(total=self.total_steps, initial=self.step, desc=f"[rank 0] {self.cfg.dist.strategy}",
                        unit="step", dynamic_ncols=True, mininterval=1.0)
         try:
-            while self.step < self.total_steps:
+            while not self.strategy.finished(self.step, self.total_steps):
                 ended = self._run_epoch(bar)
                 if ended:
                     self.schedule.observe(self.evaluate("valid"))
                     self.epoch, self.batch_index = self.epoch + 1, 0
                     self.save()
-                elif self.step >= self.total_steps:  # stopped by max_steps inside an epoch
+                elif self.strategy.finished(self.step, self.total_steps):  # stopped inside an epoch
                     self.evaluate("valid")
                     self.save()
             if "valid_ppl" not in self.results:
@@ -253,10 +267,13 @@ class Trainer:
             "per_replica_batch": t.batch_size // self.strategy.num_replicas, "steps": self.step,
             "epochs": round(self.step / self.stream.steps_per_epoch, 3),
             "valid_ppl": self.results.get("valid_ppl", math.nan), "test_ppl": self.results.get("test_ppl", math.nan),
-            "words_per_s": self.words / max(self.train_time_s, 1e-9), "wall_time_s": wall_s,
+            "words_per_s": self.strategy.words_trained(self.words, self.step) / max(self.train_time_s, 1e-9),
+            "wall_time_s": wall_s,
             "device": str(env.device), "backend": env.backend if env.world_size > 1 else "-",
             "threads_per_process": torch.get_num_threads(),
         }
+        if self.log:
+            summary.update(self.strategy.metrics())
         if self.log:
             self.log.write("summary", self.step, **summary)
         if self.log and self.verbose:

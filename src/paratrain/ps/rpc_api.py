@@ -1,0 +1,94 @@
+"""RPC endpoints of a parameter-server process and the loop that serves them.
+
+A server process keeps its :class:`ShardServer` in ``_SHARDS`` (the endpoint
+table of that process, filled by :func:`serve` and emptied when it returns):
+RPC calls name module-level functions, so the table is how they find the shard.
+Gradients and parameters travel as lists of CPU tensors through TensorPipe.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from .server import ShardServer, StalenessGate
+
+_SHARDS: dict[int, ShardServer] = {}
+_GATE: dict[int, StalenessGate] = {}
+
+
+def _shard(k: int) -> ShardServer:
+    return _SHARDS[k]
+
+
+def init_shard(k: int, params: list[torch.Tensor], opt_cls: type, opt_defaults: dict) -> None:
+    _shard(k).init(params, opt_cls, opt_defaults)
+
+
+def pull(k: int) -> tuple[int, list[torch.Tensor]]:
+    return _shard(k).pull()
+
+
+@rpc.functions.async_execution
+def push(k: int, worker: int, pulled_version: int, grads: list[torch.Tensor], lr: float | None,
+         clip: float) -> Future:
+    return _shard(k).push(worker, pulled_version, grads, lr, clip)
+
+
+def set_params(k: int, params: list[torch.Tensor]) -> None:
+    _shard(k).set_params(params)
+
+
+def optimizer_state(k: int) -> dict:
+    return _shard(k).optimizer_state()
+
+
+def load_optimizer_state(k: int, state: dict) -> None:
+    _shard(k).load_optimizer_state(state)
+
+
+def stats(k: int) -> dict:
+    return _shard(k).stats()
+
+
+def worker_done(k: int, worker: int) -> None:
+    _shard(k).worker_done(worker)
+    if 0 in _GATE:
+        _GATE[0].leave(worker)
+
+
+@rpc.functions.async_execution
+def gate_request(worker: int) -> Future:
+    return _GATE[0].request(worker)
+
+
+def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float = 0.2) -> dict:
+    """Serve ``shard`` until every worker is done or declared dead; returns its final stats.
+
+    Runs on the server's main thread while RPC threads handle pushes and pulls.
+    """
+    _SHARDS[shard.shard_id] = shard
+    if gate is not None:
+        _GATE[0] = gate
+    try:
+        while shard.alive():
+            time.sleep(poll_s)
+            newly_dead, failures = shard.check_liveness(time.monotonic())
+            for w in newly_dead:
+                print(f"[ps {shard.shard_id}] worker {w} silent for {shard.timeout_s:g} s: declared dead; "
+                      f"training continues with workers {sorted(shard.alive())}", flush=True)
+                if gate is not None:
+                    gate.leave(w)
+            for fut, err in failures:
+                fut.set_exception(err)
+            if failures:  # the step cannot complete: end this server too (torchrun ends the job)
+                time.sleep(1.0)  # let the errors reach the workers first
+                raise failures[0][1]
+            if newly_dead:
+                shard.recheck()  # a sync step may need fewer gradients now
+        return shard.stats()
+    finally:
+        _SHARDS.pop(shard.shard_id, None)
+        _GATE.pop(0, None)

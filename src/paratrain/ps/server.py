@@ -1,0 +1,246 @@
+"""A parameter server's shard: parameters, their optimizer, versions, and the
+synchronous / asynchronous update rules. Pure logic and locks; the RPC endpoints
+that call it are in :mod:`paratrain.ps.rpc_api`.
+
+* **sync** (``ps-sync``): the gradients of a step are collected until
+  ``required`` workers (all, or W - b with b backup workers; Chen et al. 2016)
+  have pushed; they are averaged, clipped by the *global* norm over every shard
+  (the servers all-reduce their squared norms), applied, and the version is
+  bumped; every waiting worker then gets the new parameters. A gradient for an
+  older version is dropped (counted). A step that waits longer than
+  ``timeout_s`` fails every waiting worker with an error naming the missing ones.
+* **async** (``ps-async``): every push is applied on arrival under the shard
+  lock; staleness = version at apply time - version the worker pulled, recorded
+  for every update; optional staleness-aware lr (lr / staleness; Zhang et al.
+  2016, "Staleness-aware Async-SGD").
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+from torch.futures import Future
+
+
+class ShardServer:
+    """One shard. ``norm_allreduce(t)`` sums a float64 tensor over all shards (sync clipping)."""
+
+    def __init__(self, shard_id: int, num_workers: int, mode: str, *, backup_workers: int = 0,
+                 staleness_lr: bool = False, timeout_s: float = 600.0,
+                 norm_allreduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.shard_id, self.W, self.mode = shard_id, num_workers, mode
+        self.backup, self.staleness_lr, self.timeout_s = backup_workers, staleness_lr, timeout_s
+        self.norm_allreduce = norm_allreduce or (lambda t: t)
+        self.lock = threading.Lock()
+        self.ready = threading.Event()
+        self.params: list[torch.Tensor] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = 0
+        self.lr: float | None = None
+        self.pending: dict[int, list[torch.Tensor]] = {}
+        self.waiters: list[Future] = []
+        self.step_started = 0.0
+        self.done: set[int] = set()
+        self.dead: set[int] = set()
+        self.last_seen: dict[int, float] = {}
+        self.staleness: list[int] = []
+        self.received = self.applied = self.dropped = 0
+
+    # ---- setup and state ---------------------------------------------------
+    def init(self, params: list[torch.Tensor], opt_cls: type, opt_defaults: dict) -> None:
+        with self.lock:
+            self.params = [p.detach().clone().requires_grad_(True) for p in params]
+            self.optimizer = opt_cls(self.params, **opt_defaults) if self.params else None
+            self.lr = opt_defaults.get("lr")
+            now = time.monotonic()
+            self.last_seen = {w: now for w in range(self.W)}
+        self.ready.set()
+
+    def pull(self) -> tuple[int, list[torch.Tensor]]:
+        """(version, copies of the parameters); waits for init."""
+        if not self.ready.wait(self.timeout_s):
+            raise RuntimeError(f"parameter server {self.shard_id} was not initialised within {self.timeout_s} s")
+        with self.lock:
+            return self.version, [p.detach().clone() for p in self.params]
+
+    def set_params(self, params: list[torch.Tensor]) -> None:
+        with self.lock:
+            for p, v in zip(self.params, params):
+                p.data.copy_(v)
+
+    def optimizer_state(self) -> dict:
+        with self.lock:
+            return self.optimizer.state_dict() if self.optimizer else {"state": {}, "param_groups": []}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        with self.lock:
+            if self.optimizer:
+                self.optimizer.load_state_dict(state)
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"version": self.version, "received": self.received, "applied": self.applied,
+                    "dropped": self.dropped, "staleness": list(self.staleness), "dead": sorted(self.dead),
+                    "done": sorted(self.done)}
+
+    # ---- membership ---------------------------------------------------------
+    def alive(self) -> set[int]:
+        return set(range(self.W)) - self.done - self.dead
+
+    def required(self) -> int:
+        """Gradients a sync step waits for: W - b, fewer once workers finished or died."""
+        return max(1, min(self.W - self.backup, len(self.alive())))
+
+    def worker_done(self, worker: int) -> None:
+        with self.lock:
+            self.done.add(worker)
+            self._maybe_apply_sync()
+
+    def recheck(self) -> None:
+        """Apply a waiting sync step if membership changes made it complete."""
+        with self.lock:
+            self._maybe_apply_sync()
+
+    def check_liveness(self, now: float) -> tuple[list[int], list[tuple[Future, BaseException]]]:
+        """Declare workers silent for timeout_s dead (tolerant modes); fail sync steps past timeout_s."""
+        newly_dead, failures = [], []
+        with self.lock:
+            for w in list(self.alive()):
+                if now - self.last_seen.get(w, now) > self.timeout_s and w not in self.pending:
+                    if self.mode == "async" or self.backup > 0:
+                        self.dead.add(w)
+                        newly_dead.append(w)
+            if self.waiters and now - self.step_started > self.timeout_s and len(self.pending) < self.required():
+                missing = sorted(self.alive() - set(self.pending))
+                err = RuntimeError(
+                    f"ps-sync step {self.version + 1}: no gradient from worker(s) {missing} within "
+                    f"timeout_s={self.timeout_s:g} s (hung or dead); got workers {sorted(self.pending)}")
+                failures = [(f, err) for f in self.waiters]
+                self.waiters, self.pending = [], {}
+        return newly_dead, failures
+
+    # ---- updates ------------------------------------------------------------
+    def push(self, worker: int, pulled_version: int, grads: list[torch.Tensor], lr: float | None,
+             clip: float) -> Future:
+        """Hand in a gradient; the future resolves to (version, parameters) after it is handled."""
+        fut: Future = Future()
+        with self.lock:
+            self.last_seen[worker] = time.monotonic()
+            self.received += 1
+            if lr is not None and worker == 0:  # rank 0 owns the learning-rate schedule
+                self.lr = lr
+            if self.mode == "async":
+                self._apply_async(worker, pulled_version, grads)
+                fut.set_result((self.version, [p.detach().clone() for p in self.params]))
+                return fut
+            if pulled_version < self.version or worker in self.pending:
+                self.dropped += 1  # late gradient of a step already applied (backup workers)
+                fut.set_result((self.version, [p.detach().clone() for p in self.params]))
+                return fut
+            if not self.pending:
+                self.step_started = time.monotonic()
+            self.pending[worker] = grads
+            self.waiters.append(fut)
+            self.clip = clip
+            self._maybe_apply_sync()
+        return fut
+
+    def _maybe_apply_sync(self) -> None:
+        """Apply the step if enough gradients are in (lock held) and resolve the waiting pushes."""
+        if self.mode != "sync" or not self.pending or len(self.pending) < self.required():
+            return
+        workers = sorted(self.pending)
+        n = len(workers)
+        for i, p in enumerate(self.params):
+            g = self.pending[workers[0]][i].clone()
+            for w in workers[1:]:
+                g += self.pending[w][i]
+            p.grad = g / n
+        clip = getattr(self, "clip", 0.0)
+        if clip > 0:  # global norm over every shard (torch.nn.utils.clip_grad_norm_ semantics)
+            sq = torch.zeros((), dtype=torch.float64)
+            for p in self.params:
+                sq += p.grad.double().pow(2).sum()
+            total = self.norm_allreduce(sq).sqrt()
+            coef = min(1.0, clip / (float(total) + 1e-6))
+            for p in self.params:
+                p.grad.mul_(coef)
+        self._step(self.lr)
+        self.applied += n
+        self.staleness.extend([0] * n)
+        out = (self.version, [p.detach().clone() for p in self.params])
+        waiters, self.waiters, self.pending = self.waiters, [], {}
+        for f in waiters:
+            f.set_result(out)
+
+    def _apply_async(self, worker: int, pulled_version: int, grads: list[torch.Tensor]) -> None:
+        staleness = self.version - pulled_version
+        self.staleness.append(staleness)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        lr = self.lr / max(1, staleness) if (self.staleness_lr and self.lr is not None) else self.lr
+        self._step(lr)
+        self.applied += 1
+
+    def _step(self, lr: float | None) -> None:
+        if self.optimizer is not None:
+            if lr is not None:
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+        self.version += 1
+
+
+class StalenessGate:
+    """Stale-synchronous admission (Ho et al. 2013, bounded by versions): a worker
+    may start a step (pull) only if no update can end up more than ``s`` versions stale.
+
+    Each admitted step i counts o_i, the other steps that overlap it; an update's
+    staleness on any shard is at most o_i. A step is admitted when o_j = (steps in
+    flight) <= s and every step in flight keeps o_i + 1 <= s. Pushes are never
+    blocked, so steps in flight always finish and waiting workers are admitted.
+    """
+
+    def __init__(self, max_staleness: int) -> None:
+        self.s = max_staleness
+        self.lock = threading.Lock()
+        self.in_flight: dict[int, int] = {}
+        self.queue: list[tuple[int, Future]] = []
+
+    def request(self, worker: int) -> Future:
+        """End ``worker``'s previous step (if any) and ask to start its next one."""
+        fut: Future = Future()
+        with self.lock:
+            self.in_flight.pop(worker, None)
+            self.queue.append((worker, fut))
+            granted = self._grant()
+        for f in granted:
+            f.set_result(True)
+        return fut
+
+    def leave(self, worker: int) -> None:
+        """A worker finished or died: it holds no step any more."""
+        with self.lock:
+            self.in_flight.pop(worker, None)
+            self.queue = [(w, f) for w, f in self.queue if w != worker]
+            granted = self._grant()
+        for f in granted:
+            f.set_result(True)
+
+    def _grant(self) -> list[Future]:
+        granted = []
+        while self.queue:
+            worker, fut = self.queue[0]
+            n = len(self.in_flight)
+            if n > self.s or any(o + 1 > self.s for o in self.in_flight.values()):
+                break
+            for k in self.in_flight:
+                self.in_flight[k] += 1
+            self.in_flight[worker] = n
+            self.queue.pop(0)
+            granted.append(fut)
+        return granted

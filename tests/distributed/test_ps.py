@@ -1,0 +1,122 @@
+"""Parameter-server strategies on spawned processes (gloo + TensorPipe RPC through files).
+
+* ps-sync, W=2 workers, K=2 servers == single with the same global batch (float64, 1e-10),
+  and its checkpoints resume under single and the other way round;
+* ps-async with max_staleness s never applies an update staler than s; loss goes down;
+* ps-sync with a backup worker and a delayed worker drops exactly the late gradients;
+* ps-sync with a hung worker fails within timeout_s naming it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.config import from_dict
+from paratrain.env import DistEnv
+from paratrain.train import Trainer
+from paratrain.train.checkpoint import latest
+
+from .harness import max_rel_diff, run_ranks
+from .test_exactness import tiny_cfg
+
+
+def _ps_job(rank: int, world_size: int, cfg_dict: dict, data_dir: str, run_dir: str, work: str, resume: bool = False):
+    from paratrain.ps.runtime import run_process
+
+    return run_process(from_dict(cfg_dict), Path(run_dir), rank, resume=resume, data_dir=data_dir,
+                       rpc_init_method=f"file://{work}/rpc-{'resume' if resume else 'init'}", verbose=False)
+
+
+def ps_cfg(base: dict, strategy: str, workers: int, servers: int, **dist) -> dict:
+    return {**base, "dist": {"strategy": strategy, "nproc": workers, "num_ps": servers, **dist}}
+
+
+def run_single(cfg_dict: dict, data, run_dir: Path, resume: bool = False) -> dict:
+    tr = Trainer(from_dict(cfg_dict), DistEnv(), run_dir, str(data), verbose=False)
+    if resume:
+        tr.restore(latest(run_dir))
+    tr.fit()
+    tr.close()
+    return torch.load(latest(run_dir), weights_only=True)["model"]
+
+
+def final_model(run_dir: Path) -> dict:
+    return torch.load(latest(run_dir), weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("mode,opt", [("bptt", "sgd"), ("sentence", "adam")])
+def test_ps_sync_matches_single(tiny_data, tmp_path, mode, opt):
+    base = tiny_cfg(mode, "float64", "single", 1, 2, opt)
+    ref = run_single(base, tiny_data, tmp_path / "single")
+    cfg = ps_cfg(base, "ps-sync", 2, 2)
+    run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "ps"), str(tmp_path / "spawn"),
+              deadline_s=120)
+    diff = max_rel_diff(final_model(tmp_path / "ps"), ref)
+    assert diff <= 1e-10, diff
+
+
+def test_checkpoints_cross_between_ps_sync_and_single(tiny_data, tmp_path):
+    """Sentence mode (no carried state): ps-sync 6 steps -> single to 10; single 6 -> ps-sync to 10."""
+    base10 = tiny_cfg("sentence", "float64", "single", 1, 1, "adam")
+    base6 = {**base10, "train": {**base10["train"], "max_steps": 6}}
+    ref = run_single(base10, tiny_data, tmp_path / "ref")
+    # ps-sync first, then single
+    run_ranks(_ps_job, 3, tmp_path / "s1", ps_cfg(base6, "ps-sync", 2, 1), str(tiny_data), str(tmp_path / "a"),
+              str(tmp_path / "s1"), deadline_s=120)
+    a = run_single(base10, tiny_data, tmp_path / "a", resume=True)
+    assert max_rel_diff(a, ref) <= 1e-10
+    # single first, then ps-sync
+    run_single(base6, tiny_data, tmp_path / "b")
+    run_ranks(_ps_job, 3, tmp_path / "s2", ps_cfg(base10, "ps-sync", 2, 1), str(tiny_data), str(tmp_path / "b"),
+              str(tmp_path / "s2"), True, deadline_s=120)
+    assert max_rel_diff(final_model(tmp_path / "b"), ref) <= 1e-10
+
+
+def test_ps_async_bounded_staleness_and_learning(real_data, tmp_path):
+    base = {"name": "async", "data": {"corpus": "ptb", "bptt": 10, "train_fraction": 0.02, "eval_fraction": 0.02},
+            "model": {"embed_dim": 32, "hidden_dim": 32, "num_layers": 1},
+            "train": {"batch_size": 12, "max_steps": 40, "lr": 20.0, "clip": 0.25, "convention": "mean_over_tokens",
+                      "log_every": 10, "schedule": "constant"}}
+    s = 1
+    cfg = ps_cfg(base, "ps-async", 3, 1, max_staleness=s, slow_rank=2, slow_ms=20.0)
+    results = run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(real_data), str(tmp_path / "run"),
+                        str(tmp_path / "spawn"), deadline_s=180)
+    stats = results[3]  # the server
+    assert stats["applied"] == len(stats["staleness"]) >= 3 * 40
+    assert max(stats["staleness"]) <= s
+    assert max(stats["staleness"]) == s  # the bound is reached, not trivially met
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 0.5, losses
+    summary = [r for r in recs if r["kind"] == "summary"][-1]
+    assert summary["staleness_max"] <= s and 0 < summary["updates"] <= stats["version"]
+
+
+def test_backup_worker_drops_the_late_gradients(tiny_data, tmp_path):
+    base = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
+    base = {**base, "train": {**base["train"], "batch_size": 6}}
+    cfg = ps_cfg(base, "ps-sync", 3, 1, backup_workers=1, slow_rank=2, slow_ms=400.0)
+    results = run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "run"),
+                        str(tmp_path / "spawn"), deadline_s=120)
+    stats, slow = results[3], results[2]
+    pushes = sum(r["steps"] for r in results[:3])  # every gradient any worker computed
+    assert stats["version"] == 10  # the run ends after max_steps updates, straggler included
+    assert stats["applied"] == 2 * 10  # each update aggregated the first W - b = 2 gradients
+    assert stats["received"] == pushes and stats["dropped"] == pushes - 2 * 10  # the rest were dropped
+    assert stats["dropped"] >= slow["steps"] >= 1  # (the delayed worker's gradients come late)
+    assert slow["steps"] < 10  # the straggler stopped with the others instead of finishing alone
+
+
+def test_ps_sync_hung_worker_fails_naming_it(tiny_data, tmp_path):
+    base = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
+    base = {**base, "train": {**base["train"], "timeout_s": 3.0}}
+    cfg = ps_cfg(base, "ps-sync", 2, 1, slow_rank=1, slow_ms=60_000.0)
+    with pytest.raises(AssertionError) as err:
+        run_ranks(_ps_job, 3, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "run"),
+                  str(tmp_path / "spawn"), deadline_s=20)
+    msg = str(err.value)
+    assert "--- rank 0:" in msg and "no gradient from worker(s) [1]" in msg  # worker 0 failed naming rank 1
+    assert "--- rank 2:" in msg  # and the server ended instead of waiting (rank 1 is the hung one)
