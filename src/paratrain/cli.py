@@ -25,7 +25,7 @@ config keys (--set section.key=value; values are TOML literals):
   train.log_every  train.eval_every
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
-  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms
+  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms  dist.fault
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
 """
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--staleness-lr", action="store_true", help="ps-async: divide the lr by the staleness")
     t.add_argument("--slow-rank", type=int, help="straggler injection: this rank sleeps --slow-ms before every step")
     t.add_argument("--slow-ms", type=float, help="milliseconds of delay for --slow-rank")
+    t.add_argument("--fault", action="append", metavar="SPEC",
+                   help="fault injection: kill:rank=R:step=S, hang:rank=R:step=S, delay:rank=R:ms=M (repeatable)")
     _add_multinode(t)
 
     ln = sub.add_parser("launch", help="run your own script in N workers (torchrun semantics)",

@@ -164,6 +164,7 @@ class DistConfig:
     staleness_lr: bool = False  # ps-async: lr / staleness (Zhang et al. 2016)
     slow_rank: int = -1  # straggler injection: this rank sleeps slow_ms before every step
     slow_ms: float = 0.0
+    fault: str = ""  # fault injection, e.g. "kill:rank=1:step=50,delay:rank=0:ms=200" (see paratrain.faults)
 
     def __post_init__(self) -> None:
         from .strategies import STRATEGIES
@@ -178,6 +179,9 @@ class DistConfig:
         _at_least("dist", "backup_workers", self.backup_workers, 0)
         _at_least("dist", "max_staleness", self.max_staleness, -1)
         _at_least("dist", "slow_ms", self.slow_ms, 0)
+        from .faults import parse
+
+        parse(self.fault)
         if self.backup_workers and self.backup_workers >= self.nproc * self.nnodes:
             raise UsageError(f"dist.backup_workers = {self.backup_workers} leaves no gradient to aggregate with "
                              f"{self.nproc * self.nnodes} workers; use at most {self.nproc * self.nnodes - 1}")

@@ -42,6 +42,8 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
         dist["strategy"] = "single"
     if getattr(args, "staleness_lr", False):
         dist["staleness_lr"] = True
+    if getattr(args, "fault", None):
+        dist["fault"] = ",".join(args.fault)
     for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "num_ps", "backup_workers",
                 "max_staleness", "slow_rank", "slow_ms"):
         if getattr(args, key, None) is not None:

@@ -58,6 +58,7 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
                     for k, srv in enumerate(self.servers)]
             torch.futures.wait_all(futs)
         self._pull()
+        self.barrier()  # start together: otherwise a fast-starting worker runs ahead of the others
         return self.model, optimizer
 
     def _load(self, answers: list[tuple[int, list[torch.Tensor]]]) -> None:

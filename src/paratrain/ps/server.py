@@ -59,9 +59,10 @@ class ShardServer:
         self.ready.set()
 
     def pull(self) -> tuple[int, list[torch.Tensor]]:
-        """(version, copies of the parameters); waits for init."""
-        if not self.ready.wait(self.timeout_s):
-            raise RuntimeError(f"parameter server {self.shard_id} was not initialised within {self.timeout_s} s")
+        """(version, copies of the parameters); waits for init (rank 0 may still be loading data)."""
+        wait_s = max(self.timeout_s, 300.0)
+        if not self.ready.wait(wait_s):
+            raise RuntimeError(f"parameter server {self.shard_id} got no parameters from worker 0 within {wait_s:g} s")
         with self.lock:
             return self.version, [p.detach().clone() for p in self.params]
 

@@ -18,6 +18,8 @@ from ..config import Config
 from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_batches,
                     ensure_corpus, load_corpus, sentence_eval_batches)
 from ..env import DistEnv
+from ..faults import inject as inject_faults
+from ..faults import parse as parse_faults
 from ..models import LSTMLM
 from ..strategies import IndependentReplicasMixin, get_strategy
 from . import checkpoint
@@ -55,13 +57,13 @@ class Trainer:
         lr, self.clip = effective_lr_clip(t, T)
         optimizer = build_optimizer(model.parameters(), t, lr)
         self.schedule = LRSchedule(t, lr, scaling_factor(t.lr_scaling, t.batch_size, t.ref_batch_size or t.batch_size))
+        self.log = MetricsLog(self.run_dir) if env.is_main else None
         self.strategy.setup(model, optimizer)
         self.task = LMTask()
         self.stream = self._train_stream()
         self.step, self.epoch, self.batch_index = 0, 1, 0
         self.verbose = verbose
         self.progress = verbose and env.is_main
-        self.log = MetricsLog(self.run_dir) if env.is_main else None
         self.words = 0  # target tokens of the global batches rank 0 has stepped through
         self._log_words = 0
         self.train_time_s = 0.0
@@ -194,6 +196,7 @@ class Trainer:
         t_log, w_log = self.train_time_s, self._log_words
         lr = self.schedule.lr(self.step, self.epoch)
         slow_s = self.cfg.dist.slow_ms / 1000 if env.rank == self.cfg.dist.slow_rank else 0.0
+        faults = parse_faults(self.cfg.dist.fault)
         try:
             tick = time.perf_counter()
             for sb in source:
@@ -203,6 +206,8 @@ class Trainer:
                     torch.manual_seed(t.seed * 1_000_003 + env.rank * 7919 + self.step)
                 if slow_s:  # straggler injection (--slow-rank/--slow-ms)
                     time.sleep(slow_s)
+                if faults:
+                    inject_faults(faults, env.rank, self.step)
                 self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
                 self.step, self.batch_index = self.step + 1, sb.index + 1
                 self.words += sb.global_tokens

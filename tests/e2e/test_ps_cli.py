@@ -1,0 +1,48 @@
+"""Parameter-server strategies through the CLI: servers in the same torchrun job, worker failures."""
+from __future__ import annotations
+
+import pytest
+
+from .test_cli import TINY, paratrain, records
+
+DELAYS = "delay:rank=0:ms=60,delay:rank=1:ms=60,delay:rank=2:ms=60"  # steps long enough to overlap
+
+
+@pytest.fixture()
+def tiny(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    return tmp_path, tiny_data
+
+
+def test_ps_async_survives_a_dead_worker(tiny):
+    tmp, data = tiny
+    res = paratrain("train", "tiny.toml", "--strategy", "ps-async", "--nproc", 3, "--num-ps", 1, "--run-dir", "run",
+                    "--data-dir", data, "--set", "train.batch_size=6", "--set", "train.max_steps=40",
+                    "--set", "train.timeout_s=3", "--set", "train.log_every=5",
+                    "--fault", "kill:rank=2:step=5", "--fault", DELAYS, cwd=tmp)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "worker 2 died (signal 9)" in res.stderr
+    summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
+    assert summary["updates"] >= 3 * 40  # the two survivors carried the run to its W x max_steps updates
+    assert summary["dead_workers"] == 1 and summary["test_ppl"] > 1
+
+
+def test_ps_sync_dead_worker_ends_the_run_naming_it(tiny):
+    tmp, data = tiny
+    res = paratrain("train", "tiny.toml", "--strategy", "ps-sync", "--nproc", 2, "--num-ps", 2, "--run-dir", "run",
+                    "--data-dir", data, "--set", "train.max_steps=40", "--set", "train.timeout_s=20",
+                    "--fault", "kill:rank=1:step=5", cwd=tmp)
+    assert res.returncode == 1
+    assert "paratrain: rank 1 failed: killed by signal SIGKILL" in res.stderr
+
+
+def test_ps_sync_with_backup_worker_survives_a_dead_worker(tiny):
+    tmp, data = tiny
+    res = paratrain("train", "tiny.toml", "--strategy", "ps-sync", "--nproc", 3, "--num-ps", 1, "--backup-workers", 1,
+                    "--run-dir", "run", "--data-dir", data, "--set", "train.batch_size=6",
+                    "--set", "train.max_steps=30", "--set", "train.timeout_s=3",
+                    "--fault", "kill:rank=2:step=5", "--fault", DELAYS, cwd=tmp)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "worker 2 died" in res.stderr
+    summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
+    assert summary["updates"] == 30 and summary["steps"] == 30
