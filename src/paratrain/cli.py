@@ -25,6 +25,9 @@ config keys (--set section.key=value; values are TOML literals):
   train.log_every  train.eval_every
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
+  dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
+  dist.memory_fraction  dist.expandable_segments
+  [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
   dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms  dist.fault
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
@@ -58,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--backup-workers", type=int, help="ps-sync: aggregate the first W-b gradients, drop the late ones")
     ps.add_argument("--max-staleness", type=int, help="ps-async: bound on update staleness in versions (-1 = none)")
     ps.add_argument("--staleness-lr", action="store_true", help="ps-async: divide the lr by the staleness")
+    dv = t.add_argument_group("devices, placement, memory and threads")
+    dv.add_argument("--devices", help="replicate: tower devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1")
+    dv.add_argument("--visible-devices", help="CUDA devices the job may see, e.g. 0,2 (CUDA_VISIBLE_DEVICES)")
+    dv.add_argument("--strict-placement", action="store_true", help="a device that does not exist is an error")
+    dv.add_argument("--log-placement", action="store_true", help="print and record where each parameter lives")
+    dv.add_argument("--memory-fraction", type=float, help="CUDA: cap this process at a fraction of device memory")
+    dv.add_argument("--expandable-segments", action="store_true", help="CUDA: allocator expandable segments")
+    dv.add_argument("--threads", type=int, help="intra-op threads per process (default cores // (processes x towers))")
+    dv.add_argument("--interop-threads", type=int, help="inter-op threads per process")
     t.add_argument("--slow-rank", type=int, help="straggler injection: this rank sleeps --slow-ms before every step")
     t.add_argument("--slow-ms", type=float, help="milliseconds of delay for --slow-rank")
     t.add_argument("--fault", action="append", metavar="SPEC",
@@ -75,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     ln.add_argument("script")
     ln.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    sub.add_parser("devices", help="list the devices this machine has",
+                   description="List the CPU (cores) and every visible CUDA device (memory).")
     d = sub.add_parser("data", help="check (and download) a corpus",
                        description="Make sure a corpus is present: use it, or download it and verify sha256.")
     d.add_argument("corpus", choices=["ptb", "wikitext-2"])
@@ -97,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_launch(args)
         if args.command == "data":
             return cmd_data(args)
+        if args.command == "devices":
+            return cmd_devices()
     except UsageError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
@@ -128,6 +144,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
                              nnodes=nnodes, node_rank=args.node_rank or 0, rdzv_endpoint=args.rdzv_endpoint or "",
                              max_restarts=args.max_restarts)
     return launch.run(launch.build_command(spec), args.threads or default_threads(args.nproc))
+
+
+def cmd_devices() -> int:
+    from .devices import list_devices
+
+    for d in list_devices():
+        mem = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "-"
+        print(f"{d.name:8s} {mem:>10s}  {d.description}")
+    return 0
 
 
 def cmd_data(args: argparse.Namespace) -> int:

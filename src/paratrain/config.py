@@ -164,6 +164,13 @@ class DistConfig:
     staleness_lr: bool = False  # ps-async: lr / staleness (Zhang et al. 2016)
     slow_rank: int = -1  # straggler injection: this rank sleeps slow_ms before every step
     slow_ms: float = 0.0
+    devices: str = ""  # replicate: tower devices, e.g. "cpu:0,cpu:1" or "cuda:0,cuda:1"
+    visible_devices: str = ""  # CUDA devices this job may see ("0,2"), the CUDA_VISIBLE_DEVICES way
+    strict_placement: bool = False  # a device that does not exist is an error (default: fall back, warn)
+    log_placement: bool = False  # print and record which device holds each parameter (and tower)
+    interop_threads: int = 0  # inter-op threads per process; 0 = torch's default
+    memory_fraction: float = 0.0  # CUDA: torch.cuda.set_per_process_memory_fraction; 0 = off
+    expandable_segments: bool = False  # CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     fault: str = ""  # fault injection, e.g. "kill:rank=1:step=50,delay:rank=0:ms=200" (see paratrain.faults)
 
     def __post_init__(self) -> None:
@@ -182,6 +189,12 @@ class DistConfig:
         from .faults import parse
 
         parse(self.fault)
+        if not 0 <= self.memory_fraction <= 1:
+            raise UsageError(f"dist.memory_fraction = {self.memory_fraction!r} is out of range; use a value in [0, 1]")
+        _at_least("dist", "interop_threads", self.interop_threads, 0)
+        if self.strategy == "replicate" and (self.nproc, self.nnodes) != (1, 1):
+            raise UsageError("strategy 'replicate' runs one process over --devices; drop --nproc (use allreduce for processes)")
+
         if self.backup_workers and self.backup_workers >= self.nproc * self.nnodes:
             raise UsageError(f"dist.backup_workers = {self.backup_workers} leaves no gradient to aggregate with "
                              f"{self.nproc * self.nnodes} workers; use at most {self.nproc * self.nnodes - 1}")
@@ -203,6 +216,11 @@ class DistConfig:
                 f"{self.nnodes}; set dist.nproc = 1 (--nproc 1) or use dist.strategy = 'allreduce'"
             )
 
+    @property
+    def towers(self) -> int:
+        """Replicas per process (tower mode)."""
+        return len([d for d in self.devices.split(",") if d.strip()]) if self.strategy == "replicate" else 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
@@ -213,6 +231,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    placement: tuple[tuple[str, str], ...] = ()  # [placement] module pattern -> device (model parallel)
 
     @property
     def world_size(self) -> int:
@@ -225,7 +244,7 @@ class Config:
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""
-        b, w, k = self.train.batch_size, self.world_size, self.train.accumulation
+        b, w, k = self.train.batch_size, self.world_size, self.train.accumulation * max(1, self.dist.towers)
         if w > b:
             raise UsageError(
                 f"{w} worker processes for a global batch of {b}; use --nproc <= {b} "
@@ -234,7 +253,7 @@ class Config:
         if b % (w * k):
             unit = w * k
             raise UsageError(
-                f"global batch {b} is not divisible by world_size {w} x accumulation {k}; "
+                f"global batch {b} is not divisible by world_size {w} x accumulation x towers {k}; "
                 f"use a multiple of {unit} for train.batch_size"
             )
 
@@ -269,13 +288,19 @@ def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
     base = base or Config()
     kwargs: dict[str, Any] = {}
     for sec, value in raw.items():
+        if sec == "placement":
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise UsageError('config section [placement] must map module patterns to device strings, '
+                                 'e.g. "rnn.layers.1" = "cuda:1"')
+            kwargs["placement"] = tuple(sorted(value.items()))
+            continue
         if sec == "name":
             if not isinstance(value, str) or not value:
                 raise UsageError(f"name = {value!r} must be a non-empty string")
             kwargs["name"] = value
             continue
         if sec not in SECTIONS:
-            raise UsageError(f"unknown config section {sec!r}{_hint(sec, list(SECTIONS) + ['name'])}")
+            raise UsageError(f"unknown config section {sec!r}{_hint(sec, list(SECTIONS) + ['name', 'placement'])}")
         if not isinstance(value, dict):
             raise UsageError(f"config section [{sec}] must be a table of key = value lines")
         cls = SECTIONS[sec]
@@ -344,10 +369,14 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 def to_toml(cfg: Config) -> str:
     """Serialise a Config as TOML (scalars only), loadable by :func:`load`."""
     d = to_dict(cfg)
+    placement = d.pop("placement")
     lines = [f"name = {_toml_value(d.pop('name'))}"]
     for sec, values in d.items():
         lines.append(f"\n[{sec}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    if placement:
+        lines.append("\n[placement]")
+        lines += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in placement]
     return "\n".join(lines) + "\n"
 
 

@@ -78,11 +78,12 @@ def resolve_device_backend(device: str, backend: str, local_rank: int,
 
 
 def init(device: str = "auto", backend: str = "auto", threads: int = 0,
-         timeout_s: float = 600.0) -> DistEnv:
+         timeout_s: float = 600.0, towers: int = 1, interop_threads: int = 0) -> DistEnv:
     """Create this process' :class:`DistEnv` and join the process group.
 
     Every rank must call it (collective when world_size > 1). ``threads`` = 0
-    sets cores // LOCAL_WORLD_SIZE intra-op threads. ``timeout_s`` bounds every
+    sets cores // (LOCAL_WORLD_SIZE x towers) intra-op threads (``interop_threads``
+    > 0 sets the inter-op pool). ``timeout_s`` bounds every
     collective of the group. Raises UsageError for an impossible device/backend.
     """
     rank = int(os.environ.get("RANK", 0))
@@ -90,7 +91,12 @@ def init(device: str = "auto", backend: str = "auto", threads: int = 0,
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dev, backend = resolve_device_backend(device, backend, local_rank, local_world)
-    torch.set_num_threads(threads or default_threads(local_world))
+    torch.set_num_threads(threads or default_threads(local_world * max(1, towers)))
+    if interop_threads:
+        try:
+            torch.set_num_interop_threads(interop_threads)
+        except RuntimeError:  # already set in this process (it can be set once)
+            pass
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():

@@ -32,16 +32,22 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
         dist["nproc"] = args.nproc
     if args.strategy:
+        from .strategies import STRATEGIES
+
         dist["strategy"] = args.strategy
-        if args.strategy == "single":
+        if STRATEGIES[args.strategy].in_process:
             if args.nproc not in (None, 1):
-                raise UsageError(f"--strategy single runs one process, not --nproc {args.nproc}; "
+                raise UsageError(f"--strategy {args.strategy} runs one process, not --nproc {args.nproc}; "
                                  f"drop --nproc or use --strategy allreduce")
             dist["nproc"] = 1
     elif args.nproc == 1 and base_strategy in (None, "allreduce"):
         dist["strategy"] = "single"
-    if getattr(args, "staleness_lr", False):
-        dist["staleness_lr"] = True
+    for flag in ("staleness_lr", "strict_placement", "log_placement", "expandable_segments"):
+        if getattr(args, flag, False):
+            dist[flag] = True
+    for key in ("devices", "visible_devices", "memory_fraction", "interop_threads", "threads"):
+        if getattr(args, key, None) is not None:
+            dist[key] = getattr(args, key)
     if getattr(args, "fault", None):
         dist["fault"] = ",".join(args.fault)
     for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "num_ps", "backup_workers",
@@ -141,7 +147,11 @@ def start_run(run: PreparedRun) -> int:
     cfg = run.cfg
     print(f"[paratrain] run dir {run.run_dir}  strategy {cfg.dist.strategy}  world_size {cfg.world_size}  "
           f"global batch {cfg.train.batch_size}", flush=True)
-    if cfg.dist.strategy == "single":
+    from .strategies import STRATEGIES
+
+    if cfg.dist.visible_devices:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.dist.visible_devices
+    if STRATEGIES[cfg.dist.strategy].in_process:
         from .worker import train_worker
 
         train_worker(run.run_dir, run.resume, run.data_dir)

@@ -25,7 +25,8 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     from .train.checkpoint import latest
 
     cfg = config.load(run_dir / "config.toml")
-    env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s)
+    env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s,
+               towers=cfg.dist.towers, interop_threads=cfg.dist.interop_threads)
     trainer = None
     try:
         trainer = Trainer(cfg, env, run_dir, data_dir)

@@ -144,3 +144,13 @@ def test_bad_ps_options():
         config.load(None, ["dist.strategy=allreduce", "dist.max_staleness=2"])
     with pytest.raises(UsageError, match="unknown kind"):
         config.load(None, ["dist.fault=explode:rank=1"])
+
+
+def test_staleness_summary_from_histogram():
+    from paratrain.ps.client import staleness_summary
+
+    hist = {0: 50, 1: 40, 5: 9, 9: 1}
+    s = staleness_summary(hist)
+    assert s["staleness_mean"] == (40 + 45 + 9) / 100
+    assert (s["staleness_p50"], s["staleness_p99"], s["staleness_max"]) == (0.0, 5.0, 9.0)  # nearest rank
+    assert staleness_summary({})["staleness_max"] == 0.0

@@ -9,6 +9,7 @@ carries the learning rate set by the schedule (rank 0's rules the servers).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -21,6 +22,25 @@ from ..strategies.base import IndependentReplicasMixin, StepResult, Strategy
 from . import rpc_api
 from .layout import PSLayout
 from .sharding import shard_by_bytes
+
+
+def staleness_summary(hist: dict[int, int]) -> dict[str, float]:
+    """mean, p50, p99, max of a staleness histogram {staleness: count}."""
+    n = sum(hist.values())
+    if not n:
+        return {"staleness_mean": 0.0, "staleness_p50": 0.0, "staleness_p99": 0.0, "staleness_max": 0.0}
+    keys = sorted(hist)
+
+    def q(f: float) -> float:  # nearest-rank percentile
+        rank, seen = max(0, math.ceil(f * n) - 1), 0
+        for k in keys:
+            seen += hist[k]
+            if seen > rank:
+                return float(k)
+        return float(keys[-1])
+
+    return {"staleness_mean": sum(k * c for k, c in hist.items()) / n, "staleness_p50": q(0.5),
+            "staleness_p99": q(0.99), "staleness_max": float(keys[-1])}
 
 
 class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
@@ -165,17 +185,20 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
             dist.barrier(group=self.worker_group)
 
     def server_stats(self) -> list[dict]:
-        return [rpc.rpc_sync(srv, rpc_api.stats, args=(k,)) for k, srv in enumerate(self.servers)]
+        """Every server's counters and staleness histogram (one RPC each, issued concurrently)."""
+        futs = [rpc.rpc_async(srv, rpc_api.stats, args=(k, False)) for k, srv in enumerate(self.servers)]
+        return [f.wait() for f in futs]
 
     def metrics(self) -> dict[str, float]:
         """Staleness (mean, p50, p99, max over every shard update), dropped gradients,
         updates, dead workers, and this worker's seconds waiting for servers."""
         st = self.server_stats()
-        stale = sorted(x for s in st for x in s["staleness"])
-        q = (lambda f: float(stale[min(len(stale) - 1, int(f * len(stale)))]) if stale else 0.0)
-        return {"updates": st[0]["version"], "grads_received": st[0]["received"], "grads_dropped": sum(s["dropped"] for s in st),
-                "staleness_mean": (sum(stale) / len(stale)) if stale else 0.0, "staleness_p50": q(0.5),
-                "staleness_p99": q(0.99), "staleness_max": float(stale[-1]) if stale else 0.0,
+        hist: dict[int, int] = {}
+        for s in st:
+            for k, n in s["staleness_hist"].items():
+                hist[int(k)] = hist.get(int(k), 0) + n
+        return {"updates": st[0]["version"], "grads_received": st[0]["received"],
+                "grads_dropped": sum(s["dropped"] for s in st), **staleness_summary(hist),
                 "dead_workers": len(st[0]["dead"]), "wait_s": self.wait_s}
 
     def finished(self, local_steps: int, total_steps: int) -> bool:
@@ -184,6 +207,10 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
         W x ``total_steps`` applied updates (fast workers keep going while a straggler lags)."""
         target = total_steps * (self.env.world_size if self.mode == "async" else 1)
         return max(self.versions) >= target or (self.mode == "sync" and local_steps >= total_steps)
+
+    def before_eval(self) -> None:
+        """Evaluate the servers' current parameters (in ps-async the local copy may lag)."""
+        self._pull()
 
     def words_trained(self, local_words: int, local_steps: int) -> int:
         """Target tokens in gradients the servers applied (server 0's count)."""

@@ -49,8 +49,8 @@ def load_optimizer_state(k: int, state: dict) -> None:
     _shard(k).load_optimizer_state(state)
 
 
-def stats(k: int) -> dict:
-    return _shard(k).stats()
+def stats(k: int, full: bool = True) -> dict:
+    return _shard(k).stats(full)
 
 
 def worker_done(k: int, worker: int) -> None:

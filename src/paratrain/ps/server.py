@@ -80,11 +80,19 @@ class ShardServer:
             if self.optimizer:
                 self.optimizer.load_state_dict(state)
 
-    def stats(self) -> dict:
+    def stats(self, full: bool = True) -> dict:
+        """Counters, plus every update's staleness (``full``) or their histogram {staleness: count}."""
         with self.lock:
-            return {"version": self.version, "received": self.received, "applied": self.applied,
-                    "dropped": self.dropped, "staleness": list(self.staleness), "dead": sorted(self.dead),
-                    "done": sorted(self.done)}
+            out = {"version": self.version, "received": self.received, "applied": self.applied,
+                   "dropped": self.dropped, "dead": sorted(self.dead), "done": sorted(self.done)}
+            if full:
+                out["staleness"] = list(self.staleness)
+            else:
+                hist: dict[int, int] = {}
+                for x in self.staleness:
+                    hist[x] = hist.get(x, 0) + 1
+                out["staleness_hist"] = hist
+            return out
 
     # ---- membership ---------------------------------------------------------
     def alive(self) -> set[int]:

@@ -3,11 +3,13 @@ from .allreduce import AllReduce
 from .base import IndependentReplicasMixin, NoSyncMixin, StepResult, Strategy
 from .ps_async import PSAsync
 from .ps_sync import PSSync
+from .replicate import Replicate
 from .single import SingleDevice
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
     "allreduce": AllReduce,
+    "replicate": Replicate,
     "ps-sync": PSSync,
     "ps-async": PSAsync,
 }
@@ -23,4 +25,4 @@ def get_strategy(name: str, env, **options) -> Strategy:
 
 
 __all__ = ["STRATEGIES", "get_strategy", "Strategy", "StepResult", "NoSyncMixin", "IndependentReplicasMixin",
-           "PSSync", "PSAsync", "AllReduce", "SingleDevice"]
+           "PSSync", "PSAsync", "Replicate", "AllReduce", "SingleDevice"]

@@ -59,6 +59,7 @@ class Strategy(ABC):
     """Base class. Subclasses set ``name`` and implement ``_wrap`` plus collectives."""
 
     name: str = ""
+    in_process: bool = False  # True: runs in the paratrain process itself (no launcher)
 
     def __init__(self, env: DistEnv, **options: Any) -> None:
         self.env = env
@@ -73,6 +74,11 @@ class Strategy(ABC):
         return self.env.world_size
 
     @property
+    def towers(self) -> int:
+        """Replicas inside this process (tower mode); the loop hands over accumulation x towers micro-batches."""
+        return 1
+
+    @property
     def device(self) -> torch.device:
         return self.env.device
 
@@ -82,7 +88,8 @@ class Strategy(ABC):
         Every rank must call it (collective). ``optimizer`` must already hold
         ``model``'s parameters. Returns (wrapped model, optimizer).
         """
-        self.module = model.to(self.device)
+        # a model placed by a placement plan (model parallel) stays where the plan put it
+        self.module = model if self.options.get("placed") else model.to(self.device)
         self.optimizer = optimizer
         self.model = self._wrap(self.module)
         return self.model, optimizer
@@ -147,6 +154,9 @@ class Strategy(ABC):
     def finished(self, local_steps: int, total_steps: int) -> bool:
         """True when training should stop; synchronous replicas stop after ``total_steps`` of their own."""
         return local_steps >= total_steps
+
+    def before_eval(self) -> None:
+        """Make the parameters evaluation reads current (every rank calls it before evaluating)."""
 
     def words_trained(self, local_words: int, local_steps: int) -> int:
         """Tokens trained on by all replicas, given rank 0's count of global-batch tokens."""

@@ -10,6 +10,7 @@ from .base import Strategy
 
 class SingleDevice(Strategy):
     name = "single"
+    in_process = True
 
     @property
     def num_replicas(self) -> int:

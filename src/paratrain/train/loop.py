@@ -17,6 +17,8 @@ import torch
 from ..config import Config
 from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_batches,
                     ensure_corpus, load_corpus, sentence_eval_batches)
+from ..devices import (Placement, apply_memory_controls, apply_placement, format_placement_log, peak_memory_bytes,
+                       resolve_list)
 from ..env import DistEnv
 from ..faults import inject as inject_faults
 from ..faults import parse as parse_faults
@@ -43,6 +45,7 @@ class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, run_dir: Path, data_dir: str | None = None,
                  verbose: bool = True, strategy_options: dict | None = None) -> None:
         self.cfg, self.env, self.run_dir = cfg, env, Path(run_dir)
+        self.verbose = verbose
         d, t = cfg.data, cfg.train
         corpus = load_corpus(ensure_corpus(d.corpus, data_dir, allow_download=False))
         self.vocab_size = len(corpus.vocab)
@@ -52,28 +55,43 @@ class Trainer:
         m = cfg.model
         model = LSTMLM(self.vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout,
                        m.tie_weights, m.init_range).to(getattr(torch, t.dtype))
-        self.strategy = get_strategy(cfg.dist.strategy, env, bucket_mb=cfg.dist.bucket_mb, **(strategy_options or {}))
+        options = dict(strategy_options or {})
+        if cfg.dist.devices:
+            options["devices"] = resolve_list(cfg.dist.devices, cfg.dist.strict_placement)
+        self.placement = []
+        if cfg.placement:  # model parallel: modules on the plan's devices, activations follow
+            self.placement = apply_placement(model, dict(cfg.placement), str(env.device), cfg.dist.strict_placement)
+            options["placed"] = True
+        self.strategy = get_strategy(cfg.dist.strategy, env, bucket_mb=cfg.dist.bucket_mb, **options)
         T = d.bptt if d.mode == "bptt" else 1
         lr, self.clip = effective_lr_clip(t, T)
         optimizer = build_optimizer(model.parameters(), t, lr)
         self.schedule = LRSchedule(t, lr, scaling_factor(t.lr_scaling, t.batch_size, t.ref_batch_size or t.batch_size))
         self.log = MetricsLog(self.run_dir) if env.is_main else None
+        for note in apply_memory_controls(env.device, cfg.dist.memory_fraction, cfg.dist.expandable_segments):
+            self.say(note)
         self.strategy.setup(model, optimizer)
+        if cfg.dist.log_placement:
+            self._log_placement()
         self.task = LMTask()
         self.stream = self._train_stream()
         self.step, self.epoch, self.batch_index = 0, 1, 0
-        self.verbose = verbose
         self.progress = verbose and env.is_main
         self.words = 0  # target tokens of the global batches rank 0 has stepped through
         self._log_words = 0
         self.train_time_s = 0.0
         self.results: dict[str, float] = {}
 
+    @property
+    def micro_per_step(self) -> int:
+        """Micro-batches of this rank per optimizer step: accumulation x towers."""
+        return self.cfg.train.accumulation * self.strategy.towers
+
     def _train_stream(self):
         d, t, env = self.cfg.data, self.cfg.train, self.env
         if d.mode == "bptt":
-            return BPTTTrainStream(self.train_split, t.batch_size, d.bptt, env.rank, env.world_size, t.accumulation)
-        return SentenceTrainStream(self.train_split, t.batch_size, env.rank, env.world_size, t.accumulation,
+            return BPTTTrainStream(self.train_split, t.batch_size, d.bptt, env.rank, env.world_size, self.micro_per_step)
+        return SentenceTrainStream(self.train_split, t.batch_size, env.rank, env.world_size, self.micro_per_step,
                                    t.seed, d.max_sentence_len)
 
     @property
@@ -81,6 +99,18 @@ class Trainer:
         t = self.cfg.train
         full = t.epochs * self.stream.steps_per_epoch
         return min(full, t.max_steps) if t.max_steps else full
+
+    def _log_placement(self) -> None:
+        """Print and write (placement.txt) which device holds each parameter, and the towers."""
+        rows = self.placement or [Placement(n, str(p.device), p.numel(), p.numel() * p.element_size())
+                                  for n, p in self.strategy.module.named_parameters()]
+        text = format_placement_log(rows)
+        describe = getattr(self.strategy, "describe_towers", None)
+        if describe is not None:
+            text += "\n" + "\n".join(describe())
+        if self.env.is_main:
+            (self.run_dir / "placement.txt").write_text(text + "\n")
+            self.say("placement:\n" + text)
 
     def say(self, msg: str) -> None:
         if self.env.is_main and self.verbose:
@@ -93,7 +123,7 @@ class Trainer:
         """Gather the carried BPTT state of the whole global batch (collective)."""
         if self.cfg.data.mode != "bptt" or not self.task.hidden or isinstance(self.strategy, IndependentReplicasMixin):
             return {}
-        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.cfg.train.accumulation
+        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.micro_per_step
         per_micro = B // W // K
         h_like = next(iter(self.task.hidden.values()))[0]
         full = torch.zeros((2, h_like.size(0), B, h_like.size(2)), dtype=h_like.dtype, device=h_like.device)
@@ -108,7 +138,7 @@ class Trainer:
         if not hidden:
             return
         h, c = hidden[0]
-        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.cfg.train.accumulation
+        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.micro_per_step
         if h.size(1) != B:
             return  # different global batch: the carried state does not apply; start from zeros
         per_micro = B // W // K
@@ -161,6 +191,7 @@ class Trainer:
             batches = bptt_eval_batches(split, d.eval_batch_size, d.bptt, rank, world)
         else:
             batches = sentence_eval_batches(split, d.eval_batch_size, rank, world, d.max_sentence_len)
+        self.strategy.before_eval()
         acc = self.strategy.all_reduce(evaluate(self.strategy.module, batches, env.device))
         loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
         ppl = perplexity(loss)
@@ -276,6 +307,7 @@ class Trainer:
             "wall_time_s": wall_s,
             "device": str(env.device), "backend": env.backend if env.world_size > 1 else "-",
             "threads_per_process": torch.get_num_threads(),
+            "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
         }
         if self.log:
             summary.update(self.strategy.metrics())

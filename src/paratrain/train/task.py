@@ -1,6 +1,7 @@
 """The language-modelling task: loss of a micro-batch, carried hidden state, evaluation."""
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -25,6 +26,7 @@ class LMTask:
         self.norm = 1.0
         self.ce_sum = torch.zeros((), dtype=torch.float64)
         self.tokens = 0
+        self._lock = threading.Lock()  # towers (replicate) call loss_fn from several threads
 
     def reset_hidden(self) -> None:
         self.hidden = {}
@@ -32,8 +34,9 @@ class LMTask:
     def loss_fn(self, model: nn.Module, mb: LMBatch) -> torch.Tensor:
         """Summed masked cross-entropy of ``mb`` divided by ``norm`` (0-dim)."""
         ce = cross_entropy_sum(model, mb, self.hidden)
-        self.ce_sum = self.ce_sum.to(ce.device) + ce.detach().double()
-        self.tokens += mb.num_tokens
+        with self._lock:
+            self.ce_sum = self.ce_sum.to(ce.device) + ce.detach().double()
+            self.tokens += mb.num_tokens
         return ce / self.norm
 
     def take_log_counts(self) -> tuple[torch.Tensor, int]:
