@@ -75,6 +75,7 @@ class ModelConfig:
     dropout: float = 0.0
     tie_weights: bool = False
     init_range: float = 0.1
+    layerwise: bool = False  # one module per LSTM layer (rnn.layers.N), for placement plans
 
     def __post_init__(self) -> None:
         for key in ("embed_dim", "hidden_dim", "num_layers"):

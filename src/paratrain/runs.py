@@ -103,7 +103,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
 
 def _check_resume_keeps_model(old: config.Config, new: config.Config) -> None:
     """--resume may change how to train, not the model or vocabulary its checkpoint holds."""
-    shape = ("embed_dim", "hidden_dim", "num_layers", "tie_weights")  # dropout, init_range may change
+    shape = ("embed_dim", "hidden_dim", "num_layers", "tie_weights")  # dropout, init_range, layerwise may change
     changed = [f"model.{k}" for k in shape if getattr(old.model, k) != getattr(new.model, k)]
     if new.data.corpus != old.data.corpus:
         changed.append("data.corpus")

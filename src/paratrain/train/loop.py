@@ -54,7 +54,7 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial parameters on every rank and in single
         m = cfg.model
         model = LSTMLM(self.vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout,
-                       m.tie_weights, m.init_range).to(getattr(torch, t.dtype))
+                       m.tie_weights, m.init_range, m.layerwise).to(getattr(torch, t.dtype))
         options = dict(strategy_options or {})
         if cfg.dist.devices:
             options["devices"] = resolve_list(cfg.dist.devices, cfg.dist.strict_placement)
