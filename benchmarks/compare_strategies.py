@@ -94,7 +94,11 @@ STRATEGIES: dict[str, list[str]] = {  # label -> flags; the PS ones get --num-ps
     "ps-sync": ["--strategy", "ps-sync"],
     "ps-async": ["--strategy", "ps-async"],
     "ps-sync+b1": ["--strategy", "ps-sync", "--backup-workers", "1"],
+    # one process (issue 4's comparison; use with --conditions none)
+    "single": ["--strategy", "single"],
+    "replicate": ["--strategy", "replicate", "--devices", "cpu:0,cpu:1"],
 }
+IN_PROCESS = ("single", "replicate")
 CONDITIONS = ("none", "straggler")
 PS_KEYS = ("updates", "grads_received", "grads_dropped", "staleness_mean", "staleness_p50", "staleness_p99",
            "staleness_max", "dead_workers", "wait_s")
@@ -215,8 +219,9 @@ def last_error(log: Path) -> str:
 
 
 def build_cmd(a: argparse.Namespace, strategy: str, slow_ms: float | None, run_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "paratrain.cli", "train", a.config, *STRATEGIES[strategy],
-           "--nproc", str(a.nproc)]
+    cmd = [sys.executable, "-m", "paratrain.cli", "train", a.config, *STRATEGIES[strategy]]
+    if strategy not in IN_PROCESS:
+        cmd += ["--nproc", str(a.nproc)]
     if strategy.startswith("ps-"):
         cmd += ["--num-ps", str(a.num_ps)]
     if slow_ms is not None:
@@ -339,7 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25, help="steps between train records (step-time samples)")
     p.add_argument("--batch-size", type=int, default=0,
                    help="global batch (default: the recipe's, rounded up to a multiple of --nproc if needed)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"subset of {','.join(STRATEGIES)}")
+    p.add_argument("--strategies", default="allreduce,ps-sync,ps-async,ps-sync+b1",
+                   help=f"subset of {','.join(STRATEGIES)}")
     p.add_argument("--conditions", default=",".join(CONDITIONS), help=f"subset of {','.join(CONDITIONS)}")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra config override for every run (repeatable), e.g. data.eval_fraction=0.05")

@@ -132,3 +132,34 @@ def test_quick_recipe_on_real_ptb(real_data, tmp_path):
     summary = [r for r in records(tmp_path / "q") if r["kind"] == "summary"][-1]
     assert summary["world_size"] == 2 and summary["global_batch"] == 20
     assert 1 < summary["valid_ppl"] < 2000  # an untrained model is at ~10,000 (the vocabulary size)
+
+
+def test_replicate_towers_and_placement_log(tiny_data, tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    res = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cpu:0,cpu:1", "--log-placement",
+                    "--run-dir", "rep", "--data-dir", tiny_data, "--set", "train.max_steps=4", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = (tmp_path / "rep" / "placement.txt").read_text()
+    assert "tower 0: cpu:0" in text and "tower 1: cpu:1" in text and "decoder.weight" in text
+    summary = [r for r in records(tmp_path / "rep") if r["kind"] == "summary"][-1]
+    assert summary["strategy"] == "replicate" and summary["per_replica_batch"] == 2 and summary["peak_memory_mb"] > 0
+
+
+def test_strict_placement_error_lists_devices(tiny_data, tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    res = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cuda:7,cuda:8", "--strict-placement",
+                    "--run-dir", "r", "--data-dir", tiny_data, "--set", "train.max_steps=2", cwd=tmp_path)
+    if res.returncode == 0:
+        pytest.skip("this machine has 9 GPUs")
+    assert res.returncode == 2 and "does not exist (strict placement); devices here: cpu" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_model_parallel_recipe_runs(real_data, tmp_path):
+    res = paratrain("train", REPO / "configs" / "ptb_small_mp.toml", "--log-placement", "--run-dir", "mp",
+                    "--data-dir", real_data, "--set", "train.max_steps=5", "--set", "data.eval_fraction=0.02",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split()[1] for ln in (tmp_path / "mp" / "placement.txt").read_text().splitlines()[1:-1]}
+    assert rows["rnn.layers.1.weight_ih_l0"] == "cpu:1" and rows["embedding.weight"] == "cpu:0"
+    assert rows["decoder.weight"] == "cpu:1" and len(rows) == 11  # every parameter once
