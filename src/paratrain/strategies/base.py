@@ -121,7 +121,7 @@ class Strategy(ABC):
         t1 = time.perf_counter()
         norm = None
         if clip > 0:
-            norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True)
+            norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(total, norm, t1 - t0, time.perf_counter() - t1)

@@ -35,6 +35,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Direct:
+    """The CPU counterpart of Prefetcher: iterate in this thread."""
+
+    def __init__(self, batches) -> None:
+        self.it = iter(batches)
+
+    def __iter__(self):
+        return self.it
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     """Builds model, optimizer, schedule, strategy and data for one rank and runs ``fit``.
 
@@ -223,7 +236,11 @@ class Trainer:
         t, env = self.cfg.train, self.env
         if self.batch_index == 0:
             self.task.reset_hidden()  # Zaremba et al.: the state starts at zero every epoch
-        source = Prefetcher(self.stream.epoch(self.epoch, self.batch_index), env.device)
+        batches = self.stream.epoch(self.epoch, self.batch_index)
+        # GPU: a background thread prepares and copies the next batch while this one runs.
+        # CPU: batches are views of tensors in memory and every core is busy computing, so a
+        # thread would only add GIL hand-offs (measured: benchmarks/RESULTS.md).
+        source = Prefetcher(batches, env.device) if env.device.type == "cuda" else _Direct(batches)
         t_log, w_log = self.train_time_s, self._log_words
         lr = self.schedule.lr(self.step, self.epoch)
         slow_s = self.cfg.dist.slow_ms / 1000 if env.rank == self.cfg.dist.slow_rank else 0.0
