@@ -168,12 +168,12 @@ class ShardServer:
                 g += self.pending[w][i]
             p.grad = g / n
         clip = getattr(self, "clip", 0.0)
-        if clip > 0:  # global norm over every shard (torch.nn.utils.clip_grad_norm_ semantics)
-            sq = torch.zeros((), dtype=torch.float64)
-            for p in self.params:
-                sq += p.grad.double().pow(2).sum()
-            total = self.norm_allreduce(sq).sqrt()
-            coef = min(1.0, clip / (float(total) + 1e-6))
+        if clip > 0 and self.params:
+            # global norm over every shard, computed as torch.nn.utils.clip_grad_norm_ does (per-tensor
+            # norms in the gradients' dtype, then the norm of those), so float32 runs match allreduce
+            norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params])
+            total = self.norm_allreduce(norms.pow(2).sum()).sqrt()
+            coef = (clip / (total + 1e-6)).clamp(max=1.0)
             for p in self.params:
                 p.grad.mul_(coef)
         self._step(self.lr)
