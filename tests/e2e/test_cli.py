@@ -163,3 +163,7 @@ def test_model_parallel_recipe_runs(real_data, tmp_path):
     rows = {ln.split()[0]: ln.split()[1] for ln in (tmp_path / "mp" / "placement.txt").read_text().splitlines()[1:-1]}
     assert rows["rnn.layers.1.weight_ih_l0"] == "cpu:1" and rows["embedding.weight"] == "cpu:0"
     assert rows["decoder.weight"] == "cpu:1" and len(rows) == 11  # every parameter once
+    hybrid = paratrain("train", REPO / "configs" / "ptb_small_mp.toml", "--strategy", "allreduce", "--nproc", 2,
+                       "--run-dir", "hybrid", "--data-dir", real_data, "--set", "train.max_steps=3",
+                       "--set", "data.eval_fraction=0.02", cwd=tmp_path)
+    assert hybrid.returncode == 0, hybrid.stderr[-3000:]
