@@ -63,6 +63,10 @@ def run(cmd: list[str], threads_per_process: int | None = None) -> int:
     from torch.distributed.run import run as torchrun
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
+    if f"--rdzv-endpoint={LOOPBACK}:0" in cmd and sys.platform.startswith("linux"):
+        # one node: gloo and TensorPipe listen on the loopback interface, whatever the hostname resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     if threads_per_process:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_process)
     try:

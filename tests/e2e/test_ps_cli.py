@@ -45,4 +45,5 @@ def test_ps_sync_with_backup_worker_survives_a_dead_worker(tiny):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "worker 2 died" in res.stderr
     summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
-    assert summary["updates"] == 30 and summary["steps"] == 30
+    assert summary["updates"] == 30  # the servers made every update; rank 0 may have had a gradient dropped
+    assert 25 <= summary["steps"] <= 30
