@@ -17,13 +17,13 @@ def tiny(tmp_path, tiny_data):
 def test_ps_async_survives_a_dead_worker(tiny):
     tmp, data = tiny
     res = paratrain("train", "tiny.toml", "--strategy", "ps-async", "--nproc", 3, "--num-ps", 1, "--run-dir", "run",
-                    "--data-dir", data, "--set", "train.batch_size=6", "--set", "train.max_steps=40",
-                    "--set", "train.timeout_s=3", "--set", "train.log_every=5",
+                    "--data-dir", data, "--set", "train.batch_size=6", "--set", "train.max_steps=60",
+                    "--set", "train.timeout_s=2", "--set", "train.log_every=5",
                     "--fault", "kill:rank=2:step=5", "--fault", DELAYS, cwd=tmp)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "worker 2 died (signal 9)" in res.stderr
     summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
-    assert summary["updates"] >= 3 * 40  # the two survivors carried the run to its W x max_steps updates
+    assert summary["updates"] >= 3 * 60  # the two survivors carried the run to its W x max_steps updates
     assert summary["dead_workers"] == 1 and summary["test_ppl"] > 1
 
 
