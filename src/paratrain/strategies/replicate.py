@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from .base import StepResult, Strategy
+from .base import StepResult
+from .single import SingleDevice
 
 
 class _LossOf(nn.Module):
@@ -40,11 +41,11 @@ class _LossOf(nn.Module):
         return self.loss_fn(self.replica, mb)
 
 
-class Replicate(Strategy):
-    """Options: ``devices`` (list of torch.device, at least one; all CPU or all CUDA)."""
+class Replicate(SingleDevice):
+    """Options: ``devices`` (list of torch.device, at least one; all CPU or all CUDA).
+    One process: the collectives are those of :class:`SingleDevice` (nothing to reduce)."""
 
     name = "replicate"
-    in_process = True
 
     def __init__(self, env, **options: Any) -> None:
         super().__init__(env, **options)
@@ -65,9 +66,6 @@ class Replicate(Strategy):
     @property
     def device(self) -> torch.device:
         return self.devices[0] if self.devices[0].type == "cuda" else torch.device("cpu")
-
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        return module
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                    clip: float = 0.0) -> StepResult:
@@ -126,12 +124,3 @@ class Replicate(Strategy):
     def describe_towers(self) -> list[str]:
         mode = "replicate() + parallel_apply" if self.device.type == "cuda" else "shared parameters, one thread each"
         return [f"tower {t}: {d} ({mode})" for t, d in enumerate(self.devices)]
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return tensor
-
-    def barrier(self) -> None:
-        return None
