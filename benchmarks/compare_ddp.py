@@ -40,9 +40,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,33 +50,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 BASELINE = HERE / "ddp_baseline.py"
 
+from _runner import run_cmd  # noqa: E402  (benchmarks/ is the script folder)
 
-def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group with output to ``log``; kill the whole group on timeout.
-
-    Returns (exit code, wall seconds); exit code 124 means timed out.
-    """
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)  # torchrun and its workers: the group started here
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=15)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            rc = 124
-    return rc, time.perf_counter() - t0
 
 
 def run_baseline(a: argparse.Namespace, i: int, logdir: Path, env: dict) -> dict:

@@ -77,9 +77,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,6 +86,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+
+from _runner import run_cmd  # noqa: E402  (benchmarks/ is the script folder)
 
 STRATEGIES: dict[str, list[str]] = {  # label -> flags; the PS ones get --num-ps K added
     "allreduce": ["--strategy", "allreduce"],
@@ -102,68 +102,6 @@ IN_PROCESS = ("single", "replicate")
 CONDITIONS = ("none", "straggler")
 PS_KEYS = ("updates", "grads_received", "grads_dropped", "staleness_mean", "staleness_p50", "staleness_p99",
            "staleness_max", "dead_workers", "wait_s")
-
-
-def descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (Linux /proc). torchrun starts each worker in a session of its own,
-    so killing the launcher's process group alone can leave workers and servers behind."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, the run's process group and every process below it (started here)."""
-    below = descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for target in [proc.pid, *below]:
-            try:
-                if target == proc.pid:
-                    os.killpg(proc.pid, sig)  # the group started here (start_new_session)
-                else:
-                    os.kill(target, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            proc.wait(timeout=15)
-            if sig == signal.SIGTERM:
-                time.sleep(2)  # give torchrun's agent time to end its workers itself
-            below = [p for p in below if Path(f"/proc/{p}").exists()]
-            if not below:
-                return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict) -> tuple[int, float]:
-    """Run ``cmd`` in its own process group with output to ``log``; kill it and everything below it
-    on timeout.
-
-    Returns (exit code, wall seconds); exit code 124 means timed out.
-    """
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc)
-            rc = 124
-    return rc, time.perf_counter() - t0
 
 
 def recipe(path: Path) -> dict:

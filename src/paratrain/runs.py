@@ -84,7 +84,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         cfg_path = run_dir / "config.toml"
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
-        load_checkpoint(latest(run_dir))  # raises when there is no checkpoint or it cannot be loaded
+        load_checkpoint(latest(run_dir), mmap=True)  # raises when there is none or it cannot be loaded
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")

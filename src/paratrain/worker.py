@@ -22,7 +22,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     """Train the run in ``run_dir`` as this process' rank; returns the summary. Every rank must call it."""
     from .env import init, shutdown
     from .train import Trainer
-    from .train.checkpoint import latest
+    from .train.checkpoint import latest, should_resume
 
     cfg = config.load(run_dir / "config.toml")
     env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s,
@@ -30,7 +30,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     trainer = None
     try:
         trainer = Trainer(cfg, env, run_dir, data_dir)
-        if resume or (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and _has_checkpoint(run_dir)):
+        if should_resume(run_dir, resume):
             trainer.restore(latest(run_dir))
         return trainer.fit()
     finally:
@@ -78,12 +78,6 @@ def _ps_child(run_dir: Path, rank: int, resume: bool, data_dir: str | None) -> N
         run_process(config.load(run_dir / "config.toml"), run_dir, rank, resume=resume, data_dir=data_dir)
     finally:
         shutdown()
-
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    from .train.checkpoint import list_checkpoints
-
-    return bool(list_checkpoints(run_dir))
 
 
 @record

@@ -10,7 +10,6 @@ keep the others waiting.
 from __future__ import annotations
 
 import datetime
-import os
 from pathlib import Path
 
 import torch
@@ -79,7 +78,7 @@ def _serve(cfg: Config, layout: PSLayout, index: int, server_group) -> dict:
 def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: bool, data_dir: str | None,
            worker_group, verbose: bool) -> dict:
     from ..train import Trainer
-    from ..train.checkpoint import latest
+    from ..train.checkpoint import latest, should_resume
 
     local_rank = index % layout.nproc
     device, _ = resolve_device_backend(cfg.dist.device, "gloo", local_rank, layout.nproc)
@@ -88,8 +87,7 @@ def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: boo
                       strategy_options={"layout": layout, "worker_group": worker_group,
                                         "max_staleness": cfg.dist.max_staleness})
     try:
-        if resume or (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-                      and (Path(run_dir) / "config.toml").exists() and any(Path(run_dir).glob("checkpoint-*.pt"))):
+        if should_resume(Path(run_dir), resume):
             trainer.restore(latest(Path(run_dir)))
         return trainer.fit()
     finally:

@@ -81,13 +81,20 @@ def latest(run_dir: Path) -> Path:
     return found[-1]
 
 
-def load(path: Path) -> dict:
+def should_resume(run_dir: Path, resume: bool) -> bool:
+    """Resume when asked, or when torchrun restarted the group and a checkpoint exists."""
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    return resume or (restarted and bool(list_checkpoints(run_dir)))
+
+
+def load(path: Path, mmap: bool = False) -> dict:
     """Load a checkpoint onto CPU with ``weights_only=True`` (no code runs on unpickling).
 
+    ``mmap=True`` maps the file instead of reading it (a cheap validity check).
     Raises UsageError for unreadable, truncated or foreign files.
     """
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, crafted pickle, not a checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({first[:160]}); resume from another run dir") from None
