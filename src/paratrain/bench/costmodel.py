@@ -1,0 +1,317 @@
+"""Alpha-beta cost model of data-parallel training: collectives, buckets, overlap, scaling.
+
+Pure arithmetic (no torch, no I/O); :mod:`paratrain.bench.microbench` measures
+the numbers that go in. Sources:
+
+* Hockney's model: sending ``m`` bytes costs ``alpha + m * beta``; a reduction
+  costs ``m * gamma`` (Thakur, Rabenseifner & Gropp 2005, "Optimization of
+  collective communication operations in MPICH", IJHPCA 19(1)).
+* Ring all-reduce = reduce-scatter + all-gather, ``2(n-1)`` steps of ``m/n``
+  bytes (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for
+  clusters of workstations", JPDC 69(2)).
+* Bucketing and overlap of all-reduce with backward as in PyTorch DDP (Li et
+  al. 2020, "PyTorch Distributed", VLDB 13(12)).
+
+Units: seconds (``_s``), bytes (``_bytes``/``nbytes``), ``bucket_mb`` in MiB
+(2**20 bytes, as DDP's ``bucket_cap_mb``). ``n`` is world_size (replicas).
+Bad arguments raise :class:`~paratrain.errors.UsageError` naming the value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+
+MIB = 2 ** 20
+ALGORITHMS = ("ring", "tree", "ps")
+BUCKET_CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One link in Hockney's alpha-beta model plus a reduction cost.
+
+    alpha_s: latency per message (s); beta_s_per_byte: inverse bandwidth per
+    direction (s/byte); gamma_s_per_byte: local reduction of one byte (s/byte).
+    """
+
+    name: str
+    alpha_s: float
+    beta_s_per_byte: float
+    gamma_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        for key in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"):
+            value = getattr(self, key)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
+
+
+# GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
+# SXM's 3.35 TB/s HBM3 bandwidth (NVIDIA H100 datasheet) that is 3 / 3.35e12 s per byte.
+_GPU_GAMMA = 3 / 3.35e12
+PRESETS: dict[str, Link] = {
+    # alphas are order-of-magnitude assumptions (NCCL small-message latency per ring step incl.
+    # kernel launch ~5-10 us; TCP over Ethernet ~25-50 us), not measurements: fit your own with
+    # fit_alpha_beta / microbench.measured_link.
+    # NVLink 4 on H100 SXM: 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA datasheet).
+    "nvlink": Link(name="nvlink", alpha_s=5e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA),
+    # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b ~ 64 GB/s per direction.
+    "pcie5": Link(name="pcie5", alpha_s=8e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA),
+    # NDR InfiniBand 400 Gb/s = 50 GB/s per direction; alpha includes the NCCL network proxy.
+    "ib400": Link(name="ib400", alpha_s=10e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA),
+    # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack.
+    "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA),
+}
+
+
+def _check_n(n: int, what: str = "n") -> None:
+    if not (isinstance(n, (int, np.integer)) and n >= 1):
+        raise UsageError(f"{what} = {n!r} must be an integer >= 1")
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes``: 2(n-1)/n * nbytes."""
+    _check_n(n)
+    return 2 * (n - 1) / n * nbytes
+
+
+def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring all-reduce (Patarasuk & Yuan 2009):
+    2(n-1) alpha + 2(n-1)/n nbytes beta + (n-1)/n nbytes gamma; 0 for n == 1."""
+    _check_n(n)
+    if n == 1:
+        return 0.0
+    return (2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
+            + (n - 1) / n * nbytes * link.gamma_s_per_byte)
+
+
+def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a binomial-tree reduce to rank 0 followed by a binomial-tree broadcast, whole
+    message per step, no pipelining (Thakur et al. 2005, sections 4.2/4.3):
+    2 ceil(log2 n) (alpha + nbytes beta) + ceil(log2 n) nbytes gamma; 0 for n == 1."""
+    _check_n(n)
+    depth = math.ceil(math.log2(n))
+    return 2 * depth * (link.alpha_s + nbytes * link.beta_s_per_byte) + depth * nbytes * link.gamma_s_per_byte
+
+
+def ps_bytes(nbytes: float, workers: int, shards: int) -> dict[str, float]:
+    """Bytes per step through a parameter server with ``shards`` servers, each holding 1/shards of
+    the parameters: a worker pushes its gradient and pulls the parameters (nbytes each way); a
+    server receives and sends workers * nbytes / shards."""
+    _check_n(workers, "workers")
+    _check_n(shards, "shards")
+    server = workers * nbytes / shards
+    return {"worker_sent": float(nbytes), "worker_received": float(nbytes),
+            "server_received": server, "server_sent": server}
+
+
+def ps_step_s(nbytes: float, workers: int, shards: int, link: Link) -> float:
+    """Seconds of one synchronous push + pull, every machine with its own ``link``.
+
+    Push, then the servers reduce and update, then pull. Each phase lasts as long as its busiest
+    end: a server receives (sends) ``workers`` messages of nbytes/shards, which arrive concurrently
+    (one alpha), i.e. ``alpha + workers nbytes/shards beta``; a worker sends (receives) one message
+    per shard, i.e. ``shards alpha + nbytes beta``. The server then sums ``workers`` gradients of
+    nbytes/shards and applies the result: ``workers nbytes/shards gamma`` ((workers-1) adds + 1
+    update). Total: ``2 max(server phase, worker phase) + workers nbytes/shards gamma``.
+    """
+    b = ps_bytes(nbytes, workers, shards)
+    server_phase = link.alpha_s + b["server_received"] * link.beta_s_per_byte
+    worker_phase = shards * link.alpha_s + nbytes * link.beta_s_per_byte
+    return 2 * max(server_phase, worker_phase) + b["server_received"] * link.gamma_s_per_byte
+
+
+def make_buckets(param_bytes_backward_order: Sequence[int], bucket_bytes: float) -> list[int]:
+    """Greedy DDP-like buckets (bytes each) in the order gradients become ready: parameters are
+    added to the open bucket, never split; a bucket closes once it holds >= ``bucket_bytes``; the
+    last one may be smaller. (DDP also caps its first bucket at 1 MiB; not modelled.)"""
+    if not bucket_bytes > 0:
+        raise UsageError(f"bucket size {bucket_bytes} bytes must be > 0")
+    buckets, open_bytes = [], 0
+    for p in param_bytes_backward_order:
+        open_bytes += p
+        if open_bytes >= bucket_bytes:
+            buckets.append(open_bytes)
+            open_bytes = 0
+    if open_bytes:
+        buckets.append(open_bytes)
+    return buckets
+
+
+def overlapped_step_s(*, forward_s: float, backward_s: float, other_s: float, bucket_bytes: Sequence[int],
+                      comm_s: Callable[[float], float]) -> tuple[float, float]:
+    """(step_s, exposed_comm_s) with each bucket's all-reduce overlapping the rest of backward.
+
+    Backward produces gradient bytes at a constant rate, buckets in order: bucket i is ready at
+    ``backward_s * cumulative_bytes_i / total_bytes`` after backward starts; its all-reduce starts
+    at max(ready_i, end of all-reduce i-1) (one collective at a time, as DDP) and lasts
+    ``comm_s(bytes_i)``. step = forward + max(backward, last all-reduce end) + other;
+    exposed = step - (forward + backward + other) = max(0, last end - backward).
+    """
+    total = sum(bucket_bytes)
+    end, cumulative = 0.0, 0
+    for b in bucket_bytes:
+        cumulative += b
+        ready = backward_s * (cumulative / total) if total else backward_s
+        end = max(ready, end) + comm_s(b)
+    exposed = max(0.0, end - backward_s)
+    return forward_s + backward_s + other_s + exposed, exposed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One replica's step, measured on one device (seconds per step) and its gradients.
+
+    param_bytes: gradient bytes per parameter in the order gradients become ready in backward
+    (reverse module order is fine); tokens_per_step: target tokens (words) per replica per step.
+    """
+
+    forward_s: float
+    backward_s: float
+    data_s: float
+    optimizer_s: float
+    param_bytes: tuple[int, ...]
+    tokens_per_step: int
+
+    def __post_init__(self) -> None:
+        for key in ("forward_s", "backward_s", "data_s", "optimizer_s"):
+            if not getattr(self, key) >= 0:
+                raise UsageError(f"Workload.{key} = {getattr(self, key)} must be >= 0 seconds")
+        if any(p < 0 for p in self.param_bytes):
+            raise UsageError("Workload.param_bytes must all be >= 0")
+        if not self.tokens_per_step > 0:
+            raise UsageError(f"Workload.tokens_per_step = {self.tokens_per_step} must be > 0")
+
+    def local_s(self, compute_scale: float = 1.0) -> float:
+        """Seconds of one step without communication: (forward + backward + data + optimizer) * scale."""
+        return (self.forward_s + self.backward_s + self.data_s + self.optimizer_s) * compute_scale
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step at world_size ``n`` (weak scaling: per-replica batch fixed).
+
+    compute_s: step without communication; exposed_comm_s = step_s - compute_s; words_per_s:
+    n * tokens_per_step / step_s; speedup S(N) against one device; efficiency S(N)/N;
+    bucket_mb: MiB (0.0 for "ps", which has no buckets).
+    """
+
+    n: int
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    words_per_s: float
+    speedup: float
+    efficiency: float
+    bucket_mb: float
+    algorithm: str
+
+
+def _collective(algorithm: str) -> Callable[[float, int, Link], float]:
+    if algorithm == "ring":
+        return ring_allreduce_s
+    if algorithm == "tree":
+        return tree_allreduce_s
+    raise UsageError(f"algorithm = {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+
+
+def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_mb: float | None = None,
+            num_ps: int = 1, compute_scale: float = 1.0) -> Prediction:
+    """Predict one step of ``n`` replicas over ``link``.
+
+    "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
+    and optimizer are not overlapped); ``bucket_mb`` None picks one with :func:`pick_bucket`.
+    "ps": ``num_ps`` server shards, no overlap: step = local + :func:`ps_step_s`. n == 1 is one
+    device: no communication for any algorithm. ``compute_scale`` multiplies the four measured
+    times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1.
+    """
+    _check_n(n)
+    _check_n(num_ps, "num_ps")
+    if not compute_scale > 0:
+        raise UsageError(f"compute_scale = {compute_scale} must be > 0")
+    if algorithm not in ALGORITHMS:
+        _collective(algorithm)  # raises with the list of algorithms
+    compute_s = w.local_s(compute_scale)
+    if algorithm == "ps":
+        bucket_mb = 0.0
+        step_s = compute_s + (ps_step_s(sum(w.param_bytes), n, num_ps, link) if n > 1 else 0.0)
+    else:
+        if bucket_mb is None:
+            bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale)
+        collective = _collective(algorithm)
+        step_s, _ = overlapped_step_s(
+            forward_s=w.forward_s * compute_scale, backward_s=w.backward_s * compute_scale,
+            other_s=(w.data_s + w.optimizer_s) * compute_scale,
+            bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB), comm_s=lambda b: collective(b, n, link))
+    words_per_s = n * w.tokens_per_step / step_s
+    speedup = words_per_s / (w.tokens_per_step / w.local_s())
+    return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n,
+                      float(bucket_mb), algorithm)
+
+
+def pick_bucket(w: Workload, n: int, link: Link, algorithm: str = "ring",
+                candidates_mb: Sequence[float] = BUCKET_CANDIDATES_MB, *, compute_scale: float = 1.0) -> float:
+    """The candidate bucket size (MiB) with the least predicted step time; ties go to the larger."""
+    if not candidates_mb:
+        raise UsageError("candidates_mb is empty; give at least one bucket size in MiB")
+    steps = {mb: predict(w, n, link, algorithm=algorithm, bucket_mb=mb, compute_scale=compute_scale).step_s
+             for mb in candidates_mb}
+    return float(min(sorted(steps, reverse=True), key=steps.__getitem__))
+
+
+def predict_curve(w: Workload, link: Link, ns: Sequence[int], **kw) -> list[Prediction]:
+    """:func:`predict` for each world_size in ``ns`` (same keyword arguments)."""
+    return [predict(w, n, link, **kw) for n in ns]
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float], n: int,
+                   gamma_s_per_byte: float = 0.0) -> tuple[float, float]:
+    """(alpha_s, beta_s_per_byte) from measured ring all-reduce times of ``n`` ranks.
+
+    Model: t = 2(n-1) alpha + (2(n-1)/n beta + (n-1)/n gamma) bytes, gamma known. Least squares
+    of the *relative* error (each row divided by its measured t), so 4-byte messages weigh as much
+    as 64 MiB ones; constrained to alpha, beta >= 0 (if the free fit is negative, the best fit
+    with that parameter at 0). Exact on noise-free data. Needs n >= 2, >= 2 distinct sizes, t > 0.
+    """
+    _check_n(n)
+    x, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    if n < 2 or x.shape != t.shape or len(np.unique(x)) < 2 or not np.all(t > 0):
+        raise UsageError(f"fit_alpha_beta needs n >= 2 (got {n}), >= 2 distinct sizes (got {len(np.unique(x))}) "
+                         f"and as many positive times (got {t.size})")
+    y = (t - (n - 1) / n * gamma_s_per_byte * x) / t
+    a = np.column_stack([np.full_like(x, 2 * (n - 1)), 2 * (n - 1) / n * x]) / t[:, None]
+    free = np.linalg.lstsq(a, y, rcond=None)[0]
+    if np.all(free >= 0):
+        return float(free[0]), float(free[1])
+    fits = []
+    for j in (0, 1):  # one parameter at 0, the other fitted and clamped at 0
+        col = a[:, j]
+        value = max(0.0, float(col @ y / (col @ col)))
+        fits.append((float(np.sum((y - col * value) ** 2)), j, value))
+    _, j, value = min(fits)
+    return (value, 0.0) if j == 0 else (0.0, value)
+
+
+def scaling(words_per_s: Mapping[int, float], baseline_words_per_s: float) -> dict[int, dict[str, float]]:
+    """{n: {"speedup": S, "efficiency": S/n}} with S(N) = t(1)/t(N), t the time to train a fixed
+    number of words, i.e. words_per_s(N) / baseline_words_per_s (the one-device rate)."""
+    if not baseline_words_per_s > 0:
+        raise UsageError(f"baseline words/s = {baseline_words_per_s} must be > 0")
+    out = {}
+    for n, wps in words_per_s.items():
+        _check_n(n)
+        s = wps / baseline_words_per_s
+        out[n] = {"speedup": s, "efficiency": s / n}
+    return out
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured; raises UsageError for measured == 0."""
+    if measured == 0:
+        raise UsageError("relative error against a measured value of 0 is undefined")
+    return (predicted - measured) / measured
