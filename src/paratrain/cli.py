@@ -1,4 +1,4 @@
-"""``paratrain`` command line: train, launch, data.
+"""``paratrain`` command line: train, launch, bench, predict, data, devices.
 
 Every subcommand turns bad input into one line on stderr
 (``paratrain: error: ...``) and exit code 2, before anything is written.
@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
     ln.add_argument("script")
     ln.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    from .bench.commands import add_bench_parser, add_predict_parser
+
+    add_bench_parser(sub)
+    add_predict_parser(sub)
     sub.add_parser("devices", help="list the devices this machine has",
                    description="List the CPU (cores) and every visible CUDA device (memory).")
     d = sub.add_parser("data", help="check (and download) a corpus",
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "launch":
             return cmd_launch(args)
+        if args.command in ("bench", "predict"):
+            from .bench import commands
+
+            return commands.cmd_bench(args) if args.command == "bench" else commands.cmd_predict(args)
         if args.command == "data":
             return cmd_data(args)
         if args.command == "devices":

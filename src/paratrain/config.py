@@ -118,12 +118,13 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps; 0 = only at epoch end
     log_every: int = 50  # steps between metric records
     eval_every: int = 0  # steps between validations; 0 = only at epoch end
+    timing_warmup_steps: int = 5  # steps left out of the step-time breakdown in the summary
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accumulation", "log_every"):
             _at_least("train", key, getattr(self, key), 1)
         for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
-                    "decay_start_epoch", "plateau_patience", "eval_every"):
+                    "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps"):
             _at_least("train", key, getattr(self, key), 0)
         _choice("train", "lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
         _choice("train", "optimizer", self.optimizer, ("sgd", "adam"))

@@ -104,29 +104,35 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
 
         Called by every worker independently (no collective among workers).
         """
-        if self.gated:
-            t0 = time.perf_counter()
+        c, spans = self.clock, []
+        if self.gated:  # bounded staleness: wait for admission (other workers), then pull
+            t0 = c.mark()
             rpc.rpc_sync(self.servers[0], rpc_api.gate_request, args=(self.env.rank,))
-            self.wait_s += time.perf_counter() - t0
+            t1 = c.mark()
             self._pull()
-        t0 = time.perf_counter()
+            spans += [("idle", t0, t1), ("comm", t1, c.mark())]
         total = None
         for mb in micro_batches:
+            t0 = c.mark()
             loss = loss_fn(self.model, mb)
+            t1 = c.mark()
             loss.backward()
+            spans += [("forward", t0, t1), ("backward", t1, c.mark())]
             total = loss.detach() if total is None else total + loss.detach()
-        t1 = time.perf_counter()
         norm, server_clip = None, clip
         if self.mode == "async" and clip > 0:  # the worker has the whole gradient of its update
+            t0 = c.mark()
             norm = nn.utils.clip_grad_norm_(self.params, clip, foreach=True)
             server_clip = 0.0
+            spans.append(("optimizer", t0, c.mark()))
+        t1 = time.perf_counter()
+        m1 = c.mark()
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for p in self.params]
         lr = self.optimizer.param_groups[0]["lr"]
         futs = [rpc.rpc_async(srv, rpc_api.push,
                               args=(k, self.env.rank, self.versions[k], [grads[i] for i in self.shards[k]], lr, server_clip))
                 for k, srv in enumerate(self.servers)]
         answers = [f.wait() for f in futs]
-        t2 = time.perf_counter()
         if not self.gated:
             self._load(answers)
         else:
@@ -135,8 +141,19 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
                 raise RuntimeError(f"[rank {self.env.rank}] {errors[0]}")
         for p in self.params:
             p.grad = None
-        self.wait_s += t2 - t1
-        return StepResult(total, norm, t1 - t0, t2 - t1)
+        self.wait_s += time.perf_counter() - t1
+        m2 = c.mark()
+        # push + (servers' update) + answer: ps-sync waits here for the slowest worker
+        spans.append(("comm", m1, m2))
+        return StepResult(total, norm, spans, (m1, m2) if self.mode == "sync" else None)
+
+    def peer_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """ps-sync without backup workers: the workers move in lock-step, max over the worker
+        group. Otherwise workers are at different steps: no per-step comparison (identity)."""
+        if self.mode == "sync" and not self.options.get("backup_workers") and self.worker_group is not None \
+                and self.env.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.worker_group)
+        return tensor
 
     # ---- state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

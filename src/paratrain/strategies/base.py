@@ -15,15 +15,15 @@ Optional abilities are mixins checked with ``isinstance``:
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
 
+from ..bench.timing import StepClock
 from ..env import DistEnv
 
 
@@ -31,13 +31,15 @@ from ..env import DistEnv
 class StepResult:
     """loss: sum of the micro-batch losses on this replica (detached, 0-dim).
     grad_norm: global L2 norm of the merged gradient before clipping (0-dim), or
-    None when clipping is off. compute_s, update_s: wall seconds of
-    forward+backward (communication included where it overlaps) and of clip+update."""
+    None when clipping is off. spans: labelled (label, start, end) marks of
+    ``self.clock`` (labels in :data:`paratrain.bench.timing.CATEGORIES`).
+    collective: (start, end) marks of the gradient merge that waits for the other
+    replicas, or None (no such wait); the loop uses it to split idle time off."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor | None
-    compute_s: float
-    update_s: float
+    spans: list = field(default_factory=list)
+    collective: tuple | None = None
 
 
 class NoSyncMixin:
@@ -67,6 +69,15 @@ class Strategy(ABC):
         self.model: nn.Module | None = None  # the wrapped model (what forward is called on)
         self.module: nn.Module | None = None  # the plain model (state dicts, evaluation)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._clock: StepClock | None = None
+        self._grads_ready = None  # mark set by a communication hook when the last gradient bucket is ready
+
+    @property
+    def clock(self) -> StepClock:
+        """The clock the step's spans are marked on (CUDA events on a GPU device)."""
+        if self._clock is None:
+            self._clock = StepClock(self.device)
+        return self._clock
 
     @property
     def num_replicas(self) -> int:
@@ -109,22 +120,32 @@ class Strategy(ABC):
         global-norm clipping to ``clip`` (0 = off; Pascanu et al. 2013), the
         optimizer update and ``zero_grad``. Every rank must call it (collective).
         """
-        t0 = time.perf_counter()
+        c, spans = self.clock, []
+        self._grads_ready = None
         total = None
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             ctx = self.no_sync() if (i < last and isinstance(self, NoSyncMixin)) else nullcontext()
             with ctx:
+                t0 = c.mark()
                 loss = loss_fn(self.model, mb)
+                t1 = c.mark()
                 loss.backward()
+                t2 = c.mark()
+            spans += [("forward", t0, t1), ("backward", t1, t2)]
             total = loss.detach() if total is None else total + loss.detach()
-        t1 = time.perf_counter()
+        collective = None
+        if self._grads_ready is not None:  # DDP: backward() returned after the all-reduce finished
+            spans[-1] = ("backward", t1, self._grads_ready)
+            spans.append(("comm", self._grads_ready, t2))
+            collective = (self._grads_ready, t2)
         norm = None
         if clip > 0:
             norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, norm, t1 - t0, time.perf_counter() - t1)
+        spans.append(("optimizer", t2, c.mark()))
+        return StepResult(total, norm, spans, collective)
 
     # collectives: every rank must call them, in the same order
     @abstractmethod
@@ -146,6 +167,11 @@ class Strategy(ABC):
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Load a whole-model optimizer state_dict (from any strategy)."""
         self.optimizer.load_state_dict(state)
+
+    def peer_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over the replicas that wait for each other every step (collective
+        among them; used to split idle time off communication). Default: ``all_reduce(max)``."""
+        return self.all_reduce(tensor, "max")
 
     def metrics(self) -> dict[str, float]:
         """Strategy-specific numbers for the metrics file and summary (rank 0 reads them)."""

@@ -19,7 +19,6 @@ micro-step j gets micro-batch ``j*towers + t``).
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -74,7 +73,8 @@ class Replicate(SingleDevice):
         T = self.towers
         if len(micro_batches) % T:
             raise ValueError(f"{len(micro_batches)} micro-batches for {T} towers")
-        t0 = time.perf_counter()
+        c = self.clock
+        t0 = c.mark()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for j in range(0, len(micro_batches), T):
             group = micro_batches[j:j + T]
@@ -84,11 +84,12 @@ class Replicate(SingleDevice):
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(T)
-        t1 = time.perf_counter()
+        t1 = c.mark()
         norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True) if clip > 0 else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, norm, t1 - t0, time.perf_counter() - t1)
+        # towers overlap in threads: forward and backward are one "compute" span
+        return StepResult(total, norm, [("compute", t0, t1), ("optimizer", t1, c.mark())])
 
     def _run_cpu_towers(self, group: Sequence[Any], loss_fn: Callable) -> list[torch.Tensor]:
         out: list[Any] = [None] * len(group)

@@ -19,6 +19,7 @@ from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_
                     ensure_corpus, load_corpus, sentence_eval_batches)
 from ..devices import (Placement, apply_memory_controls, apply_placement, format_placement_log, peak_memory_bytes,
                        resolve_list)
+from ..bench.timing import RankTimer, breakdown
 from ..env import DistEnv
 from ..faults import inject as inject_faults
 from ..faults import parse as parse_faults
@@ -94,6 +95,9 @@ class Trainer:
         self._log_words = 0
         self.train_time_s = 0.0
         self.results: dict[str, float] = {}
+        self.timer = RankTimer(self.strategy.clock)
+        self._interval_start = 0  # first step of the current logging interval
+        self._measured_words, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
 
     @property
     def micro_per_step(self) -> int:
@@ -162,6 +166,7 @@ class Trainer:
                                    c[:, lo:lo + per_micro].to(self.env.device, dt).contiguous())
 
     def save(self) -> None:
+        self.timer.reset_arrival()  # time spent here is not waiting in the next step's collective
         hidden = self._full_hidden()  # collective: every rank
         if self.env.is_main:
             state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
@@ -185,6 +190,7 @@ class Trainer:
         self.step, self.epoch, self.batch_index = state["step"], state["epoch"], state["batch_index"]
         self.words, self.train_time_s = state.get("words", 0), state.get("train_time_s", 0.0)
         self._log_words = self.words
+        self._interval_start = self.step
         self._restore_hidden(state.get("hidden", {}))
         self.say(f"resumed from {path.name}: step {self.step}, epoch {self.epoch}, batch {self.batch_index}")
         if self.log:
@@ -194,6 +200,7 @@ class Trainer:
     def evaluate(self, split_name: str) -> float:
         """Perplexity of a whole split; every rank must call it (all-reduce)."""
         d, env = self.cfg.data, self.env
+        self.timer.reset_arrival()
         split = self.valid_split if split_name == "valid" else self.test_split
         rank, world = env.rank, env.world_size
         if isinstance(self.strategy, IndependentReplicasMixin):  # no collectives: rank 0 evaluates alone
@@ -216,18 +223,32 @@ class Trainer:
         return loss
 
     # ---- training ----------------------------------------------------------
+    def _step_times(self) -> tuple[dict[str, float], bool]:
+        """Resolve this interval's step spans, split idle off communication (collective among
+        the replicas that wait for each other) and return the interval's mean ms per step."""
+        arrivals = self.timer.flush()
+        peak = self.strategy.peer_max(torch.tensor(arrivals, dtype=torch.float64, device=self.env.device)).cpu()
+        counted = self._interval_start >= self.cfg.train.timing_warmup_steps
+        self._interval_start = self.step
+        return self.timer.finish_interval(arrivals, peak.tolist(), counted), counted
+
     def _log_train(self, t_last: float, words_last: int, lr: float, bar) -> None:
-        """Global mean training loss since the last record (collective), words/s."""
+        """Global mean training loss since the last record (collective), words/s, step time breakdown."""
+        times, counted = self._step_times()
         ce, n = self.task.take_log_counts()
         acc = self.strategy.all_reduce(torch.stack([ce.to(self.env.device), ce.new_tensor(float(n)).to(self.env.device)]))
         loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
         if not self.log:
             return
         words = self.strategy.words_trained(self.words, self.step)
-        wps = (words - words_last) / max(self.train_time_s - t_last, 1e-9)
+        dt = max(self.train_time_s - t_last, 1e-9)
+        wps = (words - words_last) / dt
+        if counted:
+            self._measured_words += words - words_last
+            self._measured_time_s += dt
         self._log_words = words
         self.log.write("train", self.step, epoch=self.epoch, loss=loss, ppl=perplexity(loss), lr=lr, words_per_s=wps,
-                       **self.strategy.metrics())
+                       **{k: round(v, 4) for k, v in times.items()}, **self.strategy.metrics())
         if bar is not None:
             bar.set_postfix_str(f"loss {loss:.3f} | ppl {perplexity(loss):.1f} | lr {lr:.3g} | {wps:,.0f} words/s")
 
@@ -245,22 +266,32 @@ class Trainer:
         lr = self.schedule.lr(self.step, self.epoch)
         slow_s = self.cfg.dist.slow_ms / 1000 if env.rank == self.cfg.dist.slow_rank else 0.0
         faults = parse_faults(self.cfg.dist.fault)
+        clock, it = self.strategy.clock, iter(source)
         try:
             tick = time.perf_counter()
-            for sb in source:
+            while True:
+                m0 = clock.mark()
+                sb = next(it, None)
+                if sb is None:
+                    break
+                m1 = clock.mark()
+                spans = [("data", m0, m1)]
                 lr = self.schedule.apply(self.strategy.optimizer, self.step, self.epoch)
                 self.task.norm = sb.global_tokens / self.strategy.num_replicas
                 if self.cfg.model.dropout > 0:  # dropout masks depend on (seed, rank, step) only: exact resume
                     torch.manual_seed(t.seed * 1_000_003 + env.rank * 7919 + self.step)
-                if slow_s:  # straggler injection (--slow-rank/--slow-ms)
+                if slow_s:  # straggler injection (--slow-rank/--slow-ms): slower compute
+                    m2 = clock.mark()
                     time.sleep(slow_s)
+                    spans.append(("compute", m2, clock.mark()))
                 if faults:
                     inject_faults(faults, env.rank, self.step)
-                self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
+                res = self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
                 self.step, self.batch_index = self.step + 1, sb.index + 1
                 self.words += sb.global_tokens
                 if bar is not None:
                     bar.update(1)
+                self.timer.add(self.step - 1, m0, clock.mark(), spans + res.spans, res.collective)
                 stop = self.strategy.finished(self.step, self.total_steps)
                 if self.step % t.log_every == 0 or stop or self.batch_index == self.stream.steps_per_epoch:
                     _sync(env.device)
@@ -315,25 +346,47 @@ class Trainer:
 
     def _finish(self, wall_s: float) -> dict[str, float]:
         t, env = self.cfg.train, self.env
+        words = self.strategy.words_trained(self.words, self.step) if self.log else 0
         summary = {
             "strategy": self.cfg.dist.strategy, "world_size": env.world_size, "global_batch": t.batch_size,
             "per_replica_batch": t.batch_size // self.strategy.num_replicas, "steps": self.step,
             "epochs": round(self.step / self.stream.steps_per_epoch, 3),
             "valid_ppl": self.results.get("valid_ppl", math.nan), "test_ppl": self.results.get("test_ppl", math.nan),
-            "words_per_s": self.strategy.words_trained(self.words, self.step) / max(self.train_time_s, 1e-9),
+            "words_per_s": words / max(self.train_time_s, 1e-9),
+            "words_per_s_after_warmup": (self._measured_words / self._measured_time_s
+                                         if self._measured_time_s > 0 else math.nan),
             "wall_time_s": wall_s,
             "device": str(env.device), "backend": env.backend if env.world_size > 1 else "-",
             "threads_per_process": torch.get_num_threads(),
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
         }
+        timing = self.timer.summary()
+        self._write_timing(timing)
+        summary.update({k: round(v, 3) for k, v in breakdown(timing).items()})
+        summary["timed_steps"] = timing["measured_steps"]
+        # wall time per measured step by the throughput clock (logging included): what the breakdown must add up to
+        summary["train_step_ms"] = (1000.0 * self._measured_time_s / timing["measured_steps"]
+                                    if timing["measured_steps"] and self.log else math.nan)
         if self.log:
             summary.update(self.strategy.metrics())
-        if self.log:
             self.log.write("summary", self.step, **summary)
         if self.log and self.verbose:
             rows = [("run dir", str(self.run_dir)), *summary.items()]
             print(format_summary(rows), flush=True)
         return summary
+
+    def _write_timing(self, timing: dict[str, float]) -> None:
+        """Every rank writes its own step-time summary (``timing/rank<R>.json``): parameter-server
+        workers share no collective to gather them, and the bench report reads all ranks."""
+        import json
+
+        folder = self.run_dir / "timing"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"rank": self.env.rank, "world_size": self.env.world_size, "strategy": self.cfg.dist.strategy,
+                  "warmup_steps": self.cfg.train.timing_warmup_steps, **timing}
+        tmp = folder / f".rank{self.env.rank}.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(folder / f"rank{self.env.rank}.json")
 
     def close(self) -> None:
         """Close metric files and release the strategy (every rank)."""

@@ -1,0 +1,252 @@
+"""``paratrain bench`` and ``paratrain predict``: flags -> sweep / prediction -> files and tables."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from ..errors import UsageError
+from .sweep import BenchSpec, plan_runs, run_sweep
+
+DEFAULT_CONFIG = "configs/ptb_small.toml"
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated integers, e.g. {flag} 1,2,4") from None
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure speedup and scaling efficiency (a sweep of training runs)",
+                       description="Run a sweep (strategies x N x batch) of short training runs on real data; "
+                                   "write results.json, report.md and PNG plots.")
+    b.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"TOML recipe (default {DEFAULT_CONFIG})")
+    b.add_argument("--strategies", default="single,allreduce", help="comma-separated (default single,allreduce)")
+    b.add_argument("--nproc", default="1,2", help="replica counts N, comma-separated (default 1,2)")
+    b.add_argument("--batch", default="", help="per-replica batches (weak) / global batches (strong); "
+                                               "default the recipe's train.batch_size")
+    b.add_argument("--scaling", default="weak,strong", help="weak, strong or weak,strong (default both)")
+    b.add_argument("--steps", type=int, default=100, help="optimizer steps per run (default 100)")
+    b.add_argument("--warmup", type=int, default=20, help="steps left out of every measurement (default 20)")
+    b.add_argument("--repeats", type=int, default=1, help="runs per point; words/s is the median (default 1)")
+    b.add_argument("--num-ps", type=int, default=1, help="parameter servers for ps-* strategies (default 1)")
+    b.add_argument("--out", type=Path, help="output folder (default runs/bench-<time>); must not exist")
+    b.add_argument("--validate-model", action="store_true",
+                   help="also run allreduce at N = 1, 2, 4 and compare with the cost model's predictions")
+    b.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
+    b.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
+    b.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override passed to every run; repeatable")
+
+
+def add_predict_parser(sub) -> None:
+    from .costmodel import ALGORITHMS, PRESETS
+
+    p = sub.add_parser("predict", help="predict scaling with the alpha-beta cost model",
+                       description="Predict step time, words/s and scaling efficiency for N = 1, 2, 4, ... up to "
+                                   "--nproc from a measured single-device step and an interconnect.")
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"TOML recipe (default {DEFAULT_CONFIG})")
+    p.add_argument("--nproc", type=int, default=1024, help="largest N (default 1024)")
+    p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
+                   help="link preset, or 'measured' (fit a gloo all-reduce micro-benchmark here)")
+    p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")
+    p.add_argument("--num-ps", type=int, default=1, help="parameter-server shards for --algorithm ps")
+    p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
+    p.add_argument("--from-bench", type=Path, metavar="DIR",
+                   help="take the single-device step from a bench folder instead of measuring it now")
+    p.add_argument("--steps", type=int, default=60, help="steps of the single-device measurement (default 60)")
+    p.add_argument("--plot", type=Path, help="write the words/s and efficiency curves to this PNG")
+    p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+
+
+def _load_config(path: str, overrides: list[str]):
+    from .. import config
+
+    if not Path(path).is_file():
+        raise UsageError(f"config {path!r} does not exist; give a TOML recipe such as {DEFAULT_CONFIG}")
+    return config.load(path, overrides)
+
+
+def _machine() -> dict:
+    import torch
+
+    from ..env import available_cores
+
+    dev = (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+           else "no GPU")
+    return {"cpu_cores": available_cores(), "device": dev, "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def _vocab_size(cfg, data_dir: str | None) -> int:
+    from ..data import ensure_corpus, load_corpus
+
+    return len(load_corpus(ensure_corpus(cfg.data.corpus, data_dir, allow_download=False)).vocab)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import report
+
+    cfg = _load_config(args.config, args.overrides)
+    spec = BenchSpec(config=args.config, strategies=tuple(s for s in args.strategies.split(",") if s),
+                     nprocs=_ints(args.nproc, "--nproc"), batches=_ints(args.batch, "--batch"),
+                     scaling=tuple(s for s in args.scaling.split(",") if s), steps=args.steps,
+                     warmup_steps=args.warmup, repeats=args.repeats, num_ps=args.num_ps,
+                     overrides=tuple(args.overrides), timeout_s=args.timeout_s, data_dir=args.data_dir,
+                     validate_model=args.validate_model)
+    out = args.out or Path("runs") / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out} already exists and is not empty; choose a new folder")
+    vocab = _vocab_size(cfg, args.data_dir)  # fails early (exit 2) when the corpus is missing
+    plans = plan_runs(spec, cfg.train.batch_size)
+    print(f"[bench] {len(plans)} runs of {spec.steps} steps ({spec.warmup_steps} warm-up) -> {out}", flush=True)
+    outcomes = run_sweep(spec, plans, out)
+    records = [report.run_record(o) for o in outcomes]
+    results = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(),
+               "command": "paratrain " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+               "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+               "runs": records, "scaling": report.scaling_rows(records, spec, cfg.train.batch_size)}
+    if spec.validate_model:
+        results["model_validation"] = _validate(records, spec, cfg, vocab)
+    for path in report.write(results, out):
+        print(f"[bench] wrote {path}")
+    print(report.markdown(results))
+    failed = [r["name"] for r in records if not r["ok"]]
+    if failed:
+        print(f"paratrain: bench: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _tokens_per_step(cfg, per_replica_batch: int) -> int:
+    if cfg.data.mode != "bptt":
+        raise UsageError("the cost model needs data.mode = 'bptt' (a fixed number of words per step)")
+    return per_replica_batch * cfg.data.bptt
+
+
+def _validate(records: list[dict], spec: BenchSpec, cfg, vocab: int) -> dict:
+    from ..env import available_cores
+    from .microbench import measured_link
+    from .validate import model_gradient_bytes, validate, workload_from_record
+
+    b = (spec.batches or (cfg.train.batch_size,))[0]
+    cores = available_cores()
+    grads, tokens = model_gradient_bytes(cfg, vocab), _tokens_per_step(cfg, b)
+
+    def median_rec(strategy, n, g, threads):
+        ok = sorted((r for r in records if r["ok"] and (r["strategy"], r["n"], r["global_batch"], r["threads"])
+                     == (strategy, n, g, threads)), key=lambda r: r["train_step_ms"])
+        return ok[(len(ok) - 1) // 2] if ok else None
+
+    base, one = median_rec("single", 1, b, None), median_rec("single", 1, b, 1)
+    if base is None or one is None:
+        return {"note": "the single-device runs failed; no validation", "points": {}}
+    workloads = {base["threads_per_process"]: workload_from_record(base, grads, tokens),
+                 1: workload_from_record(one, grads, tokens)}
+    print("[bench] fitting the link: gloo all-reduce micro-benchmark (2 processes)", flush=True)
+    link = measured_link(2)
+    points = {n: r for n in (1, 2, 4) if (r := median_rec("allreduce", n, b * n, None)) is not None}
+    return validate(points, workloads, link, cores, cfg.dist.bucket_mb)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from .costmodel import PRESETS, predict_curve
+    from .validate import model_gradient_bytes, workload_from_record
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc}: use 1 or more")
+    if args.num_ps < 1:
+        raise UsageError(f"--num-ps {args.num_ps}: use 1 or more")
+    cfg = _load_config(args.config, args.overrides)
+    vocab = _vocab_size(cfg, args.data_dir)
+    rec, source = _single_step(args, cfg)
+    tokens = _tokens_per_step(cfg, cfg.train.batch_size)
+    w = workload_from_record(rec, model_gradient_bytes(cfg, vocab), tokens)
+    if args.interconnect == "measured":
+        from .microbench import measured_link
+
+        print("[predict] fitting the link: gloo all-reduce micro-benchmark (2 processes)", flush=True)
+        link = measured_link(2)
+    else:
+        link = PRESETS[args.interconnect]
+    ns = [2 ** k for k in range(int(math.log2(args.nproc)) + 1)]
+    if ns[-1] != args.nproc:
+        ns.append(args.nproc)
+    preds = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb, num_ps=args.num_ps)
+    bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
+    print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} x bptt {cfg.data.bptt} = {tokens} "
+          f"words/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
+          f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
+          f"algorithm {args.algorithm}; weak scaling, each replica on a device like the measured one")
+    print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {'words/s':>14} {'speedup':>9} {'efficiency':>10} {'bucket MB':>9}")
+    for p in preds:
+        print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
+              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {p.bucket_mb:>9g}")
+    if args.algorithm != "ps":
+        print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
+    if args.plot:
+        _plot_curve(preds, args.plot, f"{link.name}, {args.algorithm}")
+        print(f"[predict] wrote {args.plot}")
+    return 0
+
+
+def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:
+    """The single-device run record to predict from: from a bench folder, or measured now."""
+    import json
+
+    from .report import run_record
+
+    if args.from_bench:
+        path = args.from_bench / "results.json"
+        if not path.is_file():
+            raise UsageError(f"--from-bench {args.from_bench}: no results.json there; give a paratrain bench folder")
+        recs = [r for r in json.loads(path.read_text())["runs"]
+                if r["ok"] and r["strategy"] == "single" and r["threads"] is None
+                and r["global_batch"] == cfg.train.batch_size]
+        if not recs:
+            raise UsageError(f"--from-bench {args.from_bench}: no single-device run at batch {cfg.train.batch_size}")
+        return recs[0], f"from {path}"
+    warm = max(1, args.steps // 3)
+    spec = BenchSpec(config=args.config, strategies=("single",), nprocs=(1,), scaling=("weak",), steps=args.steps,
+                     warmup_steps=warm, overrides=tuple(args.overrides), data_dir=args.data_dir)
+    print(f"[predict] measuring one device: {args.steps} steps of single", flush=True)
+    with tempfile.TemporaryDirectory(prefix="paratrain-predict-") as tmp:
+        outcome = run_sweep(spec, plan_runs(spec, cfg.train.batch_size), Path(tmp), progress=False)[0]
+        if not outcome.ok:
+            log = (Path(tmp) / "logs").glob("*.log")
+            tail = "".join(p.read_text()[-600:] for p in log)
+            raise UsageError(f"the single-device measurement failed (exit {outcome.rc}): {tail.strip()[-300:]}")
+        return run_record(outcome), f"measured now, {args.steps} steps"
+
+
+def _plot_curve(preds, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ns = [p.n for p in preds]
+    a.plot(ns, [p.words_per_s for p in preds], marker="o", label="predicted")
+    a.plot(ns, [preds[0].words_per_s * n for n in ns], linestyle=":", color="grey", label="linear")
+    a.set_yscale("log")
+    a.set_ylabel("words/s")
+    b.plot(ns, [p.efficiency for p in preds], marker="o")
+    b.set_ylabel("scaling efficiency S(N)/N")
+    b.set_ylim(0, 1.05)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (replicas)")
+        ax.set_title(title)
+    a.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

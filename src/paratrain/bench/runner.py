@@ -1,0 +1,74 @@
+"""Run one benchmark command in its own process group, with a log file and a timeout that
+ends the whole process tree (torchrun starts each worker in a session of its own).
+
+Used by ``paratrain bench`` and by the scripts in ``benchmarks/``."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Linux /proc). torchrun starts each worker in a session of its own,
+    so killing the launcher's process group alone can leave workers and servers behind."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, the run's process group and every process below it (started here)."""
+    below = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for target in [proc.pid, *below]:
+            try:
+                if target == proc.pid:
+                    os.killpg(proc.pid, sig)  # the group started here (start_new_session)
+                else:
+                    os.kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            proc.wait(timeout=15)
+            if sig == signal.SIGTERM:
+                time.sleep(2)  # give torchrun's agent time to end its workers itself
+            below = [p for p in below if Path(f"/proc/{p}").exists()]
+            if not below:
+                return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | str | None = None) -> tuple[int, float]:
+    """Run ``cmd`` in its own process group with output to ``log``; kill it and everything below it
+    on timeout.
+
+    Returns (exit code, wall seconds); exit code 124 means timed out.
+    """
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            rc = 124
+    return rc, time.perf_counter() - t0

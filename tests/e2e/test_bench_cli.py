@@ -1,0 +1,52 @@
+"""``paratrain bench`` and ``paratrain predict`` as a user runs them, on the tiny corpus."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .test_cli import TINY, paratrain
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_two_workers_writes_results_report_and_plots(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    out = tmp_path / "bench"
+    r = paratrain("bench", "tiny.toml", "--strategies", "single,allreduce,ps-sync", "--nproc", "1,2", "--steps", "12",
+                  "--warmup", "4", "--scaling", "weak,strong", "--data-dir", tiny_data, "--out", out, cwd=tmp_path,
+                  timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert all(run["ok"] for run in res["runs"]), [run["name"] for run in res["runs"] if not run["ok"]]
+    for mode in ("weak", "strong"):
+        rows = {(row["strategy"], row["n"]): row for row in res["scaling"][mode]}
+        assert set(rows) == {("single", 1), ("allreduce", 1), ("allreduce", 2), ("ps-sync", 1), ("ps-sync", 2)}
+        assert rows[("single", 1)]["speedup"] == pytest.approx(1.0)
+        two = rows[("allreduce", 2)]
+        assert two["efficiency"] == pytest.approx(two["speedup"] / 2)
+        assert len(two["per_rank_ms"]) == 2 and two["breakdown_ms"]["comm_ms"] > 0
+        assert two["per_replica_batch"] == (4 if mode == "weak" else 2)
+        for key, row in rows.items():  # PS: rank 0's logging asks the servers for statistics (not in a step)
+            assert (0.9 if key[0] != "ps-sync" else 0.6) < row["breakdown_coverage"] < 1.1, row
+    for name in ("report.md", "throughput.png", "efficiency.png", "breakdown.png"):
+        assert (out / name).stat().st_size > 500, name
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+    # the output folder is never overwritten
+    again = paratrain("bench", "tiny.toml", "--data-dir", tiny_data, "--out", out, cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_predict_from_a_measured_step(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = paratrain("predict", "tiny.toml", "--nproc", "16", "--interconnect", "eth25", "--steps", "12",
+                  "--data-dir", tiny_data, "--plot", tmp_path / "curve.png", cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 2, 4, 8, 16]
+    eff = [float(row[5]) for row in rows]
+    assert eff[0] == 1.0 and all(a >= b for a, b in zip(eff, eff[1:]))
+    assert "bucket size it would pick" in r.stdout
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    bad = paratrain("predict", "tiny.toml", "--nproc", "0", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

@@ -1,0 +1,149 @@
+"""Step-time breakdown arithmetic, the bench's run plan and its scaling tables (no processes)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from paratrain.bench.report import markdown, run_record, scaling_rows
+from paratrain.bench.sweep import BenchSpec, RunOutcome, RunPlan, plan_runs, train_command
+from paratrain.bench.timing import RankTimer, StepClock, breakdown, split_idle, summarise_ranks
+from paratrain.bench.validate import cpu_share, validate, workload_from_record
+from paratrain.bench.costmodel import Link
+from paratrain.errors import UsageError
+
+
+class FakeClock(StepClock):
+    """Marks are the numbers we pass in."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+
+def test_split_idle_takes_the_wait_for_the_last_rank_out_of_comm():
+    # rank arrives 3 ms early (max arrival 10, own 7): 3 of its 5 ms of comm are idle
+    assert split_idle([0.005], [0.007], [0.010]) == pytest.approx([0.003])
+    # the last rank to arrive has no idle time
+    assert split_idle([0.005], [0.010], [0.010]) == [0.0]
+    # idle never exceeds the measured comm; NaN arrivals (no collective) give 0
+    assert split_idle([0.002, 0.004], [0.0, math.nan], [0.010, 0.010]) == [0.002, 0.0]
+
+
+def test_rank_timer_sums_spans_and_splits_idle():
+    t = RankTimer(FakeClock())
+    # step 0: data 1, forward 2, backward 3, comm 4 (from 6 to 10), optimizer 1; step ends at 12 (1 s overhead)
+    spans = [("data", 0, 1), ("forward", 1, 3), ("backward", 3, 6), ("comm", 6, 10), ("optimizer", 10, 11)]
+    t.add(0, 0, 12, spans, (6, 10))
+    # step 1 starts at 12: data 1, forward 1, backward 1, comm 15..16 (arrival = 15 - 10 = 5)
+    t.add(1, 12, 17, [("data", 12, 13), ("forward", 13, 14), ("backward", 14, 15), ("comm", 15, 16),
+                      ("optimizer", 16, 17)], (15, 16))
+    arrivals = t.flush()
+    assert arrivals == [6, 5]  # step 0 from its start, step 1 from the end of step 0's all-reduce
+    means = t.finish_interval(arrivals, [8, 5])  # another rank arrived at 8 in step 0
+    assert means["idle_ms"] == pytest.approx(1000 * (2 + 0) / 2)
+    assert means["comm_ms"] == pytest.approx(1000 * (2 + 1) / 2)
+    assert means["step_ms"] == pytest.approx(1000 * (12 + 5) / 2)
+    s = t.summary()
+    assert s["measured_steps"] == 2 and s["data_ms"] == pytest.approx(1000.0)
+    b = breakdown(s)
+    # the parts and "other" add up to the step exactly
+    assert sum(v for k, v in b.items() if k != "step_ms") == pytest.approx(b["step_ms"])
+    assert b["other_ms"] == pytest.approx(500.0)
+
+
+def test_warmup_intervals_are_not_counted():
+    t = RankTimer(FakeClock())
+    t.add(0, 0, 1, [("forward", 0, 1)], None)
+    t.finish_interval(t.flush(), [math.nan], count=False)
+    assert t.summary()["measured_steps"] == 0
+
+
+def test_summarise_ranks_skew_and_slowest():
+    fast = {"step_ms": 10, "forward_ms": 3, "backward_ms": 3, "compute_ms": 0, "comm_ms": 2, "idle_ms": 2,
+            "data_ms": 0, "optimizer_ms": 0}
+    slow = dict(fast, forward_ms=4, backward_ms=4, idle_ms=0)
+    s = summarise_ranks([fast, slow])
+    assert s["slowest_rank"] == 1
+    assert s["compute_skew"] == pytest.approx((8 - 6) / 7)
+    assert s["mean"]["compute_ms"] == pytest.approx(7)
+
+
+def test_plan_dedupes_baselines_and_skips_impossible_strong_points():
+    spec = BenchSpec(config="c.toml", strategies=("single", "allreduce"), nprocs=(1, 2, 3), batches=(20,),
+                     repeats=2)
+    plans = plan_runs(spec, recipe_batch=99)
+    keys = [p.key for p in plans if p.repeat == 0]
+    # weak: single b20, allreduce b20/b40/b60; strong: allreduce 20 at n=1 (same), n=2; n=3 does not divide 20
+    assert keys == [("single", 1, 20, None), ("allreduce", 1, 20, None), ("allreduce", 2, 40, None),
+                    ("allreduce", 3, 60, None), ("allreduce", 2, 20, None)]
+    assert len(plans) == 2 * len(keys)
+
+
+def test_validate_model_adds_its_runs():
+    spec = BenchSpec(config="c.toml", strategies=("allreduce",), nprocs=(2,), scaling=("weak",), validate_model=True)
+    keys = {p.key for p in plan_runs(spec, recipe_batch=10)}
+    assert {("single", 1, 10, 1), ("allreduce", 1, 10, None), ("allreduce", 4, 40, None)} <= keys
+
+
+def test_train_command_of_each_strategy(tmp_path):
+    spec = BenchSpec(config="c.toml", steps=50, warmup_steps=10, num_ps=2)
+    cmd = train_command(spec, RunPlan(strategy="ps-sync", n=3, global_batch=30), tmp_path)
+    assert cmd[cmd.index("--nproc") + 1] == "3" and cmd[cmd.index("--num-ps") + 1] == "2"
+    assert "train.timing_warmup_steps=10" in cmd and "train.log_every=10" in cmd and "train.max_steps=50" in cmd
+    cmd = train_command(spec, RunPlan(strategy="replicate", n=2, global_batch=20), tmp_path)
+    assert cmd[cmd.index("--devices") + 1] == "cpu:0,cpu:1"
+    assert "--nproc" not in train_command(spec, RunPlan(strategy="single", n=1, global_batch=20), tmp_path)
+
+
+@pytest.mark.parametrize("kw, words", [({"strategies": ("nope",)}, "unknown strategy"),
+                                       ({"nprocs": (0,)}, "--nproc"), ({"steps": 10, "warmup_steps": 10}, "--steps"),
+                                       ({"scaling": ("diagonal",)}, "--scaling")])
+def test_bad_specs(kw, words):
+    with pytest.raises(UsageError, match=words):
+        BenchSpec(config="c.toml", **kw)
+
+
+def _outcome(strategy, n, g, step_ms, ranks=None, threads=None):
+    t = {"step_ms": step_ms, "data_ms": 1, "forward_ms": step_ms / 3, "backward_ms": step_ms / 2, "compute_ms": 0,
+         "comm_ms": step_ms / 6 - 2, "idle_ms": 0.5, "optimizer_ms": 0.5, "measured_steps": 10}
+    summary = {"words_per_s_after_warmup": g * 20 / (step_ms / 1000), "train_step_ms": step_ms,
+               "per_replica_batch": g // n, "threads_per_process": 1}
+    return RunOutcome(RunPlan(strategy=strategy, n=n, global_batch=g, threads=threads), 0, None, summary,
+                      [t] * (ranks or n))
+
+
+def test_scaling_rows_speedup_efficiency_and_coverage():
+    spec = BenchSpec(config="c.toml", nprocs=(1, 2), batches=(10,))
+    recs = [run_record(o) for o in (_outcome("single", 1, 10, 60), _outcome("allreduce", 1, 10, 60),
+                                    _outcome("allreduce", 2, 20, 80), _outcome("allreduce", 2, 10, 40))]
+    t = scaling_rows(recs, spec, recipe_batch=10)
+    weak = {(r["strategy"], r["n"]): r for r in t["weak"]}
+    # weak: 2 replicas at 80 ms vs one at 60 ms: S = 2 x 60/80 = 1.5, E = 0.75
+    assert weak[("allreduce", 2)]["speedup"] == pytest.approx(1.5)
+    assert weak[("allreduce", 2)]["efficiency"] == pytest.approx(0.75)
+    strong = {(r["strategy"], r["n"]): r for r in t["strong"]}
+    assert strong[("allreduce", 2)]["speedup"] == pytest.approx(1.5)  # 60 / 40
+    assert strong[("allreduce", 2)]["per_replica_batch"] == 5
+    # parts (data 1 + compute + comm + idle + optimizer) against the throughput clock's step
+    r = weak[("allreduce", 2)]
+    assert r["breakdown_coverage"] == pytest.approx((1 + 80 / 3 + 40 + 80 / 6 - 2 + 0.5 + 0.5) / 80)
+    text = markdown({"date": "d", "machine": {"cpu_cores": 2, "device": "cpu", "torch": "x"}, "command": "c",
+                     "scaling": t})
+    assert "| allreduce | 2 | 20 | 10 |" in text and "1.50" in text
+
+
+def test_cpu_share_and_validation_errors():
+    assert cpu_share(1, 2) == (2, 1.0) and cpu_share(2, 2) == (1, 1.0) and cpu_share(4, 2) == (1, 2.0)
+    rec = {"rank0_timing_ms": {"data_ms": 0, "forward_ms": 20, "backward_ms": 40, "compute_ms": 0,
+                               "optimizer_ms": 5}, "train_step_ms": 70.0}
+    w = workload_from_record(rec, [1000], 400)
+    assert w.local_s() == pytest.approx(0.070)  # loop overhead folded into data: N = 1 reproduces the step
+    link = Link(name="x", alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
+    out = validate({1: {"train_step_ms": 70.0}, 4: {"train_step_ms": 150.0}}, {1: w, 2: w}, link, cores=2,
+                   bucket_mb=25)
+    assert out["points"]["1"]["step_time_rel_error"] == pytest.approx(0.0)
+    # N = 4 on 2 cores: compute doubles (140 ms predicted) against 150 measured
+    assert out["points"]["4"]["predicted_step_ms"] == pytest.approx(140.0)
+    assert out["points"]["4"]["step_time_rel_error"] == pytest.approx(-10 / 150)
+    assert "oversubscribed" in out["points"]["4"]["note"]
