@@ -187,7 +187,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {'words/s':>14} {'speedup':>9} {'efficiency':>10} {'bucket MB':>9}")
     for p in preds:
         print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
-              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {p.bucket_mb:>9g}")
+              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}")
     if args.algorithm != "ps":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
@@ -242,6 +242,7 @@ def _plot_curve(preds, path: Path, title: str) -> None:
     b.set_ylim(0, 1.05)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("N (replicas)")
         ax.set_title(title)
     a.legend()

@@ -157,7 +157,10 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
             if key == "efficiency":
                 ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+                ax.set_ylim(0, max(1.1, max((r.get(key) or 0) for r in rows) * 1.05))
             ax.set_xscale("log", base=2)
+            ns = sorted({r["n"] for r in rows})
+            ax.set_xticks(ns, [str(n) for n in ns])
             ax.set_xlabel("N (replicas)")
             ax.set_ylabel(ylabel)
             ax.set_title(f"{scaling} scaling")
