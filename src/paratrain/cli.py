@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import TrainingStopped, UsageError
 
 _TRAIN_EPILOG = """\
 config keys (--set section.key=value; values are TOML literals):
@@ -22,7 +22,7 @@ config keys (--set section.key=value; values are TOML literals):
   train.momentum  train.weight_decay  train.clip  train.convention sum_over_time|mean_over_tokens
   train.schedule step|plateau|constant  train.decay  train.decay_start_epoch  train.plateau_patience
   train.accumulation  train.dtype float32|float64  train.timeout_s  train.checkpoint_every
-  train.log_every  train.eval_every
+  train.log_every  train.eval_every  train.timing_warmup_steps  train.on_nonfinite skip|stop
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
   dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
@@ -73,7 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--slow-rank", type=int, help="straggler injection: this rank sleeps --slow-ms before every step")
     t.add_argument("--slow-ms", type=float, help="milliseconds of delay for --slow-rank")
     t.add_argument("--fault", action="append", metavar="SPEC",
-                   help="fault injection: kill:rank=R:step=S, hang:rank=R:step=S, delay:rank=R:ms=M (repeatable)")
+                   help="fault injection: kill:rank=R:step=S, hang:rank=R:step=S, delay:rank=R:ms=M, "
+                        "nan:rank=R:step=S (repeatable)")
+    t.add_argument("--on-nonfinite", choices=["skip", "stop"],
+                   help="NaN/Inf loss or gradient: skip the step (default, counted) or stop the run")
     _add_multinode(t)
 
     ln = sub.add_parser("launch", help="run your own script in N workers (torchrun semantics)",
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"paratrain: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("paratrain: interrupted", file=sys.stderr)
         return 130

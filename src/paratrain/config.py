@@ -119,6 +119,7 @@ class TrainConfig:
     log_every: int = 50  # steps between metric records
     eval_every: int = 0  # steps between validations; 0 = only at epoch end
     timing_warmup_steps: int = 5  # steps left out of the step-time breakdown in the summary
+    on_nonfinite: str = "skip"  # NaN/Inf loss or gradient: skip the step (counted) | stop the run
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accumulation", "log_every"):
@@ -131,6 +132,7 @@ class TrainConfig:
         _choice("train", "convention", self.convention, ("sum_over_time", "mean_over_tokens"))
         _choice("train", "schedule", self.schedule, ("step", "plateau", "constant"))
         _choice("train", "dtype", self.dtype, ("float32", "float64"))
+        _choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _at_least("train", "lr", self.lr, 0, strict=True)
         for key in ("momentum", "weight_decay", "clip"):
             _at_least("train", key, getattr(self, key), 0)

@@ -4,7 +4,11 @@ Spec: ``KIND:rank=R[:step=S][:ms=M]``, several joined by commas.
 
 * ``kill:rank=1:step=50``: rank 1 kills itself (SIGKILL) after 50 completed steps;
 * ``hang:rank=1:step=20``: rank 1 stops (sleeps) after 20 steps, never to return;
-* ``delay:rank=0:ms=200``: rank 0 sleeps 200 ms before every step (a straggler).
+* ``delay:rank=0:ms=200``: rank 0 sleeps 200 ms before every step (a straggler);
+* ``nan:rank=0:step=30``: rank 0's loss of step 30 (0-based) is NaN (so is its gradient).
+
+kill, hang and nan fire in the first attempt only: after torchrun restarts the group
+(``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past the step.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-KINDS = ("kill", "hang", "delay")
+KINDS = ("kill", "hang", "delay", "nan")
 
 
 @dataclass(frozen=True)
@@ -48,17 +52,30 @@ def parse(spec: str) -> list[Fault]:
     return out
 
 
-def inject(faults: list[Fault], rank: int, steps_done: int) -> None:
-    """Called by the loop before every step on every rank."""
+def first_attempt() -> bool:
+    """False in a worker group torchrun restarted."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def inject(faults: list[Fault], rank: int, steps_done: int) -> bool:
+    """Called by the loop before every step on every rank. Returns True when this rank's
+    loss of this step must be made NaN (``nan`` fault)."""
+    poison = False
     for f in faults:
         if f.rank != rank:
             continue
         if f.kind == "delay":
             time.sleep(f.ms / 1000)
-        elif f.step == steps_done and f.kind == "kill":
+        elif f.step != steps_done or not first_attempt():
+            continue
+        elif f.kind == "kill":
             print(f"[rank {rank}] fault injection: SIGKILL after {steps_done} steps", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        elif f.step == steps_done and f.kind == "hang":
+        elif f.kind == "hang":
             print(f"[rank {rank}] fault injection: hanging after {steps_done} steps", flush=True)
             while True:
                 time.sleep(3600)
+        elif f.kind == "nan":
+            print(f"[rank {rank}] fault injection: NaN loss at step {steps_done}", flush=True)
+            poison = True
+    return poison

@@ -54,7 +54,10 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
                 "max_staleness", "slow_rank", "slow_ms"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
-    return {"dist": dist} if dist else {}
+    out = {"dist": dist} if dist else {}
+    if getattr(args, "on_nonfinite", None):
+        out["train"] = {"on_nonfinite": args.on_nonfinite}
+    return out
 
 
 def _strategy_in(path: Path | str | None) -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import config
-from .errors import UsageError
+from .errors import TrainingStopped, UsageError
 
 
 def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None) -> dict:
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"[rank {os.environ.get('RANK', 0)}] paratrain: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingStopped as e:
+        print(f"[rank {os.environ.get('RANK', 0)}] paratrain: stopped: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

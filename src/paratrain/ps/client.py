@@ -119,15 +119,25 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
             loss.backward()
             spans += [("forward", t0, t1), ("backward", t1, c.mark())]
             total = loss.detach() if total is None else total + loss.detach()
-        norm, server_clip = None, clip
+        t0, server_clip = c.mark(), clip
         if self.mode == "async" and clip > 0:  # the worker has the whole gradient of its update
-            t0 = c.mark()
             norm = nn.utils.clip_grad_norm_(self.params, clip, foreach=True)
             server_clip = 0.0
-            spans.append(("optimizer", t0, c.mark()))
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
+        spans.append(("optimizer", t0, c.mark()))
+        finite = bool(torch.isfinite(norm))
+        if not finite and self.mode == "async":  # drop this gradient: nothing is pushed
+            for p in self.params:
+                p.grad = None
+            m1 = c.mark()
+            self._pull()
+            spans.append(("comm", m1, c.mark()))
+            return StepResult(total, norm, spans, None, skipped=True)
         t1 = time.perf_counter()
         m1 = c.mark()
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for p in self.params]
+        # ps-sync needs every worker's push for the version to complete: a non-finite gradient goes as zeros
+        grads = [(p.grad if p.grad is not None and finite else torch.zeros_like(p)).detach().cpu() for p in self.params]
         lr = self.optimizer.param_groups[0]["lr"]
         futs = [rpc.rpc_async(srv, rpc_api.push,
                               args=(k, self.env.rank, self.versions[k], [grads[i] for i in self.shards[k]], lr, server_clip))
@@ -145,7 +155,7 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
         m2 = c.mark()
         # push + (servers' update) + answer: ps-sync waits here for the slowest worker
         spans.append(("comm", m1, m2))
-        return StepResult(total, norm, spans, (m1, m2) if self.mode == "sync" else None)
+        return StepResult(total, norm, spans, (m1, m2) if self.mode == "sync" else None, skipped=not finite)
 
     def peer_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """ps-sync without backup workers: the workers move in lock-step, max over the worker

@@ -34,12 +34,14 @@ class StepResult:
     None when clipping is off. spans: labelled (label, start, end) marks of
     ``self.clock`` (labels in :data:`paratrain.bench.timing.CATEGORIES`).
     collective: (start, end) marks of the gradient merge that waits for the other
-    replicas, or None (no such wait); the loop uses it to split idle time off."""
+    replicas, or None (no such wait); the loop uses it to split idle time off.
+    skipped: the merged gradient was not finite, so the optimizer did not step."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor | None
     spans: list = field(default_factory=list)
     collective: tuple | None = None
+    skipped: bool = False  # the merged gradient was not finite (NaN/Inf): no update was made
 
 
 class NoSyncMixin:
@@ -118,7 +120,8 @@ class Strategy(ABC):
         averaged over replicas (communication only on the last micro-batch when
         the strategy has :class:`NoSyncMixin`). Then, on the merged gradient:
         global-norm clipping to ``clip`` (0 = off; Pascanu et al. 2013), the
-        optimizer update and ``zero_grad``. Every rank must call it (collective).
+        optimizer update and ``zero_grad`` (no update when the gradient is not
+        finite: ``StepResult.skipped``). Every rank must call it (collective).
         """
         c, spans = self.clock, []
         self._grads_ready = None
@@ -139,13 +142,25 @@ class Strategy(ABC):
             spans[-1] = ("backward", t1, self._grads_ready)
             spans.append(("comm", self._grads_ready, t2))
             collective = (self._grads_ready, t2)
-        norm = None
-        if clip > 0:
-            norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm, ok = self._update(clip)
         spans.append(("optimizer", t2, c.mark()))
-        return StepResult(total, norm, spans, collective)
+        return StepResult(total, norm, spans, collective, skipped=not ok)
+
+    def _update(self, clip: float) -> tuple[torch.Tensor, bool]:
+        """On the merged gradient: global L2 norm (Pascanu et al. 2013 clipping to ``clip`` when
+        > 0), then the optimizer step and ``zero_grad``, unless the norm is NaN/Inf: then the
+        gradient is dropped and no parameter changes. Returns (norm before clipping, stepped).
+        The check reads one scalar per step (a device sync on CUDA)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if clip > 0:
+            norm = nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        ok = bool(torch.isfinite(norm))
+        if ok:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, ok
 
     # collectives: every rank must call them, in the same order
     @abstractmethod

@@ -85,11 +85,9 @@ class Replicate(SingleDevice):
                 if p.grad is not None:
                     p.grad.div_(T)
         t1 = c.mark()
-        norm = nn.utils.clip_grad_norm_(self.module.parameters(), clip, foreach=True) if clip > 0 else None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm, ok = self._update(clip)
         # towers overlap in threads: forward and backward are one "compute" span
-        return StepResult(total, norm, [("compute", t0, t1), ("optimizer", t1, c.mark())])
+        return StepResult(total, norm, [("compute", t0, t1), ("optimizer", t1, c.mark())], skipped=not ok)
 
     def _run_cpu_towers(self, group: Sequence[Any], loss_fn: Callable) -> list[torch.Tensor]:
         out: list[Any] = [None] * len(group)

@@ -21,6 +21,7 @@ from ..devices import (Placement, apply_memory_controls, apply_placement, format
                        resolve_list)
 from ..bench.timing import RankTimer, breakdown
 from ..env import DistEnv
+from ..errors import TrainingStopped, UsageError
 from ..faults import inject as inject_faults
 from ..faults import parse as parse_faults
 from ..models import LSTMLM
@@ -34,6 +35,11 @@ from .task import LMTask, evaluate
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _poisoned(loss_fn):
+    """``loss_fn`` whose loss is NaN (fault injection)."""
+    return lambda model, mb: loss_fn(model, mb) * float("nan")
 
 
 class _Direct:
@@ -96,6 +102,7 @@ class Trainer:
         self.train_time_s = 0.0
         self.results: dict[str, float] = {}
         self.timer = RankTimer(self.strategy.clock)
+        self.nonfinite_steps = 0
         self._interval_start = 0  # first step of the current logging interval
         self._measured_words, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
 
@@ -168,6 +175,10 @@ class Trainer:
     def save(self) -> None:
         self.timer.reset_arrival()  # time spent here is not waiting in the next step's collective
         hidden = self._full_hidden()  # collective: every rank
+        bad = [n for n, p in self.strategy.module.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # every rank holds the same parameters: all stop; never write a checkpoint one cannot resume from
+            raise TrainingStopped(f"parameters {bad[:3]} are not finite at step {self.step}; no checkpoint "
+                                  f"written, the previous one is kept")
         if self.env.is_main:
             state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
                      "schedule": self.schedule.state_dict(), "epoch": self.epoch,
@@ -181,8 +192,6 @@ class Trainer:
         try:
             self.strategy.load_state_dict(state["model"])
         except RuntimeError as e:
-            from ..errors import UsageError
-
             raise UsageError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0][:120]}); "
                              f"resume with the config it was written with") from None
         self.strategy.load_optimizer_state_dict(state["optimizer"])
@@ -223,6 +232,24 @@ class Trainer:
         return loss
 
     # ---- training ----------------------------------------------------------
+    def _nonfinite(self, local_loss: torch.Tensor) -> None:
+        """The merged gradient of the step just taken was NaN/Inf and no update was made: find the
+        ranks whose loss was not finite (collective where replicas step together), count, log,
+        and stop the run when ``train.on_nonfinite = "stop"``."""
+        flags = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.env.device)
+        flags[self.env.rank] = float(not bool(torch.isfinite(local_loss)))
+        ranks = [int(r) for r in torch.nonzero(self.strategy.all_reduce(flags)).flatten().tolist()]
+        self.nonfinite_steps += 1
+        step = self.step  # 0-based index of the step: the loop has not counted it yet
+        what = f"non-finite loss on rank(s) {ranks}" if ranks else "non-finite gradient (losses finite)"
+        if self.log:
+            self.log.write("nonfinite", step, ranks=ranks, action=self.cfg.train.on_nonfinite,
+                           count=self.nonfinite_steps)
+        if self.cfg.train.on_nonfinite == "stop":
+            raise TrainingStopped(f"{what} at step {step}; the parameters are unchanged since the last step "
+                                  f"(use --on-nonfinite skip to skip such steps)")
+        self.say(f"{what} at step {step}: update skipped ({self.nonfinite_steps} so far)")
+
     def _step_times(self) -> tuple[dict[str, float], bool]:
         """Resolve this interval's step spans, split idle off communication (collective among
         the replicas that wait for each other) and return the interval's mean ms per step."""
@@ -284,9 +311,12 @@ class Trainer:
                     m2 = clock.mark()
                     time.sleep(slow_s)
                     spans.append(("compute", m2, clock.mark()))
-                if faults:
-                    inject_faults(faults, env.rank, self.step)
-                res = self.strategy.train_step(sb.micro, self.task.loss_fn, self.clip)
+                loss_fn = self.task.loss_fn
+                if faults and inject_faults(faults, env.rank, self.step):  # --fault nan: this rank's loss is NaN
+                    loss_fn = _poisoned(loss_fn)
+                res = self.strategy.train_step(sb.micro, loss_fn, self.clip)
+                if res.skipped:
+                    self._nonfinite(res.loss)
                 self.step, self.batch_index = self.step + 1, sb.index + 1
                 self.words += sb.global_tokens
                 if bar is not None:
@@ -364,6 +394,7 @@ class Trainer:
         self._write_timing(timing)
         summary.update({k: round(v, 3) for k, v in breakdown(timing).items()})
         summary["timed_steps"] = timing["measured_steps"]
+        summary["nonfinite_steps"] = self.nonfinite_steps
         # wall time per measured step by the throughput clock (logging included): what the breakdown must add up to
         summary["train_step_ms"] = (1000.0 * self._measured_time_s / timing["measured_steps"]
                                     if timing["measured_steps"] and self.log else math.nan)
