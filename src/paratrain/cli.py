@@ -21,7 +21,7 @@ config keys (--set section.key=value; values are TOML literals):
   train.lr_scaling none|linear|sqrt  train.warmup_steps  train.optimizer sgd|adam  train.lr
   train.momentum  train.weight_decay  train.clip  train.convention sum_over_time|mean_over_tokens
   train.schedule step|plateau|constant  train.decay  train.decay_start_epoch  train.plateau_patience
-  train.accumulation  train.dtype float32|float64  train.timeout_s  train.checkpoint_every
+  train.accumulation  train.dtype float32|float64  train.timeout_s  train.checkpoint_every  train.keep_checkpoints
   train.log_every  train.eval_every  train.timing_warmup_steps  train.on_nonfinite skip|stop
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb

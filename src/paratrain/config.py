@@ -116,13 +116,14 @@ class TrainConfig:
     dtype: str = "float32"  # float32 | float64
     timeout_s: float = 600.0  # process-group timeout for every collective
     checkpoint_every: int = 0  # steps; 0 = only at epoch end
+    keep_checkpoints: int = 3  # newest checkpoints kept in the run dir
     log_every: int = 50  # steps between metric records
     eval_every: int = 0  # steps between validations; 0 = only at epoch end
     timing_warmup_steps: int = 5  # steps left out of the step-time breakdown in the summary
     on_nonfinite: str = "skip"  # NaN/Inf loss or gradient: skip the step (counted) | stop the run
 
     def __post_init__(self) -> None:
-        for key in ("epochs", "batch_size", "accumulation", "log_every"):
+        for key in ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints"):
             _at_least("train", key, getattr(self, key), 1)
         for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
                     "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps"):

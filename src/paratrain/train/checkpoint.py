@@ -11,10 +11,13 @@ the *whole* global batch, {key: [h, c]} each (L, B, H), or empty),
 ``format`` and ``paratrain`` (versions).
 
 Writes go to a temp file in the same folder, are fsynced, then renamed over the
-target, so a crash during a save leaves the previous checkpoint intact.
+target, so a crash during a save leaves the previous checkpoint intact; a
+``checkpoint-<step>.pt.sha256`` sidecar holds the file's sha256, checked on load.
+The newest ``train.keep_checkpoints`` are kept.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -40,31 +43,59 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
-    """Write ``state`` as ``checkpoint-<step>.pt`` atomically; keep the newest ``keep``.
+def _fsync_write(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
-    Rank 0 only. Returns the path written.
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checksum_path(path: Path) -> Path:
+    """The sidecar ``checkpoint-<step>.pt.sha256`` of a checkpoint."""
+    return path.with_name(path.name + ".sha256")
+
+
+def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
+    """Write ``state`` as ``checkpoint-<step>.pt`` with its sha256 sidecar; keep the newest ``keep``.
+
+    Order (each file written to a temp name, fsynced, renamed): checkpoint temp, checksum
+    of it, sidecar, checkpoint. A process killed at any point leaves either no new
+    checkpoint or a complete one with its checksum (a checkpoint file is never visible
+    half-written). Rank 0 only. Returns the path written.
     """
     run_dir = Path(run_dir)
     path = run_dir / f"checkpoint-{step:08d}.pt"
     payload = to_cpu({**state, "format": FORMAT, "step": step})
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=run_dir)
+    os.close(fd)
+    side_tmp = Path(tmp + ".sha256")
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
+        digest = sha256_of(Path(tmp))
+        _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+        os.replace(side_tmp, checksum_path(path))
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for t in (Path(tmp), side_tmp):
+            t.unlink(missing_ok=True)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
+        checksum_path(old).unlink(missing_ok=True)
     return path
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint files of a run dir, oldest first (by step)."""
+    """Checkpoint files of a run dir, oldest first (by step). A save in progress is a hidden
+    temp file, so every listed checkpoint was completely written."""
     if not Path(run_dir).is_dir():
         return []
     found = [(int(m.group(1)), p) for p in Path(run_dir).iterdir() if (m := _NAME.match(p.name))]
@@ -88,11 +119,18 @@ def should_resume(run_dir: Path, resume: bool) -> bool:
 
 
 def load(path: Path, mmap: bool = False) -> dict:
-    """Load a checkpoint onto CPU with ``weights_only=True`` (no code runs on unpickling).
+    """Load a checkpoint onto CPU with ``weights_only=True`` (no code runs on unpickling),
+    after checking the sha256 sidecar when there is one.
 
     ``mmap=True`` maps the file instead of reading it (a cheap validity check).
     Raises UsageError for unreadable, truncated or foreign files.
     """
+    side = checksum_path(Path(path))
+    if side.is_file():
+        want = side.read_text().split()[0] if side.read_text().strip() else ""
+        if sha256_of(Path(path)) != want:
+            raise UsageError(f"checkpoint {str(path)!r} does not match its checksum ({side.name}): the file is "
+                             f"damaged; delete it to resume from the previous checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, crafted pickle, not a checkpoint

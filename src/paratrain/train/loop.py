@@ -184,7 +184,7 @@ class Trainer:
                      "schedule": self.schedule.state_dict(), "epoch": self.epoch,
                      "batch_index": self.batch_index, "hidden": hidden,
                      "words": self.words, "train_time_s": self.train_time_s}
-            checkpoint.save(self.run_dir, state, self.step)
+            checkpoint.save(self.run_dir, state, self.step, keep=self.cfg.train.keep_checkpoints)
 
     def restore(self, path: Path) -> None:
         """Load model, optimizer, schedule, position and hidden state (every rank)."""
