@@ -1,8 +1,11 @@
-"""Reference: a plain, hand-written PyTorch DDP training loop for the Zaremba small PTB LSTM.
+"""Peer 1: a plain, hand-written PyTorch DDP training loop for the Zaremba small PTB LSTM.
 
 No paratrain code. This is what a competent user would write by hand, and the
 yardstick paratrain's ``allreduce`` strategy is measured against (speed and
-quality), see ``benchmarks/compare_ddp.py``.
+quality), see ``benchmarks/peers/compare_peers.py``. The other peers
+(``accelerate_lm.py``, ``fabric_lm.py``) import the data reading, model,
+evaluation and training loop from here and change only what their library
+changes: process setup, model/optimizer wrapping, backward and clipping.
 
 Recipe (Zaremba, Sutskever & Vinyals 2014, small, no dropout): embedding 200,
 2-layer LSTM 200, linear decoder, every parameter U(-0.1, 0.1) (decoder bias 0,
@@ -15,8 +18,11 @@ clip_grad_norm_ = 5 / 20 = 0.25. lr *= 0.5 every epoch after epoch 4.
 Data parallelism: the 20 streams are split over world_size ranks as contiguous
 column blocks (rank r owns streams [r*20/W, (r+1)*20/W)); DDP averages the
 gradients, so each step equals the single-process step on all 20 streams.
+Threads: cores // local processes intra-op threads per process, as paratrain.
+Device: CUDA + NCCL when every local rank has a GPU (``--device auto``), else
+CPU + gloo.
 
-Start:  torchrun --standalone --nproc-per-node 2 benchmarks/ddp_baseline.py \
+Start:  python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/peers/ddp_plain.py \
             --data-dir /work/shared/data --epochs 1 [--max-steps N] [--warmup-steps W] [--json OUT]
 
 Measurement: words_per_s = target tokens of the global batch (20 x 20 per step)
@@ -33,7 +39,9 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,6 +93,29 @@ def eval_streams(ids: torch.Tensor, streams: int) -> tuple[torch.Tensor, torch.T
     return x, y
 
 
+@dataclass
+class Data:
+    rank: int
+    world: int
+    vocab: int
+    train: torch.Tensor  # (L, BATCH / world): this rank's contiguous block of streams
+    valid_x: torch.Tensor
+    valid_y: torch.Tensor
+    steps_per_epoch: int
+
+
+def load_data(data_dir: str, device: torch.device) -> Data:
+    """This rank's training streams and the whole validation split (call after joining the group)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert BATCH % world == 0, f"global batch {BATCH} is not divisible by world_size {world}"
+    vocab, ids = read_corpus(Path(data_dir) / "ptb")
+    per_rank = BATCH // world
+    train = batchify(ids["train"], BATCH)[:, rank * per_rank:(rank + 1) * per_rank].contiguous()
+    valid_x, valid_y = eval_streams(ids["valid"], EVAL_BATCH)
+    steps_per_epoch = (train.size(0) - 1) // BPTT  # full windows only (Zaremba)
+    return Data(rank, world, vocab, train.to(device), valid_x.to(device), valid_y.to(device), steps_per_epoch)
+
+
 # ---- model ------------------------------------------------------------------------------
 class LSTMLM(nn.Module):
     def __init__(self, vocab: int, emb: int = 200, hidden: int = 200, layers: int = 2, init: float = 0.1):
@@ -109,51 +140,75 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, worl
     lo, hi = B * rank // world, B * (rank + 1) // world
     x, y = x[:, lo:hi], y[:, lo:hi]
     model.eval()
-    acc = torch.zeros(2, dtype=torch.float64)  # (summed cross-entropy in nats, counted targets)
+    acc = torch.zeros(2, dtype=torch.float64, device=x.device)  # (summed cross-entropy in nats, targets)
     hidden = None
     for i in range(0, x.size(0) if hi > lo else 0, BPTT):  # a rank may hold no stream
         logits, hidden = model(x[i:i + BPTT], hidden)
         tgt = y[i:i + BPTT].reshape(-1)
         acc[0] += F.cross_entropy(logits.view(-1, logits.size(-1)), tgt, reduction="sum", ignore_index=-100).double()
-        acc[1] += int((tgt != -100).sum())
+        acc[1] += (tgt != -100).sum()
     model.train()
     dist.all_reduce(acc)
     return math.exp(acc[0].item() / acc[1].item())
 
 
-# ---- training ------------------------------------------------------------------------------
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# ---- process setup ---------------------------------------------------------------------------
+def parse_args(doc: str) -> argparse.Namespace:
+    """The flags every peer takes."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--data-dir", default=os.environ.get("PARATRAIN_DATA"), help="folder holding ptb/")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = run all epochs)")
     p.add_argument("--warmup-steps", type=int, default=0, help="steps left out of words_per_s")
     p.add_argument("--log-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when every local rank has a GPU, else CPU")
     p.add_argument("--json", type=Path, help="write the results here (rank 0)")
     args = p.parse_args()
     if not args.data_dir:
         p.error("give --data-dir (the folder holding ptb/) or set PARATRAIN_DATA")
+    return args
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cores = len(os.sched_getaffinity(0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, cores // local_world))
-    assert BATCH % world == 0, f"global batch {BATCH} is not divisible by world_size {world}"
 
-    vocab, ids = read_corpus(Path(args.data_dir) / "ptb")
-    per_rank = BATCH // world
-    train = batchify(ids["train"], BATCH)[:, rank * per_rank:(rank + 1) * per_rank].contiguous()  # (L, B/W)
-    valid_x, valid_y = eval_streams(ids["valid"], EVAL_BATCH)
-    steps_per_epoch = (train.size(0) - 1) // BPTT  # full windows only (Zaremba)
+def local_ranks() -> tuple[int, int]:
+    """(local rank, local world size) from torchrun's variables."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
+
+def pick_device(want: str) -> torch.device:
+    local_rank, local_world = local_ranks()
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
+    return torch.device("cuda", local_rank) if want == "cuda" else torch.device("cpu")
+
+
+def set_threads() -> int:
+    """cores // local processes intra-op threads (paratrain's default); returns what was set before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks()[1]))
+    return before
+
+
+def setup(args: argparse.Namespace, device: torch.device) -> tuple[Data, LSTMLM, torch.optim.SGD, dict]:
+    """After joining the process group: threads, this rank's data, the model (seeded, on
+    ``device``, not wrapped) and its SGD optimizer, and facts for the report."""
+    threads_before = set_threads()
+    data = load_data(args.data_dir, device)
     torch.manual_seed(args.seed)
-    model = DDP(LSTMLM(vocab))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model = LSTMLM(data.vocab).to(device)
+    return data, model, torch.optim.SGD(model.parameters(), lr=LR), {"device": str(device),
+                                                                     "threads_before_set": threads_before}
 
+
+# ---- training ------------------------------------------------------------------------------
+def train(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, data: Data,
+          backward: Callable[[torch.Tensor], None], clip: Callable[[], object], eval_model: nn.Module) -> dict:
+    """The training loop. ``backward(loss)`` and ``clip()`` are the one places a library
+    differs; here they are ``loss.backward()`` and ``clip_grad_norm_``."""
+    rank = data.rank
     step, train_time, train_time_all, valid_ppl = 0, 0.0, 0.0, math.nan
-    total_steps = args.epochs * steps_per_epoch
+    total_steps = args.epochs * data.steps_per_epoch
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     t_start = time.perf_counter()
@@ -164,15 +219,15 @@ def main() -> None:
             g["lr"] = LR * DECAY ** max(epoch - DECAY_START, 0)
         hidden, loss_sum, n_loss = None, 0.0, 0
         last = time.perf_counter()
-        for i in range(steps_per_epoch):
-            x = train[i * BPTT:(i + 1) * BPTT]
-            y = train[i * BPTT + 1:(i + 1) * BPTT + 1]
+        for i in range(data.steps_per_epoch):
+            x = data.train[i * BPTT:(i + 1) * BPTT]
+            y = data.train[i * BPTT + 1:(i + 1) * BPTT + 1]
             logits, hidden = model(x, hidden)
             hidden = tuple(h.detach() for h in hidden)
-            loss = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))  # mean over this rank's tokens
+            loss = F.cross_entropy(logits.view(-1, data.vocab), y.reshape(-1))  # mean over this rank's tokens
             opt.zero_grad()
-            loss.backward()  # DDP averages the gradients over the ranks
-            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            backward(loss)  # DDP averages the gradients over the ranks
+            clip()
             opt.step()
             loss_sum, n_loss = loss_sum + loss.item(), n_loss + 1
             step += 1
@@ -187,23 +242,48 @@ def main() -> None:
             last = now
             if step >= total_steps:
                 break
-        valid_ppl = evaluate(model.module, valid_x, valid_y, rank, world)  # end of epoch or of the run
+        valid_ppl = evaluate(eval_model, data.valid_x, data.valid_y, rank, data.world)  # end of epoch or of the run
         if rank == 0:
             print(f"[rank 0] step {step} epoch {epoch}: valid perplexity {valid_ppl:.2f}", flush=True)
 
     timed_steps = max(step - args.warmup_steps, 0)
-    result = {
+    return {
         "words_per_s": timed_steps * BATCH * BPTT / train_time if train_time > 0 else math.nan,
         "words_per_s_all_steps": step * BATCH * BPTT / train_time_all,
         "warmup_steps": args.warmup_steps, "valid_ppl": valid_ppl, "steps": step,
-        "epochs": round(step / steps_per_epoch, 3), "world_size": world, "global_batch": BATCH,
+        "epochs": round(step / data.steps_per_epoch, 3), "world_size": data.world, "global_batch": BATCH,
         "threads_per_process": torch.get_num_threads(), "train_time_s": train_time_all,
         "wall_time_s": time.perf_counter() - t_start,
     }
-    if rank == 0:
+
+
+# SHUTDOWN: every peer passes a barrier before it leaves the process group. Without it, gloo's
+# worker thread may still be freeing the last all-reduce (evaluate's, of a Python tensor: it
+# needs the GIL) when the main thread, holding the GIL, frees the group and joins that thread:
+# a deadlock, seen with Fabric on torch 2.13. The barrier waits without the GIL, and runs after.
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    """Rank 0 prints the result as one JSON line and writes it to --json."""
+    if dist.get_rank() == 0:
         print(json.dumps(result), flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    device = pick_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    data, model, opt, facts = setup(args, device)
+
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    result = train(args, model, opt, data, backward=lambda loss: loss.backward(),
+                   clip=lambda: nn.utils.clip_grad_norm_(model.parameters(), CLIP), eval_model=model.module)
+    report(args, {"program": "ddp_plain", **facts, **result})
+    dist.barrier()  # see SHUTDOWN
     dist.destroy_process_group()
 
 
