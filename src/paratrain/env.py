@@ -101,8 +101,25 @@ def init(device: str = "auto", backend: str = "auto", threads: int = 0,
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs.update(_restart_store(rank, world_size, timeout))
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
     return DistEnv(rank, local_rank, world_size, local_world, backend, dev)
+
+
+def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """After torchrun restarted the worker group: the agent's TCPStore under a per-attempt prefix.
+
+    torchrun's env:// handler reuses the agent's store without a prefix in later attempts
+    (pytorch/pytorch#167288), so gloo finds the dead attempt's addresses there and fails with
+    "connection refused". First attempt (or no agent store): {} (plain env://)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or "MASTER_ADDR" not in os.environ:
+        return {}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    return {"store": dist.PrefixStore(f"paratrain/attempt{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def shutdown() -> None:

@@ -27,16 +27,19 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     cfg = config.load(run_dir / "config.toml")
     env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s,
                towers=cfg.dist.towers, interop_threads=cfg.dist.interop_threads)
-    trainer = None
+    trainer, clean = None, False
     try:
         trainer = Trainer(cfg, env, run_dir, data_dir)
         if should_resume(run_dir, resume):
             trainer.restore(latest(run_dir))
-        return trainer.fit()
+        summary = trainer.fit()
+        clean = True
+        return summary
     finally:
         if trainer is not None:
-            trainer.close()
-        shutdown()
+            trainer.close(clean)
+        if clean:
+            shutdown()
 
 
 def ps_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None) -> int:

@@ -23,6 +23,7 @@ from ..bench.timing import RankTimer, breakdown
 from ..env import DistEnv
 from ..errors import TrainingStopped, UsageError
 from ..faults import inject as inject_faults
+from ..watchdog import Watchdog, is_comm_failure
 from ..faults import parse as parse_faults
 from ..models import LSTMLM
 from ..strategies import IndependentReplicasMixin, get_strategy
@@ -102,6 +103,9 @@ class Trainer:
         self.train_time_s = 0.0
         self.results: dict[str, float] = {}
         self.timer = RankTimer(self.strategy.clock)
+        # replicas that wait for each other: name the missing rank when a collective times out
+        self.watchdog = Watchdog(env.rank, env.world_size if not isinstance(self.strategy, IndependentReplicasMixin)
+                                 else 1, t.timeout_s)
         self.nonfinite_steps = 0
         self._interval_start = 0  # first step of the current logging interval
         self._measured_words, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
@@ -174,6 +178,7 @@ class Trainer:
 
     def save(self) -> None:
         self.timer.reset_arrival()  # time spent here is not waiting in the next step's collective
+        self.watchdog.at(self.step, "checkpoint")
         hidden = self._full_hidden()  # collective: every rank
         bad = [n for n, p in self.strategy.module.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # every rank holds the same parameters: all stop; never write a checkpoint one cannot resume from
@@ -210,6 +215,7 @@ class Trainer:
         """Perplexity of a whole split; every rank must call it (all-reduce)."""
         d, env = self.cfg.data, self.env
         self.timer.reset_arrival()
+        self.watchdog.at(self.step, "evaluation")
         split = self.valid_split if split_name == "valid" else self.test_split
         rank, world = env.rank, env.world_size
         if isinstance(self.strategy, IndependentReplicasMixin):  # no collectives: rank 0 evaluates alone
@@ -297,6 +303,7 @@ class Trainer:
         try:
             tick = time.perf_counter()
             while True:
+                self.watchdog.at(self.step, "before the step")
                 m0 = clock.mark()
                 sb = next(it, None)
                 if sb is None:
@@ -314,6 +321,7 @@ class Trainer:
                 loss_fn = self.task.loss_fn
                 if faults and inject_faults(faults, env.rank, self.step):  # --fault nan: this rank's loss is NaN
                     loss_fn = _poisoned(loss_fn)
+                self.watchdog.at(self.step, "gradient all-reduce")
                 res = self.strategy.train_step(sb.micro, loss_fn, self.clip)
                 if res.skipped:
                     self._nonfinite(res.loss)
@@ -327,6 +335,7 @@ class Trainer:
                     _sync(env.device)
                     now = time.perf_counter()
                     self.train_time_s += now - tick
+                    self.watchdog.at(self.step - 1, "logging all-reduce")
                     self._log_train(t_log, w_log, lr, bar)
                     t_log, w_log = self.train_time_s, self._log_words
                     tick = time.perf_counter()
@@ -369,6 +378,10 @@ class Trainer:
             if "valid_ppl" not in self.results:
                 self.evaluate("valid")
             self.evaluate("test")
+        except RuntimeError as e:  # a collective timed out or lost a peer: say who did not arrive
+            if self.watchdog.store is None or not is_comm_failure(e):
+                raise
+            raise TrainingStopped(self.watchdog.diagnose(e)) from None
         finally:
             if bar is not None:
                 bar.close()
@@ -419,9 +432,12 @@ class Trainer:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(folder / f"rank{self.env.rank}.json")
 
-    def close(self) -> None:
-        """Close metric files and release the strategy (every rank)."""
+    def close(self, clean: bool = True) -> None:
+        """Close metric files and release the strategy (every rank). ``clean=False`` after a
+        failure: skip the strategy's teardown (its final barrier would wait for ranks that are gone)."""
+        self.watchdog.close()
         if self.log:
             self.log.close()
             self.log = None
-        self.strategy.teardown()
+        if clean:
+            self.strategy.teardown()

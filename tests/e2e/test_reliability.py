@@ -1,0 +1,80 @@
+"""Reliability as a user meets it: a killed worker restarts and the run ends bitwise equal to an
+uninterrupted one; a hung worker ends the job within timeout_s + 30 s with a line naming it;
+a NaN loss is skipped (counted) or stops the run."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .test_cli import TINY, final_model, paratrain
+
+pytestmark = pytest.mark.slow
+COMMON = ("--set", "train.max_steps=120", "--set", "train.dtype=\"float32\"", "--set", "model.dropout=0.2")
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def survivors(marker: str) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmd and "pytest" not in cmd:
+                out.append(cmd)
+    return out
+
+
+def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    a = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "plain", *COMMON, cwd=tmp_path)
+    assert a.returncode == 0, a.stderr[-2000:]
+    b = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "killed", *COMMON,
+                  "--fault", "kill:rank=1:step=50", "--max-restarts", "1", cwd=tmp_path)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "fault injection: SIGKILL after 50 steps" in b.stdout + b.stderr
+    resumed = records(tmp_path / "killed", "resume")
+    assert len(resumed) == 1 and resumed[0]["step"] == 48  # the last checkpoint before the kill
+    plain, killed = final_model(tmp_path / "plain"), final_model(tmp_path / "killed")
+    assert all(torch.equal(plain[k], killed[k]) for k in plain), "restarted run differs from the uninterrupted one"
+    assert records(tmp_path / "killed", "summary")[-1]["steps"] == 120
+
+
+def test_hung_worker_is_named_and_nothing_survives(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    run = tmp_path / "hang"
+    t0 = time.monotonic()
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", run, "--set", "train.timeout_s=10",
+                  "--set", "train.max_steps=120", "--fault", "hang:rank=1:step=20", cwd=tmp_path, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert elapsed < 10 + 30, elapsed
+    assert "rank 1 did not arrive at the gradient all-reduce of step 20 within timeout_s=10" in r.stderr
+    assert "Traceback" not in r.stderr
+    time.sleep(1)
+    assert survivors(str(run)) == []
+
+
+def test_nan_loss_is_skipped_or_stops(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "skip", "--set", "train.max_steps=12",
+                  "--fault", "nan:rank=1:step=5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(tmp_path / "skip", "nonfinite")
+    assert rec["step"] == 5 and rec["ranks"] == [1] and rec["action"] == "skip"
+    assert records(tmp_path / "skip", "summary")[-1]["nonfinite_steps"] == 1
+    assert all(torch.isfinite(v).all() for v in final_model(tmp_path / "skip").values())
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "stop", "--set", "train.max_steps=12",
+                  "--fault", "nan:rank=0:step=5", "--on-nonfinite", "stop", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "non-finite loss on rank(s) [0] at step 5" in r.stderr
+    assert max(int(p.stem.split("-")[1]) for p in (tmp_path / "stop").glob("checkpoint-*.pt")) <= 4
