@@ -28,7 +28,7 @@ config keys (--set section.key=value; values are TOML literals):
   dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
   dist.memory_fraction  dist.expandable_segments
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
-  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms  dist.fault
+  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms  dist.fault  dist.check_sync_every
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
 """
@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--fault", action="append", metavar="SPEC",
                    help="fault injection: kill:rank=R:step=S, hang:rank=R:step=S, delay:rank=R:ms=M, "
                         "nan:rank=R:step=S (repeatable)")
+    t.add_argument("--check-sync-every", type=int, metavar="K",
+                   help="every K steps compare the replicas' parameter checksums (stop naming the rank that differs)")
     t.add_argument("--on-nonfinite", choices=["skip", "stop"],
                    help="NaN/Inf loss or gradient: skip the step (default, counted) or stop the run")
     _add_multinode(t)
@@ -91,9 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     ln.add_argument("script_args", nargs=argparse.REMAINDER)
 
     from .bench.commands import add_bench_parser, add_predict_parser
+    from .verify import add_parser as add_verify_parser
 
     add_bench_parser(sub)
     add_predict_parser(sub)
+    add_verify_parser(sub)
     sub.add_parser("devices", help="list the devices this machine has",
                    description="List the CPU (cores) and every visible CUDA device (memory).")
     d = sub.add_parser("data", help="check (and download) a corpus",
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import commands
 
             return commands.cmd_bench(args) if args.command == "bench" else commands.cmd_predict(args)
+        if args.command == "verify":
+            from .verify import cmd_verify
+
+            return cmd_verify(args)
         if args.command == "data":
             return cmd_data(args)
         if args.command == "devices":

@@ -176,6 +176,7 @@ class DistConfig:
     interop_threads: int = 0  # inter-op threads per process; 0 = torch's default
     memory_fraction: float = 0.0  # CUDA: torch.cuda.set_per_process_memory_fraction; 0 = off
     expandable_segments: bool = False  # CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    check_sync_every: int = 0  # steps between cross-rank parameter checksums; 0 = off
     fault: str = ""  # fault injection, e.g. "kill:rank=1:step=50,delay:rank=0:ms=200" (see paratrain.faults)
 
     def __post_init__(self) -> None:
@@ -191,6 +192,7 @@ class DistConfig:
         _at_least("dist", "backup_workers", self.backup_workers, 0)
         _at_least("dist", "max_staleness", self.max_staleness, -1)
         _at_least("dist", "slow_ms", self.slow_ms, 0)
+        _at_least("dist", "check_sync_every", self.check_sync_every, 0)
         from .faults import parse
 
         parse(self.fault)

@@ -51,7 +51,7 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
     if getattr(args, "fault", None):
         dist["fault"] = ",".join(args.fault)
     for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "num_ps", "backup_workers",
-                "max_staleness", "slow_rank", "slow_ms"):
+                "max_staleness", "slow_rank", "slow_ms", "check_sync_every"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
     out = {"dist": dist} if dist else {}
@@ -87,7 +87,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         cfg_path = run_dir / "config.toml"
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
-        load_checkpoint(latest(run_dir), mmap=True)  # raises when there is none or it cannot be loaded
+        resume_state = load_checkpoint(latest(run_dir), mmap=True)  # raises when there is none or it cannot be loaded
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
@@ -98,6 +98,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     cfg.check_world()
     corpus = load_corpus(ensure_corpus(cfg.data.corpus, args.data_dir))
     _check_data_fits(cfg, corpus)
+    if args.resume is not None:
+        _check_checkpoint_fits(cfg, len(corpus.vocab), resume_state, latest(args.resume))
+    _check_rdzv_port(cfg)
     run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
     (run_dir / "config.toml").write_text(config.to_toml(cfg), encoding="utf-8")
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
@@ -113,6 +116,41 @@ def _check_resume_keeps_model(old: config.Config, new: config.Config) -> None:
     if changed:
         raise UsageError(f"--resume cannot change {', '.join(changed)} (the checkpoint holds the model of "
                          f"its run); drop those overrides, or start a new run with --run-dir")
+
+
+def _check_checkpoint_fits(cfg: config.Config, vocab_size: int, state: dict, path: Path) -> None:
+    """The checkpoint's parameter shapes are those of the configured model (either LSTM layout)."""
+    import torch
+
+    from .models import LSTMLM
+
+    m = cfg.model
+    with torch.device("meta"):
+        model = LSTMLM(vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout, m.tie_weights,
+                       m.init_range, m.layerwise)
+    want = sorted(tuple(v.shape) for v in model.state_dict().values())
+    have = sorted(tuple(v.shape) for v in state["model"].values() if hasattr(v, "shape"))
+    if want != have:
+        raise UsageError(f"checkpoint {str(path)!r} holds a different model (parameter shapes {have[:3]}... vs "
+                         f"{want[:3]}...); resume it with the config and corpus it was written with")
+
+
+def _check_rdzv_port(cfg: config.Config) -> None:
+    """Node 0 of a multi-node job hosts the rendezvous: its port must be free here."""
+    d = cfg.dist
+    if d.nnodes < 2 or d.node_rank != 0 or not d.rdzv_endpoint:
+        return
+    import socket
+
+    host, _, port = d.rdzv_endpoint.rpartition(":")
+    if host not in ("127.0.0.1", "localhost", "0.0.0.0", socket.gethostname()):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1" if host in ("localhost", "127.0.0.1") else host, int(port)))
+        except OSError as e:
+            raise UsageError(f"rendezvous endpoint {d.rdzv_endpoint}: port {port} is in use here ({e.strerror}); "
+                             f"choose a free port for --rdzv-endpoint") from None
 
 
 def _check_data_fits(cfg: config.Config, corpus) -> None:

@@ -100,6 +100,29 @@ def truncated_checkpoint() -> bytes:
     return data[: len(data) // 2]
 
 
+def checkpoint_with(**fields) -> Callable[[], bytes]:
+    """A loadable checkpoint of the right keys with ``fields`` on top (format, model, ...)."""
+    def make() -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save({"model": {"w": torch.zeros(64)}, "step": 1, "format": 1, **fields}, buf)
+        return buf.getvalue()
+    return make
+
+
+class _RunsCode:
+    def __reduce__(self):  # unpickling would call os.system
+        return (os.system, ("touch pwned",))
+
+
+def crafted_checkpoint() -> bytes:
+    """A pickle that runs a shell command when loaded without weights_only."""
+    import pickle
+
+    return pickle.dumps({"model": {}, "x": _RunsCode()})
+
+
 # ---------------------------------------------------------------- the table
 
 CFG = "cfg.toml"
@@ -182,6 +205,22 @@ CASES = [
     Case("resume-truncated-checkpoint", ("--resume", "old", *DATA),
          "checkpoint 'old/checkpoint-00000001.pt' cannot be loaded",
          {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": truncated_checkpoint}),
+    Case("resume-checkpoint-newer-format", ("--resume", "old", *DATA), "newer than this paratrain reads",
+         {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": checkpoint_with(format=99)}),
+    Case("resume-crafted-pickle", ("--resume", "old", *DATA), "cannot be loaded",
+         {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": crafted_checkpoint}),
+    Case("resume-checkpoint-wrong-model", ("--resume", "old", *DATA), "holds a different model",
+         {"old/config.toml": run_config_toml, "old/checkpoint-00000001.pt": checkpoint_with()}),
+    Case("resume-checkpoint-checksum-mismatch", ("--resume", "old", *DATA), "does not match its checksum",
+         {"old/checkpoint-00000003.pt.sha256": "0" * 64 + "  checkpoint-00000003.pt\n"}, real_run="old"),
+    # --- flags of the reliability and measurement features
+    Case("on-nonfinite-unknown", (*NEW, "--on-nonfinite", "ignore"), "invalid choice: 'ignore'"),
+    Case("fault-unknown-kind", (*NEW, "--fault", "explode:rank=1"), "unknown kind 'explode'"),
+    Case("fault-without-rank", (*NEW, "--fault", "kill:step=3"), "needs rank=R"),
+    Case("timeout-zero", NEW, "train.timeout_s = 0", cfg({"train.timeout_s": 0})),
+    Case("keep-checkpoints-zero", NEW, "train.keep_checkpoints = 0 is out of range", cfg({"train.keep_checkpoints": 0})),
+    Case("rdzv-port-in-use", (*NEW, "--strategy", "allreduce", "--nnodes", "2", "--node-rank", "0",
+                              "--rdzv-endpoint", "127.0.0.1:{busy_port}"), "is in use here"),
     # --- data files
     Case("data-missing-download-fails", NEW, "cannot download",
          {"data/ptb/ptb.train.txt": None, "data/ptb/ptb.valid.txt": None, "data/ptb/ptb.test.txt": None}),
@@ -211,6 +250,18 @@ def closed_url():
 
 
 @pytest.fixture(scope="module")
+def busy_port():
+    """A port on 127.0.0.1 that this test process listens on."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, closed_url) -> dict[str, bytes]:
     """The files of a finished run of TINY (config.toml and its last checkpoint), trained once per module."""
     root = tmp_path_factory.mktemp("tiny-run")
@@ -221,7 +272,9 @@ def tiny_run(tmp_path_factory, closed_url) -> dict[str, bytes]:
     run = root / "run"
     checkpoints = sorted(run.glob("checkpoint-*.pt"))
     assert checkpoints, sorted(p.name for p in run.iterdir())
-    return {"config.toml": (run / "config.toml").read_bytes(), checkpoints[-1].name: checkpoints[-1].read_bytes()}
+    side = checkpoints[-1].with_name(checkpoints[-1].name + ".sha256")
+    return {"config.toml": (run / "config.toml").read_bytes(), checkpoints[-1].name: checkpoints[-1].read_bytes(),
+            side.name: side.read_bytes()}
 
 
 def _layout(root: Path, files: dict) -> None:
@@ -284,7 +337,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: P
     _layout(tmp_path, files)
     before = _snapshot(tmp_path)
 
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", *case.args], cwd=tmp_path,
+    args = [a.format(busy_port=request.getfixturevalue("busy_port")) if "{busy_port}" in a else a for a in case.args]
+    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", *args], cwd=tmp_path,
                           env=_env(tmp_path, closed_url), capture_output=True, text=True, timeout=60)
 
     shown = f"\n--- exit {proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
@@ -296,6 +350,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: P
     assert case.match in lines[0], f"expected {case.match!r} in the error line{shown}"
     assert proc.stdout == "", f"nothing may be printed before the error is found{shown}"
     assert not (tmp_path / "runs").exists(), "a default run dir was created"
+    assert not (tmp_path / "pwned").exists(), "a checkpoint ran code"
     changes = _differences(before, _snapshot(tmp_path))
     assert not changes, f"the command changed files: {changes}{shown}"
 

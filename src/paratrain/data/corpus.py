@@ -71,11 +71,8 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None, environ: dict | 
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def download(url: str, dest: Path, sha256: str, timeout_s: float = 30.0) -> None:

@@ -26,11 +26,13 @@ def layout_of(cfg: Config) -> PSLayout:
 
 
 def run_process(cfg: Config, run_dir: Path, global_rank: int, *, resume: bool = False,
-                data_dir: str | None = None, rpc_init_method: str = "env://", verbose: bool = True) -> dict | None:
+                data_dir: str | None = None, rpc_init_method: str = "env://", verbose: bool = True,
+                run=None) -> dict | None:
     """Serve (server role) or train (worker role) as ``global_rank`` of the PS job.
 
     Every process of the job must call it. Returns the training summary on
-    workers, the shard's stats on servers.
+    workers, the shard's stats on servers. ``run(trainer) -> dict`` replaces
+    ``trainer.fit()`` on workers (``paratrain verify`` drives the steps itself).
     """
     layout = layout_of(cfg)
     role, index = layout.role(global_rank)
@@ -46,7 +48,7 @@ def run_process(cfg: Config, run_dir: Path, global_rank: int, *, resume: bool = 
     try:
         if role == "server":
             return _serve(cfg, layout, index, server_group)
-        return _train(cfg, layout, index, run_dir, resume, data_dir, worker_group, verbose)
+        return _train(cfg, layout, index, run_dir, resume, data_dir, worker_group, verbose, run)
     finally:
         _shutdown_rpc()
 
@@ -76,7 +78,7 @@ def _serve(cfg: Config, layout: PSLayout, index: int, server_group) -> dict:
 
 
 def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: bool, data_dir: str | None,
-           worker_group, verbose: bool) -> dict:
+           worker_group, verbose: bool, run=None) -> dict:
     from ..train import Trainer
     from ..train.checkpoint import latest, should_resume
 
@@ -89,6 +91,6 @@ def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: boo
     try:
         if should_resume(Path(run_dir), resume):
             trainer.restore(latest(Path(run_dir)))
-        return trainer.fit()
+        return run(trainer) if run is not None else trainer.fit()
     finally:
         trainer.close()

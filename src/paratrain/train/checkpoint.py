@@ -52,11 +52,8 @@ def _fsync_write(path: Path, write) -> None:
 
 def sha256_of(path: Path) -> str:
     """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def checksum_path(path: Path) -> Path:

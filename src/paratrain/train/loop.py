@@ -24,6 +24,7 @@ from ..env import DistEnv
 from ..errors import TrainingStopped, UsageError
 from ..faults import inject as inject_faults
 from ..watchdog import Watchdog, is_comm_failure
+from ..consistency import check_ranks, check_sync
 from ..faults import parse as parse_faults
 from ..models import LSTMLM
 from ..strategies import IndependentReplicasMixin, get_strategy
@@ -92,6 +93,14 @@ class Trainer:
         for note in apply_memory_controls(env.device, cfg.dist.memory_fraction, cfg.dist.expandable_segments):
             self.say(note)
         self.strategy.setup(model, optimizer)
+        self.synced = not isinstance(self.strategy, IndependentReplicasMixin) and env.world_size > 1
+        if self.synced:  # every rank: same model, config and versions (collective)
+            import dataclasses
+
+            from .. import config as config_mod
+
+            same = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, node_rank=0))
+            check_ranks(self.strategy.module, config_mod.to_toml(same), env.world_size)
         if cfg.dist.log_placement:
             self._log_placement()
         self.task = LMTask()
@@ -331,6 +340,9 @@ class Trainer:
                     bar.update(1)
                 self.timer.add(self.step - 1, m0, clock.mark(), spans + res.spans, res.collective)
                 stop = self.strategy.finished(self.step, self.total_steps)
+                if self.synced and self.cfg.dist.check_sync_every and self.step % self.cfg.dist.check_sync_every == 0:
+                    self.watchdog.at(self.step - 1, "logging all-reduce")
+                    check_sync(self.strategy.module, self.strategy.all_reduce, env.rank, env.world_size, self.step)
                 if self.step % t.log_every == 0 or stop or self.batch_index == self.stream.steps_per_epoch:
                     _sync(env.device)
                     now = time.perf_counter()
