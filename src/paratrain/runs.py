@@ -192,7 +192,7 @@ def start_run(run: PreparedRun) -> int:
 
     if cfg.dist.visible_devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.dist.visible_devices
-    if STRATEGIES[cfg.dist.strategy].in_process:
+    if STRATEGIES[cfg.dist.strategy].in_process and not cfg.dist.max_restarts:  # restarts need torchrun's agent
         from .worker import train_worker
 
         train_worker(run.run_dir, run.resume, run.data_dir)

@@ -211,7 +211,8 @@ def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:
                 and r["global_batch"] == cfg.train.batch_size]
         if not recs:
             raise UsageError(f"--from-bench {args.from_bench}: no single-device run at batch {cfg.train.batch_size}")
-        return recs[0], f"from {path}"
+        recs.sort(key=lambda r: r["train_step_ms"])
+        return recs[(len(recs) - 1) // 2], f"median single-device run of {path}"
     warm = max(1, args.steps // 3)
     spec = BenchSpec(config=args.config, strategies=("single",), nprocs=(1,), scaling=("weak",), steps=args.steps,
                      warmup_steps=warm, overrides=tuple(args.overrides), data_dir=args.data_dir)
