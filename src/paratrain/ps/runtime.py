@@ -87,7 +87,8 @@ def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: boo
     env = DistEnv(index, local_rank, layout.num_workers, layout.nproc, "rpc", device)
     trainer = Trainer(cfg, env, run_dir, data_dir, verbose=verbose,
                       strategy_options={"layout": layout, "worker_group": worker_group,
-                                        "max_staleness": cfg.dist.max_staleness})
+                                        "max_staleness": cfg.dist.max_staleness,
+                                        "backup_workers": cfg.dist.backup_workers})
     try:
         if should_resume(Path(run_dir), resume):
             trainer.restore(latest(Path(run_dir)))
