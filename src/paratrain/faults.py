@@ -79,3 +79,8 @@ def inject(faults: list[Fault], rank: int, steps_done: int) -> bool:
             print(f"[rank {rank}] fault injection: NaN loss at step {steps_done}", flush=True)
             poison = True
     return poison
+
+
+def poisoned(loss_fn):
+    """``loss_fn`` whose loss is NaN (the ``nan`` fault)."""
+    return lambda model, mb: loss_fn(model, mb) * float("nan")

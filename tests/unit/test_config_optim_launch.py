@@ -1,9 +1,7 @@
 """Config validation, --set parsing, LR rules, launch command building, checkpoints (no process group)."""
 from __future__ import annotations
 
-import math
 import os
-import sys
 from pathlib import Path
 
 import pytest

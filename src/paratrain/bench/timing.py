@@ -173,3 +173,17 @@ def summarise_ranks(per_rank: Sequence[dict[str, float]]) -> dict[str, Any]:
     avg = sum(compute) / len(compute)
     return {"mean": mean, "per_rank": rows, "slowest_rank": max(range(len(rows)), key=lambda i: compute[i]),
             "compute_skew": (max(compute) - min(compute)) / avg if avg > 0 else 0.0}
+
+
+def write_rank_timing(run_dir, rank: int, record: dict) -> None:
+    """Write this rank's step-time summary to ``run_dir/timing/rank<R>.json`` (atomically). Every rank
+    writes its own: parameter-server workers share no collective to gather them, and the bench
+    report reads all ranks."""
+    import json
+    from pathlib import Path
+
+    folder = Path(run_dir) / "timing"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(folder / f"rank{rank}.json")

@@ -247,3 +247,24 @@ class Prefetcher:
                 self.q.get_nowait()
             except queue.Empty:
                 self.t.join(timeout=0.01)
+
+
+class _Direct:
+    """The CPU counterpart of :class:`Prefetcher`: iterate in this thread."""
+
+    def __init__(self, batches) -> None:
+        self.it = iter(batches)
+
+    def __iter__(self):
+        return self.it
+
+    def close(self) -> None:
+        pass
+
+
+def batch_source(batches, device: torch.device):
+    """An iterable with ``close()`` over ``batches``: a :class:`Prefetcher` on CUDA (a background
+    thread prepares and copies the next batch while this one runs), the batches themselves on CPU
+    (they are views of tensors in memory and every core is computing: a thread would only add GIL
+    hand-offs; measured in benchmarks/RESULTS.md)."""
+    return Prefetcher(batches, device) if device.type == "cuda" else _Direct(batches)

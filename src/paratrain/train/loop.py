@@ -14,20 +14,21 @@ from pathlib import Path
 
 import torch
 
+from ..bench.timing import RankTimer, breakdown, write_rank_timing
 from ..config import Config
-from ..data import (BPTTTrainStream, Prefetcher, SentenceTrainStream, bptt_eval_batches,
+from ..consistency import check_ranks, check_sync
+from ..data import (BPTTTrainStream, SentenceTrainStream, batch_source, bptt_eval_batches,
                     ensure_corpus, load_corpus, sentence_eval_batches)
 from ..devices import (Placement, apply_memory_controls, apply_placement, format_placement_log, peak_memory_bytes,
                        resolve_list)
-from ..bench.timing import RankTimer, breakdown
 from ..env import DistEnv
 from ..errors import TrainingStopped, UsageError
 from ..faults import inject as inject_faults
-from ..watchdog import Watchdog, is_comm_failure
-from ..consistency import check_ranks, check_sync
 from ..faults import parse as parse_faults
+from ..faults import poisoned
 from ..models import LSTMLM
 from ..strategies import IndependentReplicasMixin, get_strategy
+from ..watchdog import Watchdog, is_comm_failure
 from . import checkpoint
 from .metrics import MetricsLog, format_summary, perplexity
 from .optim import LRSchedule, build_optimizer, effective_lr_clip, scaling_factor
@@ -37,24 +38,6 @@ from .task import LMTask, evaluate
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _poisoned(loss_fn):
-    """``loss_fn`` whose loss is NaN (fault injection)."""
-    return lambda model, mb: loss_fn(model, mb) * float("nan")
-
-
-class _Direct:
-    """The CPU counterpart of Prefetcher: iterate in this thread."""
-
-    def __init__(self, batches) -> None:
-        self.it = iter(batches)
-
-    def __iter__(self):
-        return self.it
-
-    def close(self) -> None:
-        pass
 
 
 class Trainer:
@@ -156,39 +139,13 @@ class Trainer:
             tqdm.write(f"[rank {self.env.rank}] {msg}")
 
     # ---- checkpoints -------------------------------------------------------
-    def _full_hidden(self) -> dict[int, list[torch.Tensor]]:
-        """Gather the carried BPTT state of the whole global batch (collective)."""
-        if self.cfg.data.mode != "bptt" or not self.task.hidden or isinstance(self.strategy, IndependentReplicasMixin):
-            return {}
-        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.micro_per_step
-        per_micro = B // W // K
-        h_like = next(iter(self.task.hidden.values()))[0]
-        full = torch.zeros((2, h_like.size(0), B, h_like.size(2)), dtype=h_like.dtype, device=h_like.device)
-        for k, (h, c) in self.task.hidden.items():
-            lo = self.env.rank * (B // W) + k * per_micro
-            full[0, :, lo:lo + per_micro], full[1, :, lo:lo + per_micro] = h, c
-        self.strategy.all_reduce(full)
-        return {0: [full[0], full[1]]}
-
-    def _restore_hidden(self, hidden: dict) -> None:
-        self.task.reset_hidden()
-        if not hidden:
-            return
-        h, c = hidden[0]
-        B, W, K = self.cfg.train.batch_size, self.env.world_size, self.micro_per_step
-        if h.size(1) != B:
-            return  # different global batch: the carried state does not apply; start from zeros
-        per_micro = B // W // K
-        dt = getattr(torch, self.cfg.train.dtype)
-        for k in range(K):
-            lo = self.env.rank * (B // W) + k * per_micro
-            self.task.hidden[k] = (h[:, lo:lo + per_micro].to(self.env.device, dt).contiguous(),
-                                   c[:, lo:lo + per_micro].to(self.env.device, dt).contiguous())
-
     def save(self) -> None:
         self.timer.reset_arrival()  # time spent here is not waiting in the next step's collective
         self.watchdog.at(self.step, "checkpoint")
-        hidden = self._full_hidden()  # collective: every rank
+        hidden = {}
+        if self.cfg.data.mode == "bptt" and not isinstance(self.strategy, IndependentReplicasMixin):
+            hidden = self.task.gather_hidden(self.cfg.train.batch_size, self.env.rank, self.env.world_size,
+                                             self.micro_per_step, self.strategy.all_reduce)  # collective
         bad = [n for n, p in self.strategy.module.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:  # every rank holds the same parameters: all stop; never write a checkpoint one cannot resume from
             raise TrainingStopped(f"parameters {bad[:3]} are not finite at step {self.step}; no checkpoint "
@@ -214,7 +171,9 @@ class Trainer:
         self.words, self.train_time_s = state.get("words", 0), state.get("train_time_s", 0.0)
         self._log_words = self.words
         self._interval_start = self.step
-        self._restore_hidden(state.get("hidden", {}))
+        self.task.scatter_hidden(state.get("hidden", {}), self.cfg.train.batch_size, self.env.rank,
+                                 self.env.world_size, self.micro_per_step, self.env.device,
+                                 getattr(torch, self.cfg.train.dtype))
         self.say(f"resumed from {path.name}: step {self.step}, epoch {self.epoch}, batch {self.batch_index}")
         if self.log:
             self.log.write("resume", self.step, epoch=self.epoch, batch_index=self.batch_index, checkpoint=path.name)
@@ -300,10 +259,7 @@ class Trainer:
         if self.batch_index == 0:
             self.task.reset_hidden()  # Zaremba et al.: the state starts at zero every epoch
         batches = self.stream.epoch(self.epoch, self.batch_index)
-        # GPU: a background thread prepares and copies the next batch while this one runs.
-        # CPU: batches are views of tensors in memory and every core is busy computing, so a
-        # thread would only add GIL hand-offs (measured: benchmarks/RESULTS.md).
-        source = Prefetcher(batches, env.device) if env.device.type == "cuda" else _Direct(batches)
+        source = batch_source(batches, env.device)  # GPU: prefetched in a thread; CPU: direct
         t_log, w_log = self.train_time_s, self._log_words
         lr = self.schedule.lr(self.step, self.epoch)
         slow_s = self.cfg.dist.slow_ms / 1000 if env.rank == self.cfg.dist.slow_rank else 0.0
@@ -329,7 +285,7 @@ class Trainer:
                     spans.append(("compute", m2, clock.mark()))
                 loss_fn = self.task.loss_fn
                 if faults and inject_faults(faults, env.rank, self.step):  # --fault nan: this rank's loss is NaN
-                    loss_fn = _poisoned(loss_fn)
+                    loss_fn = poisoned(loss_fn)
                 self.watchdog.at(self.step, "gradient all-reduce")
                 res = self.strategy.train_step(sb.micro, loss_fn, self.clip)
                 if res.skipped:
@@ -416,7 +372,9 @@ class Trainer:
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
         }
         timing = self.timer.summary()
-        self._write_timing(timing)
+        write_rank_timing(self.run_dir, self.env.rank, {
+            "rank": self.env.rank, "world_size": self.env.world_size, "strategy": self.cfg.dist.strategy,
+            "warmup_steps": self.cfg.train.timing_warmup_steps, **timing})
         summary.update({k: round(v, 3) for k, v in breakdown(timing).items()})
         summary["timed_steps"] = timing["measured_steps"]
         summary["nonfinite_steps"] = self.nonfinite_steps
@@ -430,19 +388,6 @@ class Trainer:
             rows = [("run dir", str(self.run_dir)), *summary.items()]
             print(format_summary(rows), flush=True)
         return summary
-
-    def _write_timing(self, timing: dict[str, float]) -> None:
-        """Every rank writes its own step-time summary (``timing/rank<R>.json``): parameter-server
-        workers share no collective to gather them, and the bench report reads all ranks."""
-        import json
-
-        folder = self.run_dir / "timing"
-        folder.mkdir(parents=True, exist_ok=True)
-        record = {"rank": self.env.rank, "world_size": self.env.world_size, "strategy": self.cfg.dist.strategy,
-                  "warmup_steps": self.cfg.train.timing_warmup_steps, **timing}
-        tmp = folder / f".rank{self.env.rank}.json.tmp"
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(folder / f"rank{self.env.rank}.json")
 
     def close(self, clean: bool = True) -> None:
         """Close metric files and release the strategy (every rank). ``clean=False`` after a

@@ -31,6 +31,37 @@ class LMTask:
     def reset_hidden(self) -> None:
         self.hidden = {}
 
+    def gather_hidden(self, batch: int, rank: int, world_size: int, micro: int, all_reduce) -> dict:
+        """The carried BPTT state of the whole global batch, ``{0: [h, c]}`` each (L, batch, H), or {}
+        before the first step. Rank r's micro-batch k holds streams ``r*batch/world_size +
+        k*per_micro ...``; ``all_reduce`` (sum, in place) assembles them. Collective: every rank."""
+        if not self.hidden:
+            return {}
+        per_micro = batch // world_size // micro
+        h_like = next(iter(self.hidden.values()))[0]
+        full = torch.zeros((2, h_like.size(0), batch, h_like.size(2)), dtype=h_like.dtype, device=h_like.device)
+        for k, (h, c) in self.hidden.items():
+            lo = rank * (batch // world_size) + k * per_micro
+            full[0, :, lo:lo + per_micro], full[1, :, lo:lo + per_micro] = h, c
+        all_reduce(full)
+        return {0: [full[0], full[1]]}
+
+    def scatter_hidden(self, hidden: dict, batch: int, rank: int, world_size: int, micro: int,
+                       device: torch.device, dtype: torch.dtype) -> None:
+        """Take this rank's streams of a :meth:`gather_hidden` state (any world_size wrote it);
+        zeros when there is none or the global batch differs."""
+        self.reset_hidden()
+        if not hidden:
+            return
+        h, c = hidden[0]
+        if h.size(1) != batch:
+            return  # different global batch: the carried state does not apply; start from zeros
+        per_micro = batch // world_size // micro
+        for k in range(micro):
+            lo = rank * (batch // world_size) + k * per_micro
+            self.hidden[k] = (h[:, lo:lo + per_micro].to(device, dtype).contiguous(),
+                              c[:, lo:lo + per_micro].to(device, dtype).contiguous())
+
     def loss_fn(self, model: nn.Module, mb: LMBatch) -> torch.Tensor:
         """Summed masked cross-entropy of ``mb`` divided by ``norm`` (0-dim)."""
         ce = cross_entropy_sum(model, mb, self.hidden)
