@@ -14,7 +14,10 @@ copy of the model) tell the likely cause:
 * every rank's local gradient is the same: the shards overlap (each rank got the
   same samples: a sampler without rank/world_size);
 * otherwise mean(local) != single: shards overlap or drop samples;
-* a model with BatchNorm: batch statistics are per rank (use SyncBatchNorm).
+* a model with BatchNorm: batch statistics are per rank (use SyncBatchNorm);
+* dropout > 0 and every rank's RNG state the same when a step's masks are drawn: all ranks drop
+  the same units (the comparison itself runs with dropout disabled in the modules, p = 0, so
+  that it is exact, while the loop still seeds each step as configured).
 
 Worker entry (under torchrun, or in-process for one-process strategies):
 ``python -m paratrain.verify RUN_DIR [--bug sum-loss|overlap-shards] [--data-dir D]``;
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import math
 import os
 import sys
@@ -33,7 +37,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-BUGS = ("sum-loss", "overlap-shards")
+BUGS = ("sum-loss", "overlap-shards", "same-dropout")
 TOLERANCE = 1e-9  # float64 relative difference allowed ("beyond rounding" fails)
 
 
@@ -79,12 +83,21 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
         d, t = cfg.data, cfg.train
         trainer.stream = BPTTTrainStream(trainer.train_split, t.batch_size, d.bptt, 0, env.world_size,
                                          trainer.micro_per_step)
+    if bug == "same-dropout":  # the dropout seed forgets the rank
+        trainer.dropout_seed = lambda step: cfg.train.seed * 1_000_003 + step
+    for m in s.module.modules():  # exact comparison: no units dropped (the loop still seeds per step)
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        elif isinstance(m, nn.LSTM):
+            m.dropout = 0.0
+    rng: list[str] = []
     if bug == "sum-loss":  # each replica's loss multiplied by the replicas: summed, not averaged
         plain = task.loss_fn
         task.loss_fn = lambda model, mb: plain(model, mb) * env.world_size
     step_fn, update_fn = s.train_step, s._update
 
     def train_step(micro, loss_fn, clip):
+        rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())  # dropout masks come next
         saved = {k: (h.clone(), c.clone()) for k, (h, c) in task.hidden.items()}
         replica = copy.deepcopy(s.module)
         total = sum(loss_fn(replica, mb) for mb in micro)
@@ -100,6 +113,7 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     s.train_step, s._update = train_step, update
     trainer._run_epoch(None)
     record = {"local": local, "merged": merged, "world_size": env.world_size, "num_replicas": s.num_replicas,
+              "rng": rng, "dropout": cfg.model.dropout,
               "params": {k: v.detach().cpu().clone() for k, v in s.state_dict().items()},
               "batchnorm": any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in s.module.modules())}
     out = run_dir / "verify"
@@ -195,7 +209,7 @@ def _prepare(args, tmp: Path, strategy: str, nproc: int) -> tuple:
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: use 1 or more")
     forced = [f"train.max_steps={args.steps}", "train.epochs=1000", 'train.dtype="float64"', 'dist.device="cpu"',
-              "model.dropout=0.0", f"train.log_every={args.steps}", "train.checkpoint_every=0",
+              f"train.log_every={args.steps}", "train.checkpoint_every=0",
               "train.eval_every=0", "data.eval_fraction=0.01", f'dist.strategy="{strategy}"']
     extra: dict = {"dist": {"nproc": nproc if strategy != "replicate" else 1}}
     if strategy == "replicate":
@@ -240,7 +254,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ensure_corpus(cfg_n.data.corpus, args.data_dir, allow_download=False)
         cfg_1, dir_1 = _prepare(args, Path(tmp), "single", 1)
         print(f"[verify] {args.strategy} x {args.nproc} vs single, global batch {cfg_n.train.batch_size}, "
-              f"{args.steps} step(s), float64 on CPU, dropout off" + (f", injected bug {args.inject_bug}"
+              f"{args.steps} step(s), float64 on CPU, dropout modules at p = 0" + (f", injected bug {args.inject_bug}"
                                                                       if args.inject_bug else ""), flush=True)
         ranks = [r for r in _run(cfg_n, dir_n, args.inject_bug or "", data_dir) if r["local"]]
         single = _run(cfg_1, dir_1, "", data_dir)[0]
@@ -250,6 +264,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for name, d in table.items():
         print(f"{name:<{width}}  {d['grad']:>13.2e}  {d['param']:>14.2e}")
     worst = max(max((v for v in d.values() if not math.isnan(v)), default=0.0) for d in table.values())
+    same_masks = len(ranks) > 1 and ranks[0]["dropout"] > 0 and all(r["rng"] == ranks[0]["rng"] for r in ranks)
+    if same_masks:
+        print(f"[verify] MISMATCH: dropout RNG identical across ranks: all {len(ranks)} ranks start every step "
+              f"from the same RNG state, so they drop the same units (seed dropout with the rank)",
+              file=sys.stderr)
+        return 1
     if worst <= TOLERANCE:
         print(f"[verify] OK: {args.strategy} x {args.nproc} equals single to {worst:.1e} (tolerance {TOLERANCE:g})")
         return 0

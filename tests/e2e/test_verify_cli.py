@@ -9,7 +9,8 @@ from .test_cli import TINY, paratrain
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy, extra", [("allreduce", ()), ("replicate", ()), ("ps-sync", ("--num-ps", "1"))])
+@pytest.mark.parametrize("strategy, extra", [("allreduce", ("--set", "model.dropout=0.2")), ("replicate", ()),
+                                             ("ps-sync", ("--num-ps", "1"))])
 def test_verify_passes_for_synchronous_strategies(tmp_path, tiny_data, strategy, extra):
     (tmp_path / "tiny.toml").write_text(TINY)
     r = paratrain("verify", "tiny.toml", "--strategy", strategy, "--nproc", "2", "--steps", "3", *extra,
@@ -20,10 +21,11 @@ def test_verify_passes_for_synchronous_strategies(tmp_path, tiny_data, strategy,
 
 
 @pytest.mark.parametrize("bug, cause", [("sum-loss", "the loss is summed over the 2 replicas instead of averaged"),
-                                        ("overlap-shards", "shards overlap: all 2 ranks computed the same local")])
+                                        ("overlap-shards", "shards overlap: all 2 ranks computed the same local"),
+                                        ("same-dropout", "dropout RNG identical across ranks")])
 def test_verify_names_the_cause_of_a_broken_variant(tmp_path, tiny_data, bug, cause):
     (tmp_path / "tiny.toml").write_text(TINY)
     r = paratrain("verify", "tiny.toml", "--strategy", "allreduce", "--nproc", "2", "--inject-bug", bug,
-                  "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
+                  "--set", "model.dropout=0.2", "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[verify] MISMATCH" in r.stderr and cause in r.stderr, r.stderr[-2000:]

@@ -102,6 +102,11 @@ class Trainer:
         self._interval_start = 0  # first step of the current logging interval
         self._measured_words, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
 
+    def dropout_seed(self, step: int) -> int:
+        """Seed of step ``step``'s dropout masks: a function of (seed, rank, step) only, so ranks draw
+        different masks and a resumed run draws the same ones (no RNG state to save)."""
+        return self.cfg.train.seed * 1_000_003 + self.env.rank * 7919 + step
+
     @property
     def micro_per_step(self) -> int:
         """Micro-batches of this rank per optimizer step: accumulation x towers."""
@@ -278,7 +283,7 @@ class Trainer:
                 lr = self.schedule.apply(self.strategy.optimizer, self.step, self.epoch)
                 self.task.norm = sb.global_tokens / self.strategy.num_replicas
                 if self.cfg.model.dropout > 0:  # dropout masks depend on (seed, rank, step) only: exact resume
-                    torch.manual_seed(t.seed * 1_000_003 + env.rank * 7919 + self.step)
+                    torch.manual_seed(self.dropout_seed(self.step))
                 if slow_s:  # straggler injection (--slow-rank/--slow-ms): slower compute
                     m2 = clock.mark()
                     time.sleep(slow_s)
