@@ -28,6 +28,15 @@ def fingerprint(model: nn.Module, config_text: str) -> dict[str, Any]:
             "paratrain": __version__, "torch": torch.__version__}
 
 
+def config_text(cfg) -> str:
+    """The config as every rank must hold it: its TOML with the node-specific ``dist.node_rank`` at 0."""
+    import dataclasses
+
+    from . import config
+
+    return config.to_toml(dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, node_rank=0)))
+
+
 def first_difference(fps: Sequence[dict[str, Any]]) -> str | None:
     """None when every rank's fingerprint equals rank 0's, else a sentence naming the first rank
     that differs and how. Pure."""

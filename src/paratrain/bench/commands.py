@@ -133,6 +133,7 @@ def _tokens_per_step(cfg, per_replica_batch: int) -> int:
 def _validate(records: list[dict], spec: BenchSpec, cfg, vocab: int) -> dict:
     from ..env import available_cores
     from .microbench import measured_link
+    from .report import median_run
     from .validate import model_gradient_bytes, validate, workload_from_record
 
     b = (spec.batches or (cfg.train.batch_size,))[0]
@@ -140,9 +141,8 @@ def _validate(records: list[dict], spec: BenchSpec, cfg, vocab: int) -> dict:
     grads, tokens = model_gradient_bytes(cfg, vocab), _tokens_per_step(cfg, b)
 
     def median_rec(strategy, n, g, threads):
-        ok = sorted((r for r in records if r["ok"] and (r["strategy"], r["n"], r["global_batch"], r["threads"])
-                     == (strategy, n, g, threads)), key=lambda r: r["train_step_ms"])
-        return ok[(len(ok) - 1) // 2] if ok else None
+        point = [r for r in records if (r["strategy"], r["n"], r["global_batch"], r["threads"]) == (strategy, n, g, threads)]
+        return median_run(point, "train_step_ms")
 
     base, one = median_rec("single", 1, b, None), median_rec("single", 1, b, 1)
     if base is None or one is None:
@@ -200,19 +200,17 @@ def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:
     """The single-device run record to predict from: from a bench folder, or measured now."""
     import json
 
-    from .report import run_record
+    from .report import median_run, run_record
 
     if args.from_bench:
         path = args.from_bench / "results.json"
         if not path.is_file():
             raise UsageError(f"--from-bench {args.from_bench}: no results.json there; give a paratrain bench folder")
-        recs = [r for r in json.loads(path.read_text())["runs"]
-                if r["ok"] and r["strategy"] == "single" and r["threads"] is None
-                and r["global_batch"] == cfg.train.batch_size]
-        if not recs:
+        rec = median_run([r for r in json.loads(path.read_text())["runs"] if r["strategy"] == "single"
+                          and r["threads"] is None and r["global_batch"] == cfg.train.batch_size], "train_step_ms")
+        if rec is None:
             raise UsageError(f"--from-bench {args.from_bench}: no single-device run at batch {cfg.train.batch_size}")
-        recs.sort(key=lambda r: r["train_step_ms"])
-        return recs[(len(recs) - 1) // 2], f"median single-device run of {path}"
+        return rec, f"median single-device run of {path}"
     warm = max(1, args.steps // 3)
     spec = BenchSpec(config=args.config, strategies=("single",), nprocs=(1,), scaling=("weak",), steps=args.steps,
                      warmup_steps=warm, overrides=tuple(args.overrides), data_dir=args.data_dir)

@@ -41,8 +41,9 @@ def run_record(o: RunOutcome) -> dict[str, Any]:
     return rec
 
 
-def _median_run(recs: list[dict]) -> dict | None:
-    ok = sorted((r for r in recs if r["ok"] and finite(r["words_per_s"])), key=lambda r: r["words_per_s"])
+def median_run(recs: list[dict], key: str = "words_per_s") -> dict | None:
+    """The successful run with the median ``key`` (the lower middle for an even count), or None."""
+    ok = sorted((r for r in recs if r["ok"] and finite(r.get(key))), key=lambda r: r[key])
     return ok[(len(ok) - 1) // 2] if ok else None
 
 
@@ -56,7 +57,7 @@ def scaling_rows(records: Sequence[dict], spec: BenchSpec, recipe_batch: int) ->
     for scaling in spec.scaling:
         rows = []
         for b in spec.batches or (recipe_batch,):
-            base = _median_run(by_key.get(("single", 1, b, None), []))
+            base = median_run(by_key.get(("single", 1, b, None), []))
             for s in spec.strategies:
                 for n in spec.nprocs:
                     if (s == "single" and n != 1) or (scaling == "strong" and b % n):
@@ -69,7 +70,7 @@ def scaling_rows(records: Sequence[dict], spec: BenchSpec, recipe_batch: int) ->
 
 
 def _row(scaling: str, strategy: str, n: int, g: int, recs: list[dict], base: dict | None) -> dict:
-    med = _median_run(recs)
+    med = median_run(recs)
     row: dict[str, Any] = {"scaling": scaling, "strategy": strategy, "n": n, "global_batch": g,
                            "per_replica_batch": g // n, "runs_ok": sum(r["ok"] for r in recs), "runs": len(recs)}
     if med is None:

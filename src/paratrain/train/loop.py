@@ -16,7 +16,7 @@ import torch
 
 from ..bench.timing import RankTimer, breakdown, write_rank_timing
 from ..config import Config
-from ..consistency import check_ranks, check_sync
+from ..consistency import check_ranks, check_sync, config_text
 from ..data import (BPTTTrainStream, SentenceTrainStream, batch_source, bptt_eval_batches,
                     ensure_corpus, load_corpus, sentence_eval_batches)
 from ..devices import (Placement, apply_memory_controls, apply_placement, format_placement_log, peak_memory_bytes,
@@ -78,12 +78,7 @@ class Trainer:
         self.strategy.setup(model, optimizer)
         self.synced = not isinstance(self.strategy, IndependentReplicasMixin) and env.world_size > 1
         if self.synced:  # every rank: same model, config and versions (collective)
-            import dataclasses
-
-            from .. import config as config_mod
-
-            same = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, node_rank=0))
-            check_ranks(self.strategy.module, config_mod.to_toml(same), env.world_size)
+            check_ranks(self.strategy.module, config_text(cfg), env.world_size)
         if cfg.dist.log_placement:
             self._log_placement()
         self.task = LMTask()
