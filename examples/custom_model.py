@@ -1,11 +1,12 @@
-"""Train your own nn.Module and DataLoader with paratrain's public API (no LSTM, no internals).
+"""Train your own nn.Module and DataLoader with paratrain's minimal-change API.
 
     paratrain launch --nproc 2 examples/custom_model.py --epochs 3   # 2 workers, all-reduce
     python examples/custom_model.py --epochs 3                       # 1 process, single device
 
-A small MLP learns a noisy linear map. Each rank reads its shard of every epoch
-through torch's DistributedSampler; paratrain's strategy averages the gradients,
-clips the global norm and updates. Rank 0 prints the loss averaged over all ranks.
+A small MLP learns a noisy linear map. ``pt.shard`` gives each rank its part of every global
+batch (a DistributedSampler seeded the same on every rank); the optimizer's ``step()`` runs on
+the averaged gradient; ``pt.clip_grad_norm_`` clips the global norm of that gradient. Rank 0
+prints the loss averaged over all ranks.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import argparse
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain as pt
 
@@ -34,34 +35,27 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1)
     args = p.parse_args()
 
-    env = pt.init()  # RANK/WORLD_SIZE from paratrain launch; joins the process group
-    g = torch.Generator().manual_seed(0)  # same data and initial weights on every rank
+    env = pt.init()  # the strategy: paratrain launch --strategy, else allreduce with N > 1, else single
+    g = torch.Generator().manual_seed(0)  # the same data on every rank
     x = torch.randn(4096, 16, generator=g)
     y = x @ torch.randn(16, 4, generator=g) + 0.01 * torch.randn(4096, 4, generator=g)
-    data = TensorDataset(x, y)
-    sampler = DistributedSampler(data, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.global_batch // env.world_size, sampler=sampler, drop_last=True)
+    loader = pt.shard(DataLoader(TensorDataset(x, y), batch_size=args.global_batch, shuffle=True, drop_last=True))
 
     torch.manual_seed(0)
     model = MLP()
-    strategy = pt.get_strategy("allreduce" if env.world_size > 1 else "single", env)
-    model, optimizer = strategy.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
-
-    def loss_fn(m: nn.Module, batch) -> torch.Tensor:
-        xb, yb = (t.to(strategy.device) for t in batch)
-        return nn.functional.mse_loss(m(xb), yb)
+    model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
 
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        total = torch.zeros(2, dtype=torch.float64)
-        for batch in loader:
-            result = strategy.train_step([batch], loss_fn, clip=1.0)
-            total += torch.tensor([result.loss.item(), 1.0], dtype=torch.float64)
-        strategy.all_reduce(total)  # every rank calls it
-        if env.is_main:
-            print(f"[rank {env.rank}] epoch {epoch + 1}: mean loss {total[0] / total[1]:.4f} "
-                  f"(world_size {env.world_size})", flush=True)
-    strategy.teardown()
+        total, steps = 0.0, 0
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(xb.to(env.device)), yb.to(env.device))
+            loss.backward()
+            pt.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            total, steps = total + loss.item(), steps + 1
+        pt.print(f"[rank {env.rank}] epoch {epoch + 1}: mean loss {pt.all_mean(total / steps):.4f} "
+                 f"(world_size {env.world_size})")
     pt.shutdown()
 
 

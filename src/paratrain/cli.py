@@ -6,6 +6,7 @@ Every subcommand turns bad input into one line on stderr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,10 +14,13 @@ from pathlib import Path
 from .errors import TrainingStopped, UsageError
 
 _TRAIN_EPILOG = """\
+tasks (--task or [task] entry): lstm-lm (default), gpt, digits-cnn, module:factory, path/to/file.py:factory
 config keys (--set section.key=value; values are TOML literals):
+  [data] and [model] belong to the task; lstm-lm's:
   data.corpus ptb|wikitext-2   data.mode bptt|sentence   data.bptt T   data.eval_batch_size
   data.max_sentence_len   data.train_fraction   data.eval_fraction
   model.embed_dim  model.hidden_dim  model.num_layers  model.dropout  model.tie_weights  model.init_range
+  model.sync_batchnorm (every built-in task: BatchNorm statistics over all replicas)
   train.epochs  train.max_steps  train.seed  train.batch_size (global)  train.ref_batch_size
   train.lr_scaling none|linear|sqrt  train.warmup_steps  train.optimizer sgd|adam  train.lr
   train.momentum  train.weight_decay  train.clip  train.convention sum_over_time|mean_over_tokens
@@ -44,10 +48,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = _Parser(prog="paratrain", description="Train PyTorch models on many devices, processes and machines.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("train", help="train the LSTM language model", epilog=_TRAIN_EPILOG,
+    t = sub.add_parser("train", help="train a task (built-in or your own) with a strategy", epilog=_TRAIN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train the LSTM language model of a TOML recipe with a strategy.")
+                       description="Train the task of a TOML recipe (the LSTM language model unless [task] entry or "
+                                   "--task names another) with a strategy.")
     t.add_argument("config", nargs="?", help="TOML recipe (e.g. configs/ptb_small.toml); optional with --resume")
+    t.add_argument("--task", metavar="ENTRY",
+                   help="task: lstm-lm, gpt, digits-cnn, package.module:factory or path/to/file.py:factory "
+                        "(default: the recipe's [task] entry)")
     t.add_argument("--strategy", choices=list(STRATEGIES), help="how to split the work (default: the recipe's dist.strategy)")
     t.add_argument("--nproc", type=int, help="worker processes on this node (--nproc 1 without --strategy means single)")
     t.add_argument("--run-dir", type=Path, help="new run directory (default runs/<config>-<time>); never overwritten")
@@ -81,16 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="NaN/Inf loss or gradient: skip the step (default, counted) or stop the run")
     _add_multinode(t)
 
-    ln = sub.add_parser("launch", help="run your own script in N workers (torchrun semantics)",
-                        description="Run SCRIPT in N worker processes with RANK, LOCAL_RANK, WORLD_SIZE, "
-                                    "MASTER_ADDR/PORT set; loopback and a free port by default.")
-    ln.add_argument("--nproc", type=int, default=1, help="worker processes on this node")
-    ln.add_argument("--module", "-m", action="store_true", help="SCRIPT is a module name (python -m)")
-    ln.add_argument("--max-restarts", type=int, default=0)
-    ln.add_argument("--threads", type=int, default=0, help="intra-op threads per worker (default cores // nproc)")
-    _add_multinode(ln)
-    ln.add_argument("script")
-    ln.add_argument("script_args", nargs=argparse.REMAINDER)
+    _add_launch_parser(sub)
 
     from .bench.commands import add_bench_parser, add_predict_parser
     from .verify import add_parser as add_verify_parser
@@ -105,6 +104,32 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("corpus", choices=["ptb", "wikitext-2"])
     d.add_argument("--data-dir")
     return p
+
+
+def _add_launch_parser(sub) -> None:
+    from .strategies import STRATEGIES
+
+    ln = sub.add_parser("launch", help="run your own script with a strategy (torchrun semantics)",
+                        description="Run SCRIPT in N worker processes with RANK, LOCAL_RANK, WORLD_SIZE, "
+                                    "MASTER_ADDR/PORT set (loopback and a free port by default) and the strategy "
+                                    "pt.init() reads ($PARATRAIN_STRATEGY, $PARATRAIN_CONFIG).")
+    ln.add_argument("--nproc", type=int, default=1, help="worker processes on this node")
+    ln.add_argument("--strategy", choices=list(STRATEGIES),
+                    help="how pt.setup/optimizer.step split the work (default: allreduce for N > 1 processes, "
+                         "else single)")
+    ln.add_argument("--num-ps", type=int, help="parameter-server strategies: server processes per node (added)")
+    ln.add_argument("--backup-workers", type=int, help="ps-sync: aggregate the first W-b gradients")
+    ln.add_argument("--max-staleness", type=int, help="ps-async: bound on update staleness in versions")
+    ln.add_argument("--staleness-lr", action="store_true", help="ps-async: divide the lr by the staleness")
+    ln.add_argument("--devices", help="replicate: tower devices, e.g. cpu:0,cpu:1 or cuda:0,cuda:1")
+    ln.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a dist.* or train.timeout_s value (as in a recipe); repeatable")
+    ln.add_argument("--module", "-m", action="store_true", help="SCRIPT is a module name (python -m)")
+    ln.add_argument("--max-restarts", type=int, default=0)
+    ln.add_argument("--threads", type=int, default=0, help="intra-op threads per worker (default cores // nproc)")
+    _add_multinode(ln)
+    ln.add_argument("script")
+    ln.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
 def _add_multinode(p: argparse.ArgumentParser) -> None:
@@ -152,8 +177,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from . import launch
+    import json
+
+    from . import config, launch
     from .env import default_threads
+    from .strategies import STRATEGIES, default_for
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
@@ -162,10 +190,32 @@ def cmd_launch(args: argparse.Namespace) -> int:
     nnodes = args.nnodes or 1
     if nnodes > 1 and not args.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0")
-    spec = launch.LaunchSpec(nproc=args.nproc, target=[args.script, *args.script_args], module=args.module,
+    dist = {"strategy": args.strategy or default_for(args.nproc * nnodes),
+            "nproc": args.nproc, "nnodes": nnodes, "node_rank": args.node_rank or 0,
+            "rdzv_endpoint": args.rdzv_endpoint or "", "max_restarts": args.max_restarts}
+    for key in ("num_ps", "backup_workers", "max_staleness", "devices"):
+        if getattr(args, key) is not None:
+            dist[key] = getattr(args, key)
+    if args.staleness_lr:
+        dist["staleness_lr"] = True
+    if args.threads:
+        dist["threads"] = args.threads
+    bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(("dist.", "train.timeout_s"))]
+    if bad:
+        raise UsageError(f"--set {bad[0]!r}: paratrain launch takes dist.* and train.timeout_s; "
+                         f"the rest is your script's")
+    cfg = config.load(None, args.overrides, {"dist": dist})  # validated like a recipe's [dist]
+    cls = STRATEGIES[cfg.dist.strategy]
+    os.environ["PARATRAIN_STRATEGY"] = cfg.dist.strategy
+    os.environ["PARATRAIN_CONFIG"] = json.dumps({"dist": config.to_dict(cfg)["dist"],
+                                                 "train": {"timeout_s": cfg.train.timeout_s}})
+    for key, value in cls.launch_env.items():
+        os.environ.setdefault(key, value)
+    per_node = cls.processes_per_node(cfg.dist)
+    spec = launch.LaunchSpec(nproc=per_node, target=[args.script, *args.script_args], module=args.module,
                              nnodes=nnodes, node_rank=args.node_rank or 0, rdzv_endpoint=args.rdzv_endpoint or "",
                              max_restarts=args.max_restarts)
-    return launch.run(launch.build_command(spec), args.threads or default_threads(args.nproc))
+    return launch.run(launch.build_command(spec), args.threads or default_threads(per_node))
 
 
 def cmd_devices() -> int:

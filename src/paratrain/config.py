@@ -1,9 +1,14 @@
 """Frozen, validated configuration: TOML recipes plus ``--set section.key=value``.
 
-A config has four sections, each a frozen keyword-only dataclass validated in
-``__post_init__``: ``data``, ``model``, ``train`` and ``dist``. Every bad value
-raises :class:`~paratrain.errors.UsageError` naming the key, the value and what
-is allowed. Units are in the names (``timeout_s``).
+A config has the sections ``task``, ``data``, ``model``, ``train`` and ``dist``.
+``[task] entry`` names the task (default ``lstm-lm``; see :mod:`paratrain.tasks`);
+``[data]`` and ``[model]`` belong to the task: validated by the dataclasses its
+factory declares (``config_sections``), plain tables otherwise; other ``[task]``
+keys are the task's own options. ``train`` and ``dist`` are frozen keyword-only
+dataclasses validated in ``__post_init__``; ``dist`` learns the strategies and
+the keys each owns from the registry. Every bad value raises
+:class:`~paratrain.errors.UsageError` naming the key, the value and what is
+allowed. Units are in the names (``timeout_s``).
 
 Learning rate and clipping conventions: recipes state ``train.lr`` and
 ``train.clip`` in the convention of their paper. ``train.convention =
@@ -24,14 +29,16 @@ from typing import Any
 from .errors import UsageError
 
 
-def _choice(section: str, key: str, value: Any, allowed: tuple) -> None:
+def check_choice(section: str, key: str, value: Any, allowed: tuple) -> None:
+    """UsageError unless ``value`` is one of ``allowed`` (names the key and the choices)."""
     if value not in allowed:
         raise UsageError(
             f"{section}.{key} = {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}"
         )
 
 
-def _at_least(section: str, key: str, value: float, low: float, strict: bool = False) -> None:
+def check_at_least(section: str, key: str, value: float, low: float, strict: bool = False) -> None:
+    """UsageError unless ``value`` is finite and >= ``low`` (> with ``strict``)."""
     if not math.isfinite(value):
         raise UsageError(f"{section}.{key} = {value!r} is out of range; use a finite number")
     if value < low or (strict and value == low):
@@ -39,55 +46,25 @@ def _at_least(section: str, key: str, value: float, low: float, strict: bool = F
         raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value {op} {low}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """Corpus and batching. ``mode`` is ``bptt`` (B parallel streams unrolled
-    ``bptt`` steps, hidden state carried; Zaremba et al. 2014) or ``sentence``
-    (one line per sample, padded, loss masked)."""
+def _strategies():
+    from . import strategies
 
-    corpus: str = "ptb"
-    mode: str = "bptt"
-    bptt: int = 20
-    eval_batch_size: int = 10
-    max_sentence_len: int = 0  # 0 = no limit (sentence mode: longer lines are cut)
-    train_fraction: float = 1.0  # use the first fraction of the training split (quick runs)
-    eval_fraction: float = 1.0  # use the first fraction of valid/test (quick runs)
+    return strategies
 
-    def __post_init__(self) -> None:
-        _choice("data", "corpus", self.corpus, ("ptb", "wikitext-2"))
-        _choice("data", "mode", self.mode, ("bptt", "sentence"))
-        _at_least("data", "bptt", self.bptt, 1)
-        _at_least("data", "eval_batch_size", self.eval_batch_size, 1)
-        _at_least("data", "max_sentence_len", self.max_sentence_len, 0)
-        for key in ("train_fraction", "eval_fraction"):
-            v = getattr(self, key)
-            if not 0 < v <= 1:
-                raise UsageError(f"data.{key} = {v!r} is out of range; use a value in (0, 1]")
+
+def check_probability(section: str, key: str, value: float) -> None:
+    """UsageError unless ``value`` is in [0, 1) (a dropout probability)."""
+    if not 0 <= value < 1:
+        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """LSTM language model sizes (see :class:`paratrain.models.lstm_lm.LSTMLM`)."""
+class TaskConfig:
+    """``[task]``: ``entry`` names the task (a built-in name, module:factory or path/to/file.py:factory);
+    ``options`` holds the table's other keys (the task's own)."""
 
-    embed_dim: int = 200
-    hidden_dim: int = 200
-    num_layers: int = 2
-    dropout: float = 0.0
-    tie_weights: bool = False
-    init_range: float = 0.1
-    layerwise: bool = False  # one module per LSTM layer (rnn.layers.N), for placement plans
-
-    def __post_init__(self) -> None:
-        for key in ("embed_dim", "hidden_dim", "num_layers"):
-            _at_least("model", key, getattr(self, key), 1)
-        if not 0 <= self.dropout < 1:
-            raise UsageError(f"model.dropout = {self.dropout!r} is out of range; use a value in [0, 1)")
-        _at_least("model", "init_range", self.init_range, 0, strict=True)
-        if self.tie_weights and self.embed_dim != self.hidden_dim:
-            raise UsageError(
-                f"model.tie_weights = true needs model.embed_dim == model.hidden_dim "
-                f"(got {self.embed_dim} and {self.hidden_dim}); make them equal or set tie_weights = false"
-            )
+    entry: str = "lstm-lm"
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,22 +101,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints"):
-            _at_least("train", key, getattr(self, key), 1)
+            check_at_least("train", key, getattr(self, key), 1)
         for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
                     "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps"):
-            _at_least("train", key, getattr(self, key), 0)
-        _choice("train", "lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
-        _choice("train", "optimizer", self.optimizer, ("sgd", "adam"))
-        _choice("train", "convention", self.convention, ("sum_over_time", "mean_over_tokens"))
-        _choice("train", "schedule", self.schedule, ("step", "plateau", "constant"))
-        _choice("train", "dtype", self.dtype, ("float32", "float64"))
-        _choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
-        _at_least("train", "lr", self.lr, 0, strict=True)
+            check_at_least("train", key, getattr(self, key), 0)
+        check_choice("train", "lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
+        check_choice("train", "optimizer", self.optimizer, ("sgd", "adam"))
+        check_choice("train", "convention", self.convention, ("sum_over_time", "mean_over_tokens"))
+        check_choice("train", "schedule", self.schedule, ("step", "plateau", "constant"))
+        check_choice("train", "dtype", self.dtype, ("float32", "float64"))
+        check_choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        check_at_least("train", "lr", self.lr, 0, strict=True)
         for key in ("momentum", "weight_decay", "clip"):
-            _at_least("train", key, getattr(self, key), 0)
+            check_at_least("train", key, getattr(self, key), 0)
         if not 0 < self.decay <= 1:
             raise UsageError(f"train.decay = {self.decay!r} is out of range; use a value in (0, 1]")
-        _at_least("train", "timeout_s", self.timeout_s, 0, strict=True)
+        check_at_least("train", "timeout_s", self.timeout_s, 0, strict=True)
         if self.batch_size % self.accumulation:
             raise UsageError(
                 f"train.batch_size {self.batch_size} is not divisible by train.accumulation "
@@ -153,7 +130,7 @@ class DistConfig:
     :mod:`paratrain.strategies`; ``nproc`` is the number of worker processes on
     this node."""
 
-    strategy: str = "allreduce"
+    strategy: str = field(default_factory=lambda: _strategies().DEFAULT)
     nproc: int = 1
     backend: str = "auto"  # auto | gloo | nccl
     device: str = "auto"  # auto | cpu | cuda
@@ -182,72 +159,85 @@ class DistConfig:
     def __post_init__(self) -> None:
         from .strategies import STRATEGIES
 
-        _choice("dist", "strategy", self.strategy, tuple(STRATEGIES))
-        _at_least("dist", "nproc", self.nproc, 1)
-        _at_least("dist", "nnodes", self.nnodes, 1)
-        _at_least("dist", "threads", self.threads, 0)
-        _at_least("dist", "max_restarts", self.max_restarts, 0)
-        _at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
-        _at_least("dist", "num_ps", self.num_ps, 1)
-        _at_least("dist", "backup_workers", self.backup_workers, 0)
-        _at_least("dist", "max_staleness", self.max_staleness, -1)
-        _at_least("dist", "slow_ms", self.slow_ms, 0)
-        _at_least("dist", "check_sync_every", self.check_sync_every, 0)
+        check_choice("dist", "strategy", self.strategy, tuple(STRATEGIES))
+        check_at_least("dist", "nproc", self.nproc, 1)
+        check_at_least("dist", "nnodes", self.nnodes, 1)
+        check_at_least("dist", "threads", self.threads, 0)
+        check_at_least("dist", "max_restarts", self.max_restarts, 0)
+        check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
+        check_at_least("dist", "num_ps", self.num_ps, 1)
+        check_at_least("dist", "backup_workers", self.backup_workers, 0)
+        check_at_least("dist", "max_staleness", self.max_staleness, -1)
+        check_at_least("dist", "slow_ms", self.slow_ms, 0)
+        check_at_least("dist", "check_sync_every", self.check_sync_every, 0)
         from .faults import parse
 
         parse(self.fault)
         if not 0 <= self.memory_fraction <= 1:
             raise UsageError(f"dist.memory_fraction = {self.memory_fraction!r} is out of range; use a value in [0, 1]")
-        _at_least("dist", "interop_threads", self.interop_threads, 0)
-        if self.strategy == "replicate" and (self.nproc, self.nnodes) != (1, 1):
-            raise UsageError("strategy 'replicate' runs one process over --devices; drop --nproc (use allreduce for processes)")
-
-        if self.backup_workers and self.backup_workers >= self.nproc * self.nnodes:
-            raise UsageError(f"dist.backup_workers = {self.backup_workers} leaves no gradient to aggregate with "
-                             f"{self.nproc * self.nnodes} workers; use at most {self.nproc * self.nnodes - 1}")
-        if self.backup_workers and self.strategy != "ps-sync":
-            raise UsageError("dist.backup_workers applies to --strategy ps-sync only; drop it or use ps-sync")
-        if self.max_staleness >= 0 and self.strategy != "ps-async":
-            raise UsageError("dist.max_staleness applies to --strategy ps-async only; drop it or use ps-async")
+        check_at_least("dist", "interop_threads", self.interop_threads, 0)
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(
                 f"dist.node_rank = {self.node_rank} is out of range; use 0 .. {self.nnodes - 1}"
             )
-        _choice("dist", "backend", self.backend, ("auto", "gloo", "nccl"))
-        _choice("dist", "device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("dist", "backend", self.backend, ("auto", "gloo", "nccl"))
+        check_choice("dist", "device", self.device, ("auto", "cpu", "cuda"))
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("dist.nnodes > 1 needs dist.rdzv_endpoint (host:port of node 0)")
-        if self.strategy == "single" and (self.nproc, self.nnodes) != (1, 1):
-            raise UsageError(
-                f"dist.strategy = 'single' runs one process, not dist.nproc = {self.nproc} x dist.nnodes = "
-                f"{self.nnodes}; set dist.nproc = 1 (--nproc 1) or use dist.strategy = 'allreduce'"
-            )
+        self._check_owned_keys()
+        STRATEGIES[self.strategy].check_dist(self)
+
+    def _check_owned_keys(self) -> None:
+        """A strategy-specific key (``Strategy.dist_keys``) set for a strategy that does not read it."""
+        from .strategies import STRATEGIES, owners
+
+        defaults = DistConfig.__dataclass_fields__
+        for key in sorted({k for cls in STRATEGIES.values() for k in cls.dist_keys}):
+            if getattr(self, key) != defaults[key].default and key not in STRATEGIES[self.strategy].dist_keys:
+                names = owners(key)
+                raise UsageError(f"dist.{key} applies to --strategy {' or '.join(names)} only; drop it or use "
+                                 f"{names[0] if len(names) == 1 else 'one of them'}")
 
     @property
     def towers(self) -> int:
-        """Replicas per process (tower mode)."""
-        return len([d for d in self.devices.split(",") if d.strip()]) if self.strategy == "replicate" else 1
+        """Replicas per process (tower mode), as the strategy counts them."""
+        from .strategies import STRATEGIES
+
+        return STRATEGIES[self.strategy].towers(self)
+
+
+def _default_section(name: str) -> Any:
+    from . import tasks
+
+    cls = tasks.config_sections(tasks.DEFAULT).get(name)
+    return cls() if cls is not None else {}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    """A whole run: ``data``, ``model``, ``train``, ``dist``; ``name`` labels run dirs."""
+    """A whole run: ``task``, ``data``, ``model``, ``train``, ``dist``; ``name`` labels run dirs.
+    ``data`` and ``model`` are the task's sections (its dataclasses, or dicts)."""
 
     name: str = "run"
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: Any = field(default_factory=lambda: _default_section("data"))
+    model: Any = field(default_factory=lambda: _default_section("model"))
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     placement: tuple[tuple[str, str], ...] = ()  # [placement] module pattern -> device (model parallel)
 
     @property
     def world_size(self) -> int:
-        """Data-parallel replicas (workers; parameter servers are not counted)."""
+        """Data-parallel ranks (workers; parameter servers are not counted)."""
         return self.dist.nproc * self.dist.nnodes
 
-    @property
-    def uses_ps(self) -> bool:
-        return self.dist.strategy.startswith("ps-")
+    def task_section(self) -> dict[str, Any]:
+        """What the task factory receives: the ``[task]`` options plus ``data`` and ``model``."""
+        return {**dict(self.task.options), "data": self.data, "model": self.model}
+
+    def model_value(self, key: str, default: Any = None) -> Any:
+        """``[model] key`` of any task (dataclass or table)."""
+        return self.model.get(key, default) if isinstance(self.model, dict) else getattr(self.model, key, default)
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""
@@ -265,7 +255,8 @@ class Config:
             )
 
 
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "dist": DistConfig}
+SECTIONS = {"train": TrainConfig, "dist": DistConfig}
+TASK_SECTIONS = ("data", "model")
 
 
 def _hint(name: str, candidates: list[str]) -> str:
@@ -287,38 +278,69 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
     return value
 
 
+def _table(sec: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise UsageError(f"config section [{sec}] must be a table of key = value lines")
+    return value
+
+
+def _update(sec: str, start: Any, value: dict) -> Any:
+    """``start`` (a dataclass instance, or a dict for a task without a schema) with ``value``'s keys."""
+    if isinstance(start, dict):
+        return {**start, **value}
+    cls = type(start)
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    updates = {}
+    for key, v in value.items():
+        if key not in known:
+            raise UsageError(f"unknown config key {sec}.{key}{_hint(key, known)}")
+        updates[key] = _coerce(sec, key, v, hints[key])
+    return replace(start, **updates)
+
+
+def _task(raw: dict, base: Config) -> tuple[TaskConfig, dict]:
+    """The ``[task]`` table on top of ``base.task`` and the task's section dataclasses."""
+    from . import tasks
+
+    table = dict(_table("task", raw.get("task", {})))
+    entry = table.pop("entry", base.task.entry)
+    if not isinstance(entry, str) or not entry:
+        raise UsageError(f"task.entry = {entry!r} must be a task name, module:factory or path/to/file.py:factory")
+    options = dict(base.task.options) if entry == base.task.entry else {}
+    options.update(table)
+    return TaskConfig(entry=entry, options=tuple(sorted(options.items()))), tasks.config_sections(entry)
+
+
 def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
     """Build a Config from nested dicts (TOML tables), on top of ``base``.
 
-    Raises UsageError for unknown sections or keys, wrong types and bad values.
+    Raises UsageError for unknown sections or keys, wrong types and bad values, and for a
+    task entry that cannot be resolved.
     """
     base = base or Config()
-    kwargs: dict[str, Any] = {}
+    known = [*SECTIONS, "task", *TASK_SECTIONS, "name", "placement"]
+    for sec in raw:
+        if sec not in known:
+            raise UsageError(f"unknown config section {sec!r}{_hint(sec, known)}")
+    task, schemas = _task(raw, base)
+    kwargs: dict[str, Any] = {"task": task}
+    same_task = task.entry == base.task.entry
+    for sec in TASK_SECTIONS:
+        start = getattr(base, sec) if same_task else (schemas[sec]() if sec in schemas else {})
+        kwargs[sec] = _update(sec, start, _table(sec, raw.get(sec, {})))
     for sec, value in raw.items():
         if sec == "placement":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise UsageError('config section [placement] must map module patterns to device strings, '
                                  'e.g. "rnn.layers.1" = "cuda:1"')
             kwargs["placement"] = tuple(sorted(value.items()))
-            continue
-        if sec == "name":
+        elif sec == "name":
             if not isinstance(value, str) or not value:
                 raise UsageError(f"name = {value!r} must be a non-empty string")
             kwargs["name"] = value
-            continue
-        if sec not in SECTIONS:
-            raise UsageError(f"unknown config section {sec!r}{_hint(sec, list(SECTIONS) + ['name', 'placement'])}")
-        if not isinstance(value, dict):
-            raise UsageError(f"config section [{sec}] must be a table of key = value lines")
-        cls = SECTIONS[sec]
-        hints = typing.get_type_hints(cls)
-        known = [f.name for f in fields(cls)]
-        updates = {}
-        for key, v in value.items():
-            if key not in known:
-                raise UsageError(f"unknown config key {sec}.{key}{_hint(key, known)}")
-            updates[key] = _coerce(sec, key, v, hints[key])
-        kwargs[sec] = replace(getattr(base, sec), **updates)
+        elif sec in SECTIONS:
+            kwargs[sec] = _update(sec, getattr(base, sec), _table(sec, value))
     return replace(base, **kwargs)
 
 
@@ -370,7 +392,13 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as nested dicts (the TOML tables)."""
+    out: dict[str, Any] = {"name": cfg.name, "task": {"entry": cfg.task.entry, **dict(cfg.task.options)}}
+    for sec in (*TASK_SECTIONS, *SECTIONS):
+        value = getattr(cfg, sec)
+        out[sec] = dict(value) if isinstance(value, dict) else dataclasses.asdict(value)
+    out["placement"] = dict(cfg.placement)
+    return out
 
 
 def to_toml(cfg: Config) -> str:
@@ -383,7 +411,7 @@ def to_toml(cfg: Config) -> str:
         lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
     if placement:
         lines.append("\n[placement]")
-        lines += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in placement]
+        lines += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in placement.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -393,5 +421,8 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     import json
+
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
 
     return json.dumps(str(v))

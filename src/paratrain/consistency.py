@@ -55,15 +55,12 @@ def first_difference(fps: Sequence[dict[str, Any]]) -> str | None:
     return None
 
 
-def check_ranks(model: nn.Module, config_text: str, world_size: int) -> None:
-    """Collective (every rank of the default process group): stop on every rank when a
-    fingerprint differs."""
-    import torch.distributed as dist
-
-    if world_size < 2 or not dist.is_initialized():
+def check_ranks(model: nn.Module, config_text: str, all_gather_object) -> None:
+    """Collective (every data-parallel rank): stop on every rank when a fingerprint differs.
+    ``all_gather_object(obj) -> [obj of rank 0, obj of rank 1, ...]`` (the strategy's)."""
+    fps = all_gather_object(fingerprint(model, config_text))
+    if len(fps) < 2:
         return
-    fps: list = [None] * world_size
-    dist.all_gather_object(fps, fingerprint(model, config_text))
     diff = first_difference(fps)
     if diff:
         raise TrainingStopped(diff + "; start every rank from the same checkout, config and environment")

@@ -6,12 +6,14 @@ it from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` (set by
 the device and backend (NCCL when every local worker has its own GPU, else
 gloo), sets intra-op threads so local workers never oversubscribe the cores,
 and joins the default process group (``env://`` rendezvous) when world_size > 1.
+:class:`ProcessSettings` says how (device, backend, threads, timeouts, the
+strategy's options); a strategy's ``init_process`` reads it.
 """
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -77,34 +79,83 @@ def resolve_device_backend(device: str, backend: str, local_rank: int,
     return dev, backend
 
 
-def init(device: str = "auto", backend: str = "auto", threads: int = 0,
-         timeout_s: float = 600.0, towers: int = 1, interop_threads: int = 0) -> DistEnv:
+@dataclass(frozen=True, kw_only=True)
+class ProcessSettings:
+    """How this process joins a job: what :func:`init` and a strategy's ``init_process`` read.
+
+    ``rank``, ``world_size``, ``local_rank``, ``local_world_size``: None = torchrun's
+    variables (``RANK``, ...; a plain ``python script.py`` is rank 0 of 1).
+    ``threads`` = 0: cores // local processes intra-op threads. ``timeout_s``: every
+    collective of the process group; joining it may take ``startup_timeout_s``
+    (process start-up is not the behaviour a short ``timeout_s`` is meant to bound).
+    ``options``: the strategy's own (``num_ps``, ``devices``, ...).
+    """
+
+    device: str = "auto"
+    backend: str = "auto"
+    threads: int = 0
+    interop_threads: int = 0
+    timeout_s: float = 600.0
+    startup_timeout_s: float = 300.0
+    options: dict = field(default_factory=dict)
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    rpc_init_method: str = "env://"
+
+    _ENV = {"rank": ("RANK", 0), "world_size": ("WORLD_SIZE", 1), "local_rank": ("LOCAL_RANK", 0),
+            "local_world_size": ("LOCAL_WORLD_SIZE", 1)}
+
+    def resolved(self, key: str) -> int:
+        """``rank``, ``world_size``, ``local_rank`` or ``local_world_size``: the given value, else torchrun's."""
+        value = getattr(self, key)
+        if value is not None:
+            return value
+        var, default = self._ENV[key]
+        return int(os.environ.get(var, default))
+
+
+def init(settings: ProcessSettings | None = None) -> DistEnv:
     """Create this process' :class:`DistEnv` and join the process group.
 
-    Every rank must call it (collective when world_size > 1). ``threads`` = 0
-    sets cores // (LOCAL_WORLD_SIZE x towers) intra-op threads (``interop_threads``
-    > 0 sets the inter-op pool). ``timeout_s`` bounds every
-    collective of the group. Raises UsageError for an impossible device/backend.
+    Every rank must call it (collective when world_size > 1). Sets the intra-op
+    threads (``settings.threads``, default cores // local processes) and the CUDA
+    device. Raises UsageError for an impossible device/backend.
     """
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    dev, backend = resolve_device_backend(device, backend, local_rank, local_world)
-    torch.set_num_threads(threads or default_threads(local_world * max(1, towers)))
-    if interop_threads:
+    s = settings or ProcessSettings()
+    rank, world_size = s.resolved("rank"), s.resolved("world_size")
+    local_rank, local_world = s.resolved("local_rank"), s.resolved("local_world_size")
+    dev, backend = resolve_device_backend(s.device, s.backend, local_rank, local_world)
+    torch.set_num_threads(s.threads or default_threads(local_world))
+    if s.interop_threads:
         try:
-            torch.set_num_interop_threads(interop_threads)
+            torch.set_num_interop_threads(s.interop_threads)
         except RuntimeError:  # already set in this process (it can be set once)
             pass
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if world_size > 1 and not dist.is_initialized():
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        timeout = datetime.timedelta(seconds=timeout_s)
-        kwargs.update(_restart_store(rank, world_size, timeout))
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    join_process_group(backend, rank, world_size, s, dev)
     return DistEnv(rank, local_rank, world_size, local_world, backend, dev)
+
+
+def join_process_group(backend: str, rank: int, world_size: int, settings: ProcessSettings,
+                       device: torch.device | None = None) -> None:
+    """Join the default process group (env:// rendezvous from torchrun's variables) unless this
+    process already has one or is alone. Joining and the collectives of set-up may take
+    ``settings.startup_timeout_s``; the strategy arms ``timeout_s`` once set-up is over
+    (:meth:`~paratrain.strategies.base.Strategy.arm_timeouts`)."""
+    if world_size < 2 or dist.is_initialized():
+        return
+    startup = datetime.timedelta(seconds=startup_timeout(settings))
+    kwargs = {"device_id": device} if device is not None and device.type == "cuda" else {}
+    kwargs.update(_restart_store(rank, world_size, startup))
+    dist.init_process_group(backend, timeout=startup, **kwargs)
+
+
+def startup_timeout(settings: ProcessSettings) -> float:
+    """Seconds start-up (joining, set-up collectives, the first parameter pull) may take."""
+    return max(settings.timeout_s, settings.startup_timeout_s)
 
 
 def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
@@ -123,6 +174,9 @@ def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
 
 
 def shutdown() -> None:
-    """Leave the process group (safe to call when none was joined)."""
+    """Stop RPC (a parameter-server job) and leave the process group; safe when neither was started."""
+    from .ps.runtime import shutdown_rpc
+
+    shutdown_rpc()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

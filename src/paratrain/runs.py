@@ -1,19 +1,21 @@
 """``paratrain train``: turn flags into a validated config and a run directory, then start it.
 
 Everything that can be wrong with the input is checked here, before a run
-directory is created or any process is started: config, world size against the
-global batch, data files, resume directory. A new run never writes into an
+directory is created or any process is started: config, the task (its entry, its
+factory, its data: the task is built once here, as rank 0, and may download
+missing data), world size against the global batch, resume directory and checkpoint. A new run never writes into an
 existing non-empty directory; ``--resume DIR`` continues DIR.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import config
+from . import config, tasks
 from .errors import UsageError
 
 
@@ -26,22 +28,23 @@ class PreparedRun:
 
 
 def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict:
+    from .strategies import STRATEGIES, default_for
+
     dist: dict = {}
     if args.nproc is not None:
         if args.nproc < 1:
             raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
         dist["nproc"] = args.nproc
     if args.strategy:
-        from .strategies import STRATEGIES
-
         dist["strategy"] = args.strategy
         if STRATEGIES[args.strategy].in_process:
             if args.nproc not in (None, 1):
                 raise UsageError(f"--strategy {args.strategy} runs one process, not --nproc {args.nproc}; "
                                  f"drop --nproc or use --strategy allreduce")
             dist["nproc"] = 1
-    elif args.nproc == 1 and base_strategy in (None, "allreduce"):
-        dist["strategy"] = "single"
+    elif args.nproc is not None and base_strategy in (None, default_for(1), default_for(2)):
+        # --nproc alone picks the process layout: one process is the reference, several the default
+        dist["strategy"] = default_for(args.nproc)
     for flag in ("staleness_lr", "strict_placement", "log_placement", "expandable_segments"):
         if getattr(args, flag, False):
             dist[flag] = True
@@ -54,9 +57,11 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
                 "max_staleness", "slow_rank", "slow_ms", "check_sync_every"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
-    out = {"dist": dist} if dist else {}
+    out: dict = {"dist": dist} if dist else {}
     if getattr(args, "on_nonfinite", None):
         out["train"] = {"on_nonfinite": args.on_nonfinite}
+    if getattr(args, "task", None):
+        out["task"] = {"entry": args.task}
     return out
 
 
@@ -74,10 +79,10 @@ def _strategy_in(path: Path | str | None) -> str | None:
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
-    """Validate flags, config and data; create (or reopen) the run directory and write config.toml."""
-    from .data import ensure_corpus, load_corpus
+    """Validate flags, config, task and data; create (or reopen) the run directory and write config.toml."""
     from .train.checkpoint import latest, load as load_checkpoint
 
+    resume_state = None
     if args.resume is not None:
         run_dir = args.resume
         if not run_dir.is_dir():
@@ -93,13 +98,11 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
         cfg_path = Path(args.config)
     cfg = config.load(cfg_path, args.overrides, _flag_overrides(args, _strategy_in(cfg_path)))
-    if args.resume is not None:
-        _check_resume_keeps_model(config.load(cfg_path), cfg)
+    cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, entry=tasks.normalise(cfg.task.entry)))
     cfg.check_world()
-    corpus = load_corpus(ensure_corpus(cfg.data.corpus, args.data_dir))
-    _check_data_fits(cfg, corpus)
-    if args.resume is not None:
-        _check_checkpoint_fits(cfg, len(corpus.vocab), resume_state, latest(args.resume))
+    task = build_task(cfg, args.data_dir, download=True)
+    if resume_state is not None:
+        _check_checkpoint_fits(task, resume_state, latest(args.resume), config.load(cfg_path), cfg)
     _check_rdzv_port(cfg)
     run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
     (run_dir / "config.toml").write_text(config.to_toml(cfg), encoding="utf-8")
@@ -107,32 +110,46 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     return PreparedRun(cfg, run_dir, data_dir, args.resume is not None)
 
 
-def _check_resume_keeps_model(old: config.Config, new: config.Config) -> None:
-    """--resume may change how to train, not the model or vocabulary its checkpoint holds."""
-    shape = ("embed_dim", "hidden_dim", "num_layers", "tie_weights")  # dropout, init_range, layerwise may change
-    changed = [f"model.{k}" for k in shape if getattr(old.model, k) != getattr(new.model, k)]
-    if new.data.corpus != old.data.corpus:
-        changed.append("data.corpus")
+def build_task(cfg: config.Config, data_dir: str | None, download: bool = False, rank: int = 0):
+    """The run's task as rank ``rank`` of its data-parallel ranks would build it (CPU)."""
+    import torch
+
+    t = cfg.train
+    env = tasks.TaskEnv(rank=rank, world_size=cfg.world_size, accumulation=t.accumulation, global_batch=t.batch_size,
+                        seed=t.seed, dtype=getattr(torch, t.dtype), data_dir=data_dir, download=download)
+    return tasks.build(cfg.task.entry, cfg.task_section(), env)
+
+
+def model_shapes(task) -> list[tuple]:
+    """Sorted parameter and buffer shapes of the task's model (built on the meta device)."""
+    import torch
+
+    with torch.device("meta"):
+        model = task.build_model()
+    return sorted(tuple(v.shape) for v in model.state_dict().values())
+
+
+def _changed_keys(old: config.Config, new: config.Config) -> list[str]:
+    out = []
+    for sec in config.TASK_SECTIONS:
+        a, b = config.to_dict(old)[sec], config.to_dict(new)[sec]
+        out += [f"{sec}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return out + (["task.entry"] if old.task.entry != new.task.entry else [])
+
+
+def _check_checkpoint_fits(task, state: dict, path: Path, old: config.Config, new: config.Config) -> None:
+    """The checkpoint's parameter shapes are those of the configured model; a --resume that changes
+    them names the keys it changed."""
+    want = model_shapes(task)
+    have = sorted(tuple(v.shape) for v in state["model"].values() if hasattr(v, "shape"))
+    if want == have:
+        return
+    changed = _changed_keys(old, new)
     if changed:
         raise UsageError(f"--resume cannot change {', '.join(changed)} (the checkpoint holds the model of "
                          f"its run); drop those overrides, or start a new run with --run-dir")
-
-
-def _check_checkpoint_fits(cfg: config.Config, vocab_size: int, state: dict, path: Path) -> None:
-    """The checkpoint's parameter shapes are those of the configured model (either LSTM layout)."""
-    import torch
-
-    from .models import LSTMLM
-
-    m = cfg.model
-    with torch.device("meta"):
-        model = LSTMLM(vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout, m.tie_weights,
-                       m.init_range, m.layerwise)
-    want = sorted(tuple(v.shape) for v in model.state_dict().values())
-    have = sorted(tuple(v.shape) for v in state["model"].values() if hasattr(v, "shape"))
-    if want != have:
-        raise UsageError(f"checkpoint {str(path)!r} holds a different model (parameter shapes {have[:3]}... vs "
-                         f"{want[:3]}...); resume it with the config and corpus it was written with")
+    raise UsageError(f"checkpoint {str(path)!r} holds a different model (parameter shapes {have[:3]}... vs "
+                     f"{want[:3]}...); resume it with the config and corpus it was written with")
 
 
 def _check_rdzv_port(cfg: config.Config) -> None:
@@ -151,19 +168,6 @@ def _check_rdzv_port(cfg: config.Config) -> None:
         except OSError as e:
             raise UsageError(f"rendezvous endpoint {d.rdzv_endpoint}: port {port} is in use here ({e.strerror}); "
                              f"choose a free port for --rdzv-endpoint") from None
-
-
-def _check_data_fits(cfg: config.Config, corpus) -> None:
-    d, b = cfg.data, cfg.train.batch_size
-    train = corpus.train.head(d.train_fraction)
-    if d.mode == "bptt":
-        steps = (train.ids.numel() // b - 1) // d.bptt
-    else:
-        steps = train.num_lines // b
-    if steps < 1:
-        raise UsageError(f"the training split is too small for one step of global batch {b}"
-                         f"{' x bptt ' + str(d.bptt) if d.mode == 'bptt' else ''}; "
-                         f"use a smaller train.batch_size or a larger data.train_fraction")
 
 
 def _new_run_dir(requested: Path | None, name: str) -> Path:
@@ -201,9 +205,10 @@ def start_run(run: PreparedRun) -> int:
     if run.data_dir:
         target += ["--data-dir", run.data_dir]
     d = cfg.dist
-    per_node = d.nproc + (d.num_ps if cfg.uses_ps else 0)  # parameter servers run in the same torchrun job
-    if cfg.uses_ps:  # TensorPipe logs a warning per closed connection at the (local) RPC shutdown
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    cls = STRATEGIES[d.strategy]
+    per_node = cls.processes_per_node(d)  # e.g. parameter servers run in the same torchrun job
+    for key, value in cls.launch_env.items():
+        os.environ.setdefault(key, value)
     spec = launch.LaunchSpec(nproc=per_node, target=target, module=True, nnodes=d.nnodes, node_rank=d.node_rank,
                              rdzv_endpoint=d.rdzv_endpoint, max_restarts=d.max_restarts)
     return launch.run(launch.build_command(spec), d.threads or default_threads(per_node))

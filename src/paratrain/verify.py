@@ -14,7 +14,7 @@ copy of the model) tell the likely cause:
 * every rank's local gradient is the same: the shards overlap (each rank got the
   same samples: a sampler without rank/world_size);
 * otherwise mean(local) != single: shards overlap or drop samples;
-* a model with BatchNorm: batch statistics are per rank (use SyncBatchNorm);
+* a model with BatchNorm and ``model.sync_batchnorm`` off: batch statistics are per rank;
 * dropout > 0 and every rank's RNG state the same when a step's masks are drawn: all ranks drop
   the same units (the comparison itself runs with dropout disabled in the modules, p = 0, so
   that it is exact, while the loop still seeds each step as configured).
@@ -44,82 +44,98 @@ TOLERANCE = 1e-9  # float64 relative difference allowed ("beyond rounding" fails
 # ---- worker side -------------------------------------------------------------------------------
 def record_run(run_dir: Path, bug: str = "", data_dir: str | None = None) -> None:
     """Train the run in ``run_dir`` for its max_steps recording local and merged gradients and the
-    final parameters into ``run_dir/verify/rank<R>.pt`` (workers). Every process must call it."""
-    from . import config
-    from .env import init, shutdown
-    from .train import Trainer
+    final parameters into ``run_dir/verify/rank<R>.pt`` (training ranks). Every process of the job
+    must call it."""
+    from .worker import train_worker
 
-    cfg = config.load(run_dir / "config.toml")
-    if cfg.uses_ps:
-        from .ps.runtime import run_process
+    train_worker(run_dir, False, data_dir, run=lambda trainer: _record(trainer, run_dir, bug), verbose=False)
 
-        try:
-            run_process(cfg, run_dir, int(os.environ.get("RANK", 0)), data_dir=data_dir, verbose=False,
-                        run=lambda trainer: _record(trainer, run_dir, bug))
-        finally:
-            shutdown()
-        return
-    env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s, towers=cfg.dist.towers)
-    trainer = None
+
+def _plain_batchnorm(module: nn.Module) -> bool:
+    """BatchNorm layers that normalise with this replica's statistics only."""
+    from .strategies.sync_batchnorm import SyncBatchNorm
+
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+               and not (isinstance(m, SyncBatchNorm) and m.reducer is not None) for m in module.modules())
+
+
+def _local_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose BatchNorm layers use this replica's statistics (the local gradient)."""
+    from .strategies.sync_batchnorm import SyncBatchNorm
+
+    reducers = {m: m.reducer for m in module.modules() if isinstance(m, SyncBatchNorm)}
+    for m in reducers:
+        m.reducer = None
     try:
-        trainer = Trainer(cfg, env, run_dir, data_dir, verbose=False)
-        _record(trainer, run_dir, bug)
+        return copy.deepcopy(module)
     finally:
-        if trainer is not None:
-            trainer.close()
-        shutdown()
+        for m, r in reducers.items():
+            m.reducer = r
+
+
+def _no_dropout(module: nn.Module) -> None:
+    """Exact comparison: no unit dropped (the loop still seeds every step as configured)."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        elif isinstance(m, nn.RNNBase):
+            m.dropout = 0.0
 
 
 def _record(trainer, run_dir: Path, bug: str) -> dict:
     """Instrument ``trainer``'s strategy (local gradients on a copy of the model before each step,
     merged gradients before each update), train its max_steps, save what was recorded."""
-    from .data import BPTTTrainStream
+    import dataclasses
 
-    cfg, env = trainer.cfg, trainer.env
-    s, task, names = trainer.strategy, trainer.task, [n for n, _ in trainer.strategy.module.named_parameters()]
+    from . import tasks
+
+    cfg, env, s = trainer.cfg, trainer.env, trainer.strategy
+    names = [n for n, _ in s.module.named_parameters()]
     local: list[dict] = []
     merged: list[dict] = []
+    rng: list[str] = []
     if bug == "overlap-shards":  # every rank reads rank 0's shard
-        d, t = cfg.data, cfg.train
-        trainer.stream = BPTTTrainStream(trainer.train_split, t.batch_size, d.bptt, 0, env.world_size,
-                                         trainer.micro_per_step)
+        trainer.task = tasks.build(cfg.task.entry, cfg.task_section(), dataclasses.replace(trainer.task_env, rank=0))
     if bug == "same-dropout":  # the dropout seed forgets the rank
         trainer.dropout_seed = lambda step: cfg.train.seed * 1_000_003 + step
-    for m in s.module.modules():  # exact comparison: no units dropped (the loop still seeds per step)
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-        elif isinstance(m, nn.LSTM):
-            m.dropout = 0.0
-    rng: list[str] = []
+    _no_dropout(s.module)
+    task = trainer.task
     if bug == "sum-loss":  # each replica's loss multiplied by the replicas: summed, not averaged
-        plain = task.loss_fn
-        task.loss_fn = lambda model, mb: plain(model, mb) * env.world_size
-    step_fn, update_fn = s.train_step, s._update
+        plain = task.loss
+        task.loss = lambda model, mb: (lambda out: (out[0] * env.world_size, out[1]))(plain(model, mb))
+    step_fn, update_fn = s.train_step, s.optimizer_step
 
     def train_step(micro, loss_fn, clip):
         rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())  # dropout masks come next
-        saved = {k: (h.clone(), c.clone()) for k, (h, c) in task.hidden.items()}
-        replica = copy.deepcopy(s.module)
+        saved = task.state_dict(lambda t: t)  # the carried state, to run the step again from it
+        replica = _local_copy(s.module)
         total = sum(loss_fn(replica, mb) for mb in micro)
         grads = torch.autograd.grad(total, list(replica.parameters()), allow_unused=True)
         local.append({n: (g if g is not None else torch.zeros(())).detach().clone() for n, g in zip(names, grads)})
-        task.hidden = saved
+        task.load_state_dict(saved)
         return step_fn(micro, loss_fn, clip)
 
-    def update(clip):
-        merged.append({n: p.grad.detach().clone() for n, p in s.module.named_parameters() if p.grad is not None})
-        return update_fn(clip)
+    def optimizer_step(optimizer, base_step, closure=None):
+        if s.merged_before_step:  # what the update sees (a parameter server merges on its servers)
+            merged.append({n: p.grad.detach().clone() for n, p in s.module.named_parameters() if p.grad is not None})
+        return update_fn(optimizer, base_step, closure)
 
-    s.train_step, s._update = train_step, update
-    trainer._run_epoch(None)
+    s.train_step, s.optimizer_step = train_step, optimizer_step
+    trainer.run_epoch(None)
     record = {"local": local, "merged": merged, "world_size": env.world_size, "num_replicas": s.num_replicas,
-              "rng": rng, "dropout": cfg.model.dropout,
+              "rng": rng, "dropout": _has_dropout(cfg),
               "params": {k: v.detach().cpu().clone() for k, v in s.state_dict().items()},
-              "batchnorm": any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in s.module.modules())}
+              "batchnorm": _plain_batchnorm(s.module)}
     out = run_dir / "verify"
     out.mkdir(exist_ok=True)
     torch.save(record, out / f"rank{env.rank}.pt")
     return {}
+
+
+def _has_dropout(cfg) -> float:
+    """The configured dropout probability (``model.dropout``; 0 when the task has none)."""
+    value = cfg.model_value("dropout", 0.0)
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 # ---- comparison (pure) ---------------------------------------------------------------------------
@@ -159,7 +175,8 @@ def diagnose(single: dict, ranks: Sequence[dict], accumulation: int) -> str:
     locals_ = [r["local"][0] for r in ranks]
     mean_local = {k: sum(lc[k] for lc in locals_) / ranks[0]["num_replicas"] for k in s1}  # what merging gives
     if ranks[0]["batchnorm"]:
-        return "the model has BatchNorm: each rank normalises with its own batch statistics (use SyncBatchNorm)"
+        return ("the model has BatchNorm: each rank normalises with its own batch statistics "
+                "(set model.sync_batchnorm = true)")
     if ranks[0]["merged"]:
         m = ranks[0]["merged"][0]
         c = _uniform_ratio({k: m[k] for k in s1}, mean_local)
@@ -183,18 +200,19 @@ def diagnose(single: dict, ranks: Sequence[dict], accumulation: int) -> str:
 
 # ---- command ---------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    from .strategies import STRATEGIES
+    from .strategies import DEFAULT, REFERENCE, STRATEGIES
 
+    choices = [n for n, cls in STRATEGIES.items() if cls.synchronous and n != REFERENCE]
     v = sub.add_parser("verify", help="check that N-way training equals one device (float64, k steps)",
                        description="Run k steps N-way and 1-way with the same global batch on CPU in float64 and "
                                    "compare gradients and parameters per parameter; exit 1 with a diagnosis when "
                                    "they differ beyond rounding.")
     v.add_argument("config", help="TOML recipe")
-    v.add_argument("--strategy", default="allreduce", choices=[s for s in STRATEGIES if s not in ("single", "ps-async")],
-                   help="a synchronous strategy (default allreduce)")
+    v.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
+    v.add_argument("--strategy", default=DEFAULT, choices=choices, help=f"a synchronous strategy (default {DEFAULT})")
     v.add_argument("--nproc", type=int, default=2, help="replicas: processes (towers for replicate; workers for ps-sync)")
     v.add_argument("--steps", type=int, default=3, help="optimizer steps compared (default 3)")
-    v.add_argument("--num-ps", type=int, default=1, help="ps-sync: parameter servers")
+    v.add_argument("--num-ps", type=int, default=1, help="parameter-server strategies: servers")
     v.add_argument("--inject-bug", choices=BUGS, help="break the N-way run on purpose to see the diagnosis")
     v.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -203,19 +221,21 @@ def add_parser(sub) -> None:
 def _prepare(args, tmp: Path, strategy: str, nproc: int) -> tuple:
     from . import config
     from .errors import UsageError
+    from .strategies import STRATEGIES
 
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: use 1 or more")
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: use 1 or more")
     forced = [f"train.max_steps={args.steps}", "train.epochs=1000", 'train.dtype="float64"', 'dist.device="cpu"',
-              f"train.log_every={args.steps}", "train.checkpoint_every=0",
-              "train.eval_every=0", "data.eval_fraction=0.01", f'dist.strategy="{strategy}"']
-    extra: dict = {"dist": {"nproc": nproc if strategy != "replicate" else 1}}
-    if strategy == "replicate":
-        extra["dist"]["devices"] = ",".join(f"cpu:{i}" for i in range(nproc))
-    if strategy.startswith("ps-"):
+              f"train.log_every={args.steps}", "train.checkpoint_every=0", "train.eval_every=0",
+              f'dist.strategy="{strategy}"']
+    cls = STRATEGIES[strategy]
+    extra: dict = {"dist": dict(cls.dist_for_replicas(nproc))}
+    if "num_ps" in cls.dist_keys:
         extra["dist"]["num_ps"] = args.num_ps
+    if args.task:
+        extra["task"] = {"entry": args.task}
     cfg = config.load(args.config, [*args.overrides, *forced], extra)
     cfg.check_world()
     run_dir = tmp / f"{strategy}-{nproc}"
@@ -229,15 +249,16 @@ def _run(cfg, run_dir: Path, bug: str, data_dir: str | None) -> list[dict]:
     from .errors import UsageError
     from .strategies import STRATEGIES
 
-    if STRATEGIES[cfg.dist.strategy].in_process:
+    cls = STRATEGIES[cfg.dist.strategy]
+    if cls.in_process:
         record_run(run_dir, bug, data_dir)
     else:
-        per_node = cfg.dist.nproc + (cfg.dist.num_ps if cfg.uses_ps else 0)
         target = ["paratrain.verify", str(run_dir)] + (["--bug", bug] if bug else [])
         target += ["--data-dir", data_dir] if data_dir else []
-        if cfg.uses_ps:
-            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        if launch.run(launch.build_command(launch.LaunchSpec(nproc=per_node, target=target, module=True))):
+        for key, value in cls.launch_env.items():
+            os.environ.setdefault(key, value)
+        spec = launch.LaunchSpec(nproc=cls.processes_per_node(cfg.dist), target=target, module=True)
+        if launch.run(launch.build_command(spec)):
             raise UsageError(f"the {cfg.dist.strategy} run failed (see the lines above)")
     files = sorted((run_dir / "verify").glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
     return [torch.load(f, weights_only=True) for f in files]
@@ -246,13 +267,14 @@ def _run(cfg, run_dir: Path, bug: str, data_dir: str | None) -> list[dict]:
 def cmd_verify(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .data import ensure_corpus
+    from .runs import build_task
+    from .strategies import REFERENCE
 
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
     with tempfile.TemporaryDirectory(prefix="paratrain-verify-") as tmp:
         cfg_n, dir_n = _prepare(args, Path(tmp), args.strategy, args.nproc)
-        ensure_corpus(cfg_n.data.corpus, args.data_dir, allow_download=False)
-        cfg_1, dir_1 = _prepare(args, Path(tmp), "single", 1)
+        build_task(cfg_n, data_dir)  # task and data errors: one line, exit 2, before any process starts
+        cfg_1, dir_1 = _prepare(args, Path(tmp), REFERENCE, 1)
         print(f"[verify] {args.strategy} x {args.nproc} vs single, global batch {cfg_n.train.batch_size}, "
               f"{args.steps} step(s), float64 on CPU, dropout modules at p = 0" + (f", injected bug {args.inject_bug}"
                                                                       if args.inject_bug else ""), flush=True)

@@ -1,9 +1,14 @@
 """Worker process entry point: ``python -m paratrain.worker RUN_DIR [--resume] [--data-dir DIR]``.
 
-Started by ``paratrain train`` through torchrun (one per rank) or called
-in-process for ``single``. Reads ``RUN_DIR/config.toml``, joins the process
-group, trains, leaves the group. A :class:`~paratrain.errors.UsageError`
-prints one line prefixed with the rank and exits with code 2.
+Started by ``paratrain train`` through torchrun (one per process of the job) or
+called in-process for one-process strategies. Reads ``RUN_DIR/config.toml``, joins
+the job the strategy's way (:meth:`~paratrain.strategies.base.Strategy.init_process`:
+a training rank, or a parameter server that serves and returns), trains, leaves.
+Where the strategy tolerates losing a rank (``Strategy.supervised``), the rank
+trains in a child process: if it dies, this process reports it and exits 0 so that
+torchrun keeps the rest of the job running. A
+:class:`~paratrain.errors.UsageError` prints one line prefixed with the rank and
+exits with code 2.
 """
 from __future__ import annotations
 
@@ -18,21 +23,37 @@ from . import config
 from .errors import TrainingStopped, UsageError
 
 
-def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None) -> dict:
-    """Train the run in ``run_dir`` as this process' rank; returns the summary. Every rank must call it."""
-    from .env import init, shutdown
+def process_settings(cfg: config.Config, **overrides):
+    """How a process of this run joins its job (a :class:`~paratrain.env.ProcessSettings`)."""
+    from .env import ProcessSettings
+    from .strategies import STRATEGIES
+
+    d = cfg.dist
+    return ProcessSettings(device=d.device, backend=d.backend, threads=d.threads, interop_threads=d.interop_threads,
+                           timeout_s=cfg.train.timeout_s, options=STRATEGIES[d.strategy].options(cfg), **overrides)
+
+
+def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None, run=None, verbose: bool = True,
+                 **settings) -> dict | None:
+    """Join the job of the run in ``run_dir`` and train as this process' rank; returns the summary
+    (a server's stats for a parameter server). Every process of the job must call it. ``run(trainer)
+    -> dict`` replaces ``trainer.fit()`` (``paratrain verify`` drives the steps itself)."""
+    from .env import shutdown
+    from .strategies import STRATEGIES
     from .train import Trainer
     from .train.checkpoint import latest, should_resume
 
     cfg = config.load(run_dir / "config.toml")
-    env = init(cfg.dist.device, cfg.dist.backend, cfg.dist.threads, cfg.train.timeout_s,
-               towers=cfg.dist.towers, interop_threads=cfg.dist.interop_threads)
+    env, options = STRATEGIES[cfg.dist.strategy].init_process(process_settings(cfg, **settings))
+    if env is None:  # a server of a parameter-server job: it served until every worker was done
+        shutdown()
+        return options.get("server_stats")
     trainer, clean = None, False
     try:
-        trainer = Trainer(cfg, env, run_dir, data_dir)
+        trainer = Trainer(cfg, env, run_dir, data_dir, verbose=verbose, strategy_options=options)
         if should_resume(run_dir, resume):
             trainer.restore(latest(run_dir))
-        summary = trainer.fit()
+        summary = run(trainer) if run is not None else trainer.fit()
         clean = True
         return summary
     finally:
@@ -40,45 +61,38 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
             trainer.close(clean)
         if clean:
             shutdown()
+        else:  # no group teardown after a failure (it could wait for a dead rank); RPC stops locally
+            from .ps.runtime import shutdown_rpc
+
+            shutdown_rpc()
 
 
-def ps_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None) -> int:
-    """A process of a parameter-server job (role from RANK). Where the strategy
-    tolerates losing a worker (ps-async, ps-sync with backup workers), a worker
-    other than rank 0 runs in a child process: if it dies, this process reports
-    it and exits 0 so that torchrun keeps the rest of the job running."""
-    from .ps.runtime import layout_of, run_process
-
-    cfg = config.load(run_dir / "config.toml")
-    rank = int(os.environ.get("RANK", 0))
-    role, index = layout_of(cfg).role(rank)
-    tolerant = role == "worker" and index != 0 and (cfg.dist.strategy == "ps-async" or cfg.dist.backup_workers > 0)
-    if not tolerant:
-        try:
-            run_process(cfg, run_dir, rank, resume=resume, data_dir=data_dir)
-        finally:
-            from .env import shutdown
-
-            shutdown()
-        return 0
+def supervised_worker(run_dir: Path, rank: int, resume: bool, data_dir: str | None, strategy: str) -> int:
+    """Train this rank in a child process; report its death instead of failing the job."""
     import multiprocessing as mp
 
-    child = mp.get_context("spawn").Process(target=_ps_child, args=(run_dir, rank, resume, data_dir))
+    child = mp.get_context("spawn").Process(target=_child, args=(run_dir, resume, data_dir))
     child.start()
     child.join()
     if child.exitcode != 0:
         how = f"signal {-child.exitcode}" if child.exitcode < 0 else f"exit code {child.exitcode}"
-        print(f"[rank {index}] paratrain: worker {index} died ({how}); {cfg.dist.strategy} continues with "
-              f"the other workers", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] paratrain: worker {_worker_index(run_dir, rank)} died ({how}); {strategy} "
+              f"continues with the other workers", file=sys.stderr, flush=True)
     return 0
 
 
-def _ps_child(run_dir: Path, rank: int, resume: bool, data_dir: str | None) -> None:
+def _worker_index(run_dir: Path, rank: int) -> int:
+    from .ps.layout import PSLayout
+
+    d = config.load(run_dir / "config.toml").dist
+    return PSLayout(d.nproc, d.num_ps, d.nnodes).role(rank)[1]
+
+
+def _child(run_dir: Path, resume: bool, data_dir: str | None) -> None:
     from .env import shutdown
-    from .ps.runtime import run_process
 
     try:
-        run_process(config.load(run_dir / "config.toml"), run_dir, rank, resume=resume, data_dir=data_dir)
+        train_worker(run_dir, resume, data_dir)
     finally:
         shutdown()
 
@@ -90,15 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
     try:
-        if config.load(args.run_dir / "config.toml").uses_ps:
-            return ps_worker(args.run_dir, args.resume, args.data_dir)
+        from .strategies import STRATEGIES
+
+        cfg = config.load(args.run_dir / "config.toml")
+        if STRATEGIES[cfg.dist.strategy].supervised(cfg.dist, rank):
+            return supervised_worker(args.run_dir, rank, args.resume, args.data_dir, cfg.dist.strategy)
         train_worker(args.run_dir, args.resume, args.data_dir)
     except UsageError as e:
-        print(f"[rank {os.environ.get('RANK', 0)}] paratrain: error: {e}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] paratrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     except TrainingStopped as e:
-        print(f"[rank {os.environ.get('RANK', 0)}] paratrain: stopped: {e}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] paratrain: stopped: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -1,5 +1,9 @@
 """Run a function on W spawned ranks (gloo, FileStore in a temp dir, process-group
-timeout, one thread each) under a hard deadline; a hang fails the test instead of CI."""
+timeout, one thread each) under hard deadlines; a hang fails the test instead of CI.
+
+Two deadlines: start-up (spawn, imports, joining the process group: slow on a busy
+machine, and not what a test is about) has its own, generous one; ``deadline_s``
+bounds the behaviour under test, from the moment every rank is ready."""
 from __future__ import annotations
 
 import datetime
@@ -19,7 +23,6 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
 
     # a rank still running just before the deadline writes every thread's stack (for the failure message)
     stacks = open(Path(workdir) / f"stacks-{rank}.txt", "w")
-    faulthandler.dump_traceback_later(max(1.0, deadline_s - 10), exit=False, file=stacks)
     torch.set_num_threads(1)
     out = Path(workdir) / f"result-{rank}.pt"
     try:
@@ -27,6 +30,8 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
             store = dist.FileStore(str(Path(workdir) / "filestore"), world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout_s))
+        (Path(workdir) / f"ready-{rank}").touch()  # start-up is over: the behaviour's deadline starts
+        faulthandler.dump_traceback_later(max(1.0, deadline_s - 10), exit=False, file=stacks)
         try:
             result = fn(rank, world_size, *args)
         finally:
@@ -38,12 +43,22 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
         raise
 
 
-def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180.0,
+def _wait_ready(procs, workdir: Path, startup_s: float) -> None:
+    """Until every rank is ready (or ended: its error is reported below), at most ``startup_s``."""
+    end = time.monotonic() + startup_s
+    while time.monotonic() < end:
+        if all((workdir / f"ready-{r}").exists() or not p.is_alive() for r, p in enumerate(procs)):
+            return
+        time.sleep(0.1)
+
+
+def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180.0, startup_s: float = 180.0,
               pg_timeout_s: float = 60.0) -> list:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
 
-    ``fn`` must be a module-level function (spawn pickles it by name). Fails with
-    every rank's traceback on error, and kills all ranks after ``deadline_s``.
+    ``fn`` must be a module-level function (spawn pickles it by name). Fails with every rank's
+    traceback on error, and kills all ranks when start-up takes longer than ``startup_s`` or, once
+    every rank is ready, ``fn`` takes longer than ``deadline_s``.
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -52,6 +67,7 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
              for r in range(world_size)]
     for p in procs:
         p.start()
+    _wait_ready(procs, workdir, startup_s)
     end = time.monotonic() + deadline_s
     for p in procs:
         p.join(max(0.0, end - time.monotonic()))
@@ -65,7 +81,9 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
     if hung:
         stacks = "\n".join(f"--- rank {r} stacks:\n{(workdir / f'stacks-{r}.txt').read_text()[-4000:]}" for r in hung
                            if (workdir / f"stacks-{r}.txt").exists())
-        raise AssertionError(f"ranks {hung} still running after {deadline_s} s (killed)\n{errors}\n{stacks}")
+        not_ready = [r for r in range(world_size) if not (workdir / f"ready-{r}").exists()]
+        when = (f"still starting after {startup_s} s" if not_ready else f"still running {deadline_s} s after start-up")
+        raise AssertionError(f"ranks {hung} {when} (killed)\n{errors}\n{stacks}")
     bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if bad:
         raise AssertionError(f"ranks failed with exit codes {bad}\n{errors}")

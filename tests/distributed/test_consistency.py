@@ -23,16 +23,21 @@ def test_first_difference_names_rank_and_cause():
 def _job(rank: int, world_size: int):
     import torch.distributed as dist
 
+    def gather(obj):
+        objs = [None] * world_size
+        dist.all_gather_object(objs, obj)
+        return objs
+
     out = {}
     torch.manual_seed(0)
     model = nn.Linear(3, 4 if rank == 0 else 4)
     try:  # same model and config everywhere: passes
-        check_ranks(model, "cfg", world_size)
+        check_ranks(model, "cfg", gather)
         out["same"] = "ok"
     except TrainingStopped as e:
         out["same"] = str(e)
     try:  # rank 1 was started with another --set
-        check_ranks(model, "cfg" if rank == 0 else "cfg2", world_size)
+        check_ranks(model, "cfg" if rank == 0 else "cfg2", gather)
         out["config"] = "ok"
     except TrainingStopped as e:
         out["config"] = str(e)

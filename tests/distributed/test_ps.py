@@ -24,10 +24,20 @@ from .test_exactness import tiny_cfg
 
 
 def _ps_job(rank: int, world_size: int, cfg_dict: dict, data_dir: str, run_dir: str, work: str, resume: bool = False):
-    from paratrain.ps.runtime import run_process
+    """One process of a parameter-server job (a server or a worker), through the worker entry point."""
+    from paratrain.worker import train_worker
 
-    return run_process(from_dict(cfg_dict), Path(run_dir), rank, resume=resume, data_dir=data_dir,
-                       rpc_init_method=f"file://{work}/rpc-{'resume' if resume else 'init'}", verbose=False)
+    return train_worker(Path(run_dir), resume, data_dir, verbose=False, rank=rank, world_size=world_size,
+                        local_rank=rank, local_world_size=world_size,
+                        rpc_init_method=f"file://{work}/rpc-{'resume' if resume else 'init'}")
+
+
+def write_run(cfg_dict: dict, run_dir: Path) -> None:
+    """The run dir a parameter-server job reads its config from (paratrain train writes it)."""
+    from paratrain import config
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(config.to_toml(from_dict(cfg_dict)))
 
 
 def ps_cfg(base: dict, strategy: str, workers: int, servers: int, **dist) -> dict:
@@ -52,6 +62,7 @@ def test_ps_sync_matches_single(tiny_data, tmp_path, mode, opt):
     base = tiny_cfg(mode, "float64", "single", 1, 2, opt)
     ref = run_single(base, tiny_data, tmp_path / "single")
     cfg = ps_cfg(base, "ps-sync", 2, 2)
+    write_run(cfg, tmp_path / "ps")
     run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "ps"), str(tmp_path / "spawn"),
               deadline_s=120)
     diff = max_rel_diff(final_model(tmp_path / "ps"), ref)
@@ -64,12 +75,14 @@ def test_checkpoints_cross_between_ps_sync_and_single(tiny_data, tmp_path):
     base6 = {**base10, "train": {**base10["train"], "max_steps": 6}}
     ref = run_single(base10, tiny_data, tmp_path / "ref")
     # ps-sync first, then single
+    write_run(ps_cfg(base6, "ps-sync", 2, 1), tmp_path / "a")
     run_ranks(_ps_job, 3, tmp_path / "s1", ps_cfg(base6, "ps-sync", 2, 1), str(tiny_data), str(tmp_path / "a"),
               str(tmp_path / "s1"), deadline_s=120)
     a = run_single(base10, tiny_data, tmp_path / "a", resume=True)
     assert max_rel_diff(a, ref) <= 1e-10
     # single first, then ps-sync
     run_single(base6, tiny_data, tmp_path / "b")
+    write_run(ps_cfg(base10, "ps-sync", 2, 1), tmp_path / "b")
     run_ranks(_ps_job, 3, tmp_path / "s2", ps_cfg(base10, "ps-sync", 2, 1), str(tiny_data), str(tmp_path / "b"),
               str(tmp_path / "s2"), True, deadline_s=120)
     assert max_rel_diff(final_model(tmp_path / "b"), ref) <= 1e-10
@@ -82,6 +95,7 @@ def test_ps_async_bounded_staleness_and_learning(real_data, tmp_path):
                       "log_every": 10, "schedule": "constant"}}
     s = 1
     cfg = ps_cfg(base, "ps-async", 3, 1, max_staleness=s, slow_rank=2, slow_ms=20.0)
+    write_run(cfg, tmp_path / "run")
     results = run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(real_data), str(tmp_path / "run"),
                         str(tmp_path / "spawn"), deadline_s=180)
     stats = results[3]  # the server
@@ -99,6 +113,7 @@ def test_backup_worker_drops_the_late_gradients(tiny_data, tmp_path):
     base = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
     base = {**base, "train": {**base["train"], "batch_size": 6}}
     cfg = ps_cfg(base, "ps-sync", 3, 1, backup_workers=1, slow_rank=2, slow_ms=400.0)
+    write_run(cfg, tmp_path / "run")
     results = run_ranks(_ps_job, 4, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "run"),
                         str(tmp_path / "spawn"), deadline_s=120)
     stats, slow = results[3], results[2]
@@ -114,9 +129,10 @@ def test_ps_sync_hung_worker_fails_naming_it(tiny_data, tmp_path):
     base = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
     base = {**base, "train": {**base["train"], "timeout_s": 3.0}}
     cfg = ps_cfg(base, "ps-sync", 2, 1, slow_rank=1, slow_ms=60_000.0)
-    with pytest.raises(AssertionError) as err:
+    write_run(cfg, tmp_path / "run")
+    with pytest.raises(AssertionError) as err:  # timeout_s=3: ends well within 30 s of start-up, not the hang's 60
         run_ranks(_ps_job, 3, tmp_path / "spawn", cfg, str(tiny_data), str(tmp_path / "run"),
-                  str(tmp_path / "spawn"), deadline_s=20)
+                  str(tmp_path / "spawn"), deadline_s=30)
     msg = str(err.value)
     assert "--- rank 0:" in msg and "no gradient from worker(s) [1]" in msg  # worker 0 failed naming rank 1
     assert "--- rank 2:" in msg  # and the server ended instead of waiting (rank 1 is the hung one)

@@ -123,6 +123,8 @@ def crafted_checkpoint() -> bytes:
     return pickle.dumps({"model": {}, "x": _RunsCode()})
 
 
+USER_TASK = {"user_task.py": (Path(__file__).with_name("user_task.py")).read_text()}  # a user's task file
+
 # ---------------------------------------------------------------- the table
 
 CFG = "cfg.toml"
@@ -221,6 +223,19 @@ CASES = [
     Case("keep-checkpoints-zero", NEW, "train.keep_checkpoints = 0 is out of range", cfg({"train.keep_checkpoints": 0})),
     Case("rdzv-port-in-use", (*NEW, "--strategy", "allreduce", "--nnodes", "2", "--node-rank", "0",
                               "--rdzv-endpoint", "127.0.0.1:{busy_port}"), "is in use here"),
+    # --- tasks: the entry, its factory, the Task it returns, the sections it owns
+    Case("task-unknown-name", (*NEW, "--task", "nosuch"), "task 'nosuch' is not a built-in task"),
+    Case("task-unknown-in-toml", NEW, "task 'nope' is not a built-in task", cfg({"task.entry": "nope"})),
+    Case("task-module-missing", (*NEW, "--task", "nosuchmod:make"), "cannot import module 'nosuchmod'"),
+    Case("task-file-missing", (*NEW, "--task", "missing.py:make"), "file 'missing.py' does not exist"),
+    Case("task-factory-missing", (*NEW, "--task", "user_task.py:nothing"), "has no 'nothing'", USER_TASK),
+    Case("task-factory-raises", (*NEW, "--task", "user_task.py:broken"),
+         "the factory raised ValueError: no data here", USER_TASK),
+    Case("task-lacks-methods", (*NEW, "--task", "user_task.py:incomplete"),
+         "lacks steps_per_epoch, train_steps, loss, eval_batches, eval_sums, metrics", USER_TASK),
+    Case("task-model-key-of-another-task", (*NEW, "--task", "gpt"), "unknown config key model.embed_dim"),
+    Case("dist-key-of-another-strategy", (*NEW, "--strategy", "allreduce", "--nproc", "2"),
+         "dist.backup_workers applies to --strategy ps-sync only", cfg({"dist.backup_workers": 1})),
     # --- data files
     Case("data-missing-download-fails", NEW, "cannot download",
          {"data/ptb/ptb.train.txt": None, "data/ptb/ptb.valid.txt": None, "data/ptb/ptb.test.txt": None}),

@@ -49,5 +49,5 @@ def test_resume_restores_optimizer_and_schedule(tiny_data, tmp_path):
     ck = torch.load(latest(tmp_path / "a"), weights_only=True)
     assert ck["step"] == 5 and ck["batch_index"] == 5 and ck["epoch"] == 1
     assert ck["optimizer"]["state"], "Adam moments are saved"
-    assert set(ck["hidden"][0][0].shape) == {2, 4, 12}  # (layers, global batch, hidden)
+    assert set(ck["task"]["hidden"][0][0].shape) == {2, 4, 12}  # (layers, global batch, hidden): the task's state
     assert all(t.device.type == "cpu" for t in ck["model"].values())

@@ -88,12 +88,14 @@ def test_validate_model_adds_its_runs():
 
 def test_train_command_of_each_strategy(tmp_path):
     spec = BenchSpec(config="c.toml", steps=50, warmup_steps=10, num_ps=2)
+    """N replicas as each strategy asks for them (Strategy.dist_for_replicas): processes, towers, servers."""
     cmd = train_command(spec, RunPlan(strategy="ps-sync", n=3, global_batch=30), tmp_path)
-    assert cmd[cmd.index("--nproc") + 1] == "3" and cmd[cmd.index("--num-ps") + 1] == "2"
+    assert "dist.nproc=3" in cmd and "dist.num_ps=2" in cmd
     assert "train.timing_warmup_steps=10" in cmd and "train.log_every=10" in cmd and "train.max_steps=50" in cmd
     cmd = train_command(spec, RunPlan(strategy="replicate", n=2, global_batch=20), tmp_path)
-    assert cmd[cmd.index("--devices") + 1] == "cpu:0,cpu:1"
-    assert "--nproc" not in train_command(spec, RunPlan(strategy="single", n=1, global_batch=20), tmp_path)
+    assert 'dist.devices="cpu:0,cpu:1"' in cmd and "dist.nproc=1" in cmd
+    cmd = train_command(spec, RunPlan(strategy="single", n=1, global_batch=20), tmp_path)
+    assert "dist.nproc=1" in cmd and not any("num_ps" in a or "devices" in a for a in cmd)
 
 
 @pytest.mark.parametrize("kw, words", [({"strategies": ("nope",)}, "unknown strategy"),

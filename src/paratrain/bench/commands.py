@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
-from .sweep import BenchSpec, plan_runs, run_sweep
+from ..strategies import REFERENCE
+from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
 DEFAULT_CONFIG = "configs/ptb_small.toml"
 
@@ -27,7 +28,9 @@ def add_bench_parser(sub) -> None:
                        description="Run a sweep (strategies x N x batch) of short training runs on real data; "
                                    "write results.json, report.md and PNG plots.")
     b.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"TOML recipe (default {DEFAULT_CONFIG})")
-    b.add_argument("--strategies", default="single,allreduce", help="comma-separated (default single,allreduce)")
+    b.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
+    b.add_argument("--strategies", default=f"{REFERENCE},{MODELLED}",
+                   help=f"comma-separated registered strategies (default {REFERENCE},{MODELLED})")
     b.add_argument("--nproc", default="1,2", help="replica counts N, comma-separated (default 1,2)")
     b.add_argument("--batch", default="", help="per-replica batches (weak) / global batches (strong); "
                                                "default the recipe's train.batch_size")
@@ -38,7 +41,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--num-ps", type=int, default=1, help="parameter servers for ps-* strategies (default 1)")
     b.add_argument("--out", type=Path, help="output folder (default runs/bench-<time>); must not exist")
     b.add_argument("--validate-model", action="store_true",
-                   help="also run allreduce at N = 1, 2, 4 and compare with the cost model's predictions")
+                   help=f"also run {MODELLED} at N = 1, 2, 4 and compare with the cost model's predictions")
     b.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
     b.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -52,6 +55,7 @@ def add_predict_parser(sub) -> None:
                        description="Predict step time, words/s and scaling efficiency for N = 1, 2, 4, ... up to "
                                    "--nproc from a measured single-device step and an interconnect.")
     p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"TOML recipe (default {DEFAULT_CONFIG})")
+    p.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
     p.add_argument("--nproc", type=int, default=1024, help="largest N (default 1024)")
     p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
                    help="link preset, or 'measured' (fit a gloo all-reduce micro-benchmark here)")
@@ -66,12 +70,12 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 
 
-def _load_config(path: str, overrides: list[str]):
+def _load_config(path: str, overrides: list[str], task: str | None = None):
     from .. import config
 
     if not Path(path).is_file():
         raise UsageError(f"config {path!r} does not exist; give a TOML recipe such as {DEFAULT_CONFIG}")
-    return config.load(path, overrides)
+    return config.load(path, overrides, {"task": {"entry": task}} if task else None)
 
 
 def _machine() -> dict:
@@ -84,17 +88,18 @@ def _machine() -> dict:
     return {"cpu_cores": available_cores(), "device": dev, "torch": torch.__version__, "python": sys.version.split()[0]}
 
 
-def _vocab_size(cfg, data_dir: str | None) -> int:
-    from ..data import ensure_corpus, load_corpus
+def _task(cfg, data_dir: str | None):
+    """The recipe's task (its data and model; fails early, exit 2, when either is wrong)."""
+    from ..runs import build_task
 
-    return len(load_corpus(ensure_corpus(cfg.data.corpus, data_dir, allow_download=False)).vocab)
+    return build_task(cfg, data_dir)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import report
 
-    cfg = _load_config(args.config, args.overrides)
-    spec = BenchSpec(config=args.config, strategies=tuple(s for s in args.strategies.split(",") if s),
+    cfg = _load_config(args.config, args.overrides, args.task)
+    spec = BenchSpec(config=args.config, task=args.task, strategies=tuple(s for s in args.strategies.split(",") if s),
                      nprocs=_ints(args.nproc, "--nproc"), batches=_ints(args.batch, "--batch"),
                      scaling=tuple(s for s in args.scaling.split(",") if s), steps=args.steps,
                      warmup_steps=args.warmup, repeats=args.repeats, num_ps=args.num_ps,
@@ -103,17 +108,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"bench-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"--out {out} already exists and is not empty; choose a new folder")
-    vocab = _vocab_size(cfg, args.data_dir)  # fails early (exit 2) when the corpus is missing
+    task = _task(cfg, args.data_dir)  # fails early (exit 2) when the task or its data is wrong
     plans = plan_runs(spec, cfg.train.batch_size)
     print(f"[bench] {len(plans)} runs of {spec.steps} steps ({spec.warmup_steps} warm-up) -> {out}", flush=True)
     outcomes = run_sweep(spec, plans, out)
     records = [report.run_record(o) for o in outcomes]
     results = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(),
+               "task": cfg.task.entry, "unit": getattr(task, "unit", "samples"),
                "command": "paratrain " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                "spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
                "runs": records, "scaling": report.scaling_rows(records, spec, cfg.train.batch_size)}
     if spec.validate_model:
-        results["model_validation"] = _validate(records, spec, cfg, vocab)
+        results["model_validation"] = _validate(records, spec, cfg, task)
     for path in report.write(results, out):
         print(f"[bench] wrote {path}")
     print(report.markdown(results))
@@ -124,13 +130,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokens_per_step(cfg, per_replica_batch: int) -> int:
-    if cfg.data.mode != "bptt":
-        raise UsageError("the cost model needs data.mode = 'bptt' (a fixed number of words per step)")
-    return per_replica_batch * cfg.data.bptt
+def _units_per_step(rec: dict) -> float:
+    """Units (words, samples) per step per replica, measured by a single-device run."""
+    units = rec.get("units_per_step")
+    if not finite(units) or units <= 0:
+        raise UsageError("the single-device run reported no units per step; rerun it with this paratrain")
+    return units
 
 
-def _validate(records: list[dict], spec: BenchSpec, cfg, vocab: int) -> dict:
+def _validate(records: list[dict], spec: BenchSpec, cfg, task) -> dict:
     from ..env import available_cores
     from .microbench import measured_link
     from .report import median_run
@@ -138,20 +146,22 @@ def _validate(records: list[dict], spec: BenchSpec, cfg, vocab: int) -> dict:
 
     b = (spec.batches or (cfg.train.batch_size,))[0]
     cores = available_cores()
-    grads, tokens = model_gradient_bytes(cfg, vocab), _tokens_per_step(cfg, b)
+    grads = model_gradient_bytes(task, cfg.train.dtype)
 
     def median_rec(strategy, n, g, threads):
-        point = [r for r in records if (r["strategy"], r["n"], r["global_batch"], r["threads"]) == (strategy, n, g, threads)]
+        key = (strategy, n, g, threads)
+        point = [r for r in records if (r["strategy"], r["n"], r["global_batch"], r["threads"]) == key]
         return median_run(point, "train_step_ms")
 
-    base, one = median_rec("single", 1, b, None), median_rec("single", 1, b, 1)
+    base, one = median_rec(REFERENCE, 1, b, None), median_rec(REFERENCE, 1, b, 1)
     if base is None or one is None:
         return {"note": "the single-device runs failed; no validation", "points": {}}
-    workloads = {base["threads_per_process"]: workload_from_record(base, grads, tokens),
-                 1: workload_from_record(one, grads, tokens)}
+    units = _units_per_step(base)
+    workloads = {base["threads_per_process"]: workload_from_record(base, grads, units),
+                 1: workload_from_record(one, grads, units)}
     print("[bench] fitting the link: gloo all-reduce micro-benchmark (2 processes)", flush=True)
     link = measured_link(2)
-    points = {n: r for n in (1, 2, 4) if (r := median_rec("allreduce", n, b * n, None)) is not None}
+    points = {n: r for n in (1, 2, 4) if (r := median_rec(MODELLED, n, b * n, None)) is not None}
     return validate(points, workloads, link, cores, cfg.dist.bucket_mb)
 
 
@@ -163,11 +173,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc}: use 1 or more")
     if args.num_ps < 1:
         raise UsageError(f"--num-ps {args.num_ps}: use 1 or more")
-    cfg = _load_config(args.config, args.overrides)
-    vocab = _vocab_size(cfg, args.data_dir)
+    cfg = _load_config(args.config, args.overrides, args.task)
+    task = _task(cfg, args.data_dir)
     rec, source = _single_step(args, cfg)
-    tokens = _tokens_per_step(cfg, cfg.train.batch_size)
-    w = workload_from_record(rec, model_gradient_bytes(cfg, vocab), tokens)
+    tokens = _units_per_step(rec)
+    w = workload_from_record(rec, model_gradient_bytes(task, cfg.train.dtype), tokens)
     if args.interconnect == "measured":
         from .microbench import measured_link
 
@@ -180,18 +190,20 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ns.append(args.nproc)
     preds = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb, num_ps=args.num_ps)
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
-    print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} x bptt {cfg.data.bptt} = {tokens} "
-          f"words/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
+    unit = getattr(task, "unit", "samples")
+    print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
+          f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
           f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
           f"algorithm {args.algorithm}; weak scaling, each replica on a device like the measured one")
-    print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {'words/s':>14} {'speedup':>9} {'efficiency':>10} {'bucket MB':>9}")
+    print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
+          f"{'bucket MB':>9}")
     for p in preds:
         print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
               f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}")
     if args.algorithm != "ps":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
-        _plot_curve(preds, args.plot, f"{link.name}, {args.algorithm}")
+        _plot_curve(preds, args.plot, f"{link.name}, {args.algorithm}", unit)
         print(f"[predict] wrote {args.plot}")
     return 0
 
@@ -206,13 +218,14 @@ def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:
         path = args.from_bench / "results.json"
         if not path.is_file():
             raise UsageError(f"--from-bench {args.from_bench}: no results.json there; give a paratrain bench folder")
-        rec = median_run([r for r in json.loads(path.read_text())["runs"] if r["strategy"] == "single"
+        rec = median_run([r for r in json.loads(path.read_text())["runs"] if r["strategy"] == REFERENCE
                           and r["threads"] is None and r["global_batch"] == cfg.train.batch_size], "train_step_ms")
         if rec is None:
             raise UsageError(f"--from-bench {args.from_bench}: no single-device run at batch {cfg.train.batch_size}")
         return rec, f"median single-device run of {path}"
     warm = max(1, args.steps // 3)
-    spec = BenchSpec(config=args.config, strategies=("single",), nprocs=(1,), scaling=("weak",), steps=args.steps,
+    spec = BenchSpec(config=args.config, task=args.task, strategies=(REFERENCE,), nprocs=(1,), scaling=("weak",),
+                     steps=args.steps,
                      warmup_steps=warm, overrides=tuple(args.overrides), data_dir=args.data_dir)
     print(f"[predict] measuring one device: {args.steps} steps of single", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-predict-") as tmp:
@@ -224,7 +237,7 @@ def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:
         return run_record(outcome), f"measured now, {args.steps} steps"
 
 
-def _plot_curve(preds, path: Path, title: str) -> None:
+def _plot_curve(preds, path: Path, title: str, unit: str = "words") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,7 +248,7 @@ def _plot_curve(preds, path: Path, title: str) -> None:
     a.plot(ns, [p.words_per_s for p in preds], marker="o", label="predicted")
     a.plot(ns, [preds[0].words_per_s * n for n in ns], linestyle=":", color="grey", label="linear")
     a.set_yscale("log")
-    a.set_ylabel("words/s")
+    a.set_ylabel(f"{unit}/s")
     b.plot(ns, [p.efficiency for p in preds], marker="o")
     b.set_ylabel("scaling efficiency S(N)/N")
     b.set_ylim(0, 1.05)

@@ -1,9 +1,10 @@
 """``paratrain bench`` results: scaling tables (pure), ``results.json``, ``report.md`` and PNG plots.
 
-Speedup S(N) = t(1) / t(N), where t is the time to train a fixed number of words
-(so S(N) = words/s(N) / words/s(1)) against the measured ``single`` run at the
-same per-replica batch (weak scaling) or the same global batch (strong
-scaling); scaling efficiency E(N) = S(N) / N.
+Speedup S(N) = t(1) / t(N), where t is the time to train a fixed number of units
+(the task's: words for a language model, samples for a classifier; so S(N) =
+units/s(N) / units/s(1)) against the measured reference (``single``) run at the
+same per-replica batch (weak scaling) or the same global batch (strong scaling);
+scaling efficiency E(N) = S(N) / N.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..strategies import REFERENCE
 from .sweep import BenchSpec, RunOutcome, finite
 from .timing import summarise_ranks
 
@@ -20,7 +22,7 @@ PARTS = ("data_ms", "compute_ms", "comm_ms", "idle_ms", "optimizer_ms", "other_m
 
 
 def run_record(o: RunOutcome) -> dict[str, Any]:
-    """One run's numbers: words/s after warm-up, rank-mean breakdown, per-rank rows, skew,
+    """One run's numbers: units/s after warm-up (``unit``: the task's), rank-mean breakdown, per-rank rows, skew,
     and coverage = rank 0's (data + compute + comm + idle + optimizer) / rank 0's wall time per
     step by the throughput clock (which also holds logging)."""
     p = o.plan
@@ -31,24 +33,26 @@ def run_record(o: RunOutcome) -> dict[str, Any]:
     ranks = summarise_ranks(o.ranks)
     measured = o.summary.get("train_step_ms", math.nan)  # rank 0's clock: compare with rank 0's parts
     parts = sum(ranks["per_rank"][0][k] for k in PARTS if k != "other_ms")
-    rec.update({"per_replica_batch": o.summary.get("per_replica_batch"),
-                "words_per_s": o.summary.get("words_per_s_after_warmup", math.nan),
+    unit = o.summary.get("unit", "words")
+    rec.update({"per_replica_batch": o.summary.get("per_replica_batch"), "unit": unit,
+                "units_per_s": o.summary.get(f"{unit}_per_s_after_warmup", math.nan),
+                "units_per_step": o.summary.get("units_per_step"),
                 "threads_per_process": o.summary.get("threads_per_process"),
                 "train_step_ms": measured, "breakdown_ms": ranks["mean"], "rank0_timing_ms": o.ranks[0], "per_rank_ms": ranks["per_rank"],
                 "compute_skew": ranks["compute_skew"], "slowest_rank": ranks["slowest_rank"],
                 "breakdown_coverage": parts / measured if finite(measured) and measured > 0 else math.nan,
-                "valid_ppl": o.summary.get("valid_ppl")})
+                "valid_loss": o.summary.get("valid_loss"), "valid_ppl": o.summary.get("valid_ppl")})
     return rec
 
 
-def median_run(recs: list[dict], key: str = "words_per_s") -> dict | None:
+def median_run(recs: list[dict], key: str = "units_per_s") -> dict | None:
     """The successful run with the median ``key`` (the lower middle for an even count), or None."""
     ok = sorted((r for r in recs if r["ok"] and finite(r.get(key))), key=lambda r: r[key])
     return ok[(len(ok) - 1) // 2] if ok else None
 
 
 def scaling_rows(records: Sequence[dict], spec: BenchSpec, recipe_batch: int) -> dict[str, list[dict]]:
-    """Per scaling mode, one row per (batch, strategy, N): median words/s over repeats (min,
+    """Per scaling mode, one row per (batch, strategy, N): median units/s over repeats (min,
     max), speedup and efficiency against the single-device baseline, the median run's breakdown."""
     by_key: dict[tuple, list[dict]] = {}
     for r in records:
@@ -57,10 +61,10 @@ def scaling_rows(records: Sequence[dict], spec: BenchSpec, recipe_batch: int) ->
     for scaling in spec.scaling:
         rows = []
         for b in spec.batches or (recipe_batch,):
-            base = median_run(by_key.get(("single", 1, b, None), []))
+            base = median_run(by_key.get((REFERENCE, 1, b, None), []))
             for s in spec.strategies:
                 for n in spec.nprocs:
-                    if (s == "single" and n != 1) or (scaling == "strong" and b % n):
+                    if (s == REFERENCE and n != 1) or (scaling == "strong" and b % n):
                         continue
                     g = b * n if scaling == "weak" else b
                     recs = by_key.get((s, n, g, None), [])
@@ -75,16 +79,17 @@ def _row(scaling: str, strategy: str, n: int, g: int, recs: list[dict], base: di
                            "per_replica_batch": g // n, "runs_ok": sum(r["ok"] for r in recs), "runs": len(recs)}
     if med is None:
         return row
-    wps = [r["words_per_s"] for r in recs if r["ok"]]
-    row.update({"words_per_s": statistics.median(wps), "words_per_s_min": min(wps), "words_per_s_max": max(wps),
+    wps = [r["units_per_s"] for r in recs if r["ok"]]
+    row.update({"unit": med.get("unit", "words"), "units_per_s": statistics.median(wps), "units_per_s_min": min(wps),
+                "units_per_s_max": max(wps),
                 **{k: med[k] for k in ("train_step_ms", "breakdown_ms", "per_rank_ms", "breakdown_coverage",
                                        "compute_skew", "slowest_rank", "threads_per_process")}})
     if base is not None:
         from .costmodel import scaling
 
-        bw = base["words_per_s"]  # the median baseline run
-        row["baseline_words_per_s"] = bw
-        row.update(scaling({n: row["words_per_s"]}, bw)[n])
+        bw = base["units_per_s"]  # the median baseline run
+        row["baseline_units_per_s"] = bw
+        row.update(scaling({n: row["units_per_s"]}, bw)[n])
     return row
 
 
@@ -97,15 +102,16 @@ def _fmt(x: Any, nd: int = 1) -> str:
 def markdown(results: dict) -> str:
     """The human report: machine, command, one table per scaling mode, per-rank skew, model validation."""
     m = results["machine"]
+    unit = results.get("unit", "words")
     lines = [f"# paratrain bench — {results['date']}", "",
              f"Machine: {m['cpu_cores']} CPU cores, {m['device']}, torch {m['torch']}. Command: `{results['command']}`",
-             "", "Speedup S(N) = words/s(N) / words/s of the measured single-device run (same per-replica batch for "
+             "", f"Speedup S(N) = {unit}/s(N) / {unit}/s of the measured single-device run (same per-replica batch for "
              "weak scaling, same global batch for strong); efficiency = S(N)/N. Step-time columns are ms per step, "
              "mean over ranks, warm-up steps left out; coverage = rank 0's (data+compute+comm+idle+optimizer) / its "
              "wall time per step (logging included); skew = (max - min) / mean of the ranks' compute.", ""]
     if any(r.get("n", 0) > m["cpu_cores"] for rows in results["scaling"].values() for r in rows):
         lines += [f"N above {m['cpu_cores']} is oversubscribed: more processes than cores.", ""]
-    head = ("| strategy | N | global batch | per-replica | words/s (min-max) | speedup | efficiency | step ms | data | "
+    head = (f"| strategy | N | global batch | per-replica | {unit}/s (min-max) | speedup | efficiency | step ms | data | "
             "compute | comm | idle | optimizer | other | coverage | skew |")
     for scaling, rows in results["scaling"].items():
         lines += [f"## {scaling} scaling", "", head, "|" + "---|" * 16]
@@ -113,7 +119,7 @@ def markdown(results: dict) -> str:
             b = r.get("breakdown_ms", {})
             lines.append(
                 f"| {r['strategy']} | {r['n']} | {r['global_batch']} | {r['per_replica_batch']} | "
-                f"{_fmt(r.get('words_per_s'), 0)} ({_fmt(r.get('words_per_s_min'), 0)}-{_fmt(r.get('words_per_s_max'), 0)}) | "
+                f"{_fmt(r.get('units_per_s'), 0)} ({_fmt(r.get('units_per_s_min'), 0)}-{_fmt(r.get('units_per_s_max'), 0)}) | "
                 f"{_fmt(r.get('speedup'), 2)} | {_fmt(r.get('efficiency'), 2)} | {_fmt(r.get('train_step_ms'))} | "
                 + " | ".join(_fmt(b.get(k)) for k in PARTS)
                 + f" | {_fmt(r.get('breakdown_coverage'), 3)} | {_fmt(r.get('compute_skew'), 3)} |")
@@ -148,8 +154,9 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
 
     tables = results["scaling"]
     written = []
-    for fname, key, ylabel in (("throughput.png", "words_per_s", "words/s"), ("efficiency.png", "efficiency",
-                                                                             "scaling efficiency S(N)/N")):
+    unit = results.get("unit", "words")
+    for fname, key, ylabel in (("throughput.png", "units_per_s", f"{unit}/s"), ("efficiency.png", "efficiency",
+                                                                              "scaling efficiency S(N)/N")):
         fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
         for ax, (scaling, rows) in zip(axes[0], tables.items()):
             for s in sorted({r["strategy"] for r in rows}):

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UsageError
+from ..strategies import DEFAULT, REFERENCE, modelled
 
 SCALINGS = ("weak", "strong")
+MODELLED = modelled("ring")[0]
+"""The strategy ``--validate-model`` compares with the cost model's ring all-reduce (Hockney alpha-beta)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +32,7 @@ class BenchSpec:
     the first ``warmup_steps`` are not measured."""
 
     config: str
-    strategies: tuple[str, ...] = ("single", "allreduce")
+    strategies: tuple[str, ...] = (REFERENCE, DEFAULT)
     nprocs: tuple[int, ...] = (1, 2)
     batches: tuple[int, ...] = ()
     scaling: tuple[str, ...] = SCALINGS
@@ -41,6 +44,7 @@ class BenchSpec:
     timeout_s: float = 900.0
     data_dir: str | None = None
     validate_model: bool = False
+    task: str | None = None  # task entry (default: the recipe's)
 
     def __post_init__(self) -> None:
         from ..strategies import STRATEGIES
@@ -93,33 +97,39 @@ def plan_runs(spec: BenchSpec, recipe_batch: int) -> list[RunPlan]:
 
     for b in batches:
         for scaling in spec.scaling:
-            add(RunPlan(strategy="single", n=1, global_batch=b))  # the measured baseline
+            add(RunPlan(strategy=REFERENCE, n=1, global_batch=b))  # the measured baseline
             for s in spec.strategies:
                 for n in spec.nprocs:
-                    if s == "single" and n != 1:
+                    if s == REFERENCE and n != 1:
                         continue
                     if scaling == "weak":
                         add(RunPlan(strategy=s, n=n, global_batch=b * n))
                     elif b % n == 0:
                         add(RunPlan(strategy=s, n=n, global_batch=b))
         if spec.validate_model:
-            add(RunPlan(strategy="single", n=1, global_batch=b, threads=1))  # compute at one thread per process
+            add(RunPlan(strategy=REFERENCE, n=1, global_batch=b, threads=1))  # compute at one thread per process
             for n in (1, 2, 4):
-                add(RunPlan(strategy="allreduce", n=n, global_batch=b * n))
+                add(RunPlan(strategy=MODELLED, n=n, global_batch=b * n))
     return [RunPlan(strategy=p.strategy, n=p.n, global_batch=p.global_batch, threads=p.threads, repeat=r)
             for r in range(spec.repeats) for p in points.values()]
 
 
 def train_command(spec: BenchSpec, plan: RunPlan, run_dir: Path) -> list[str]:
-    """The ``paratrain train`` command line of one run (pure)."""
+    """The ``paratrain train`` command line of one run (pure): ``plan.n`` replicas as the strategy
+    asks for them (:meth:`~paratrain.strategies.base.Strategy.dist_for_replicas`)."""
+    from ..config import _toml_value
+    from ..strategies import STRATEGIES
+
+    cls = STRATEGIES[plan.strategy]
     cmd = [sys.executable, "-m", "paratrain.cli", "train", spec.config, "--strategy", plan.strategy,
            "--run-dir", str(run_dir)]
-    if plan.strategy == "replicate":
-        cmd += ["--devices", ",".join(f"cpu:{i}" for i in range(plan.n)), "--nproc", "1"]
-    elif plan.strategy != "single":
-        cmd += ["--nproc", str(plan.n)]
-    if plan.strategy.startswith("ps-"):
-        cmd += ["--num-ps", str(spec.num_ps)]
+    dist = dict(cls.dist_for_replicas(plan.n))
+    if "num_ps" in cls.dist_keys:
+        dist["num_ps"] = spec.num_ps
+    for key, value in dist.items():
+        cmd += ["--set", f"dist.{key}={_toml_value(value)}"]
+    if spec.task:
+        cmd += ["--task", spec.task]
     if plan.threads:
         cmd += ["--threads", str(plan.threads)]
     if spec.data_dir:

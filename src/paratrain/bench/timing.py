@@ -46,17 +46,19 @@ Span = tuple[str, Any, Any]  # (label, start mark, end mark)
 class StepClock:
     """Marks on one timeline. CPU: ``time.perf_counter()`` floats. CUDA: recorded
     ``torch.cuda.Event`` objects on the current stream; :meth:`seconds` needs the
-    device synchronised (the training loop does it at every logging step)."""
+    device synchronised (the training loop does it at every logging step).
+    ``enabled=False``: every mark is 0.0 and costs nothing (a user's own loop)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
 
     def mark(self) -> Any:
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
-        return time.perf_counter()
+        return time.perf_counter() if self.enabled else 0.0
 
     def seconds(self, a: Any, b: Any) -> float:
         """Seconds from mark ``a`` to mark ``b``."""

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from .costmodel import Link, Workload, predict, relative_error
 
 
-def workload_from_record(rec: dict, param_bytes: Sequence[int], tokens_per_step: int) -> Workload:
+def workload_from_record(rec: dict, param_bytes: Sequence[int], tokens_per_step: float) -> Workload:
     """A :class:`Workload` from a single-device :func:`~paratrain.bench.report.run_record`."""
     t = rec["rank0_timing_ms"]
     parts = t["data_ms"] + t["forward_ms"] + t["backward_ms"] + t["compute_ms"] + t["optimizer_ms"]
@@ -30,18 +30,14 @@ def workload_from_record(rec: dict, param_bytes: Sequence[int], tokens_per_step:
                     param_bytes=tuple(param_bytes), tokens_per_step=tokens_per_step)
 
 
-def model_gradient_bytes(cfg, vocab_size: int) -> list[int]:
-    """Gradient bytes per parameter of the recipe's model, in the order backward produces them
-    (reverse module order, as DDP buckets them)."""
+def model_gradient_bytes(task, dtype: str) -> list[int]:
+    """Gradient bytes per parameter of the task's model in ``dtype``, in the order backward produces
+    them (reverse module order, as DDP buckets them). The model is built on the meta device."""
     import torch
 
-    from ..models import LSTMLM
-
-    m = cfg.model
     with torch.device("meta"):
-        model = LSTMLM(vocab_size, m.embed_dim, m.hidden_dim, m.num_layers, m.dropout, m.tie_weights, m.init_range,
-                       m.layerwise)
-    size = torch.finfo(getattr(torch, cfg.train.dtype)).bits // 8
+        model = task.build_model()
+    size = torch.finfo(getattr(torch, dtype)).bits // 8
     return [p.numel() * size for p in reversed(list(model.parameters()))]
 
 

@@ -28,6 +28,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .corpus import Split
+from .sharding import shard_range
 
 
 @dataclass
@@ -66,12 +67,6 @@ class StepBatch:
     micro: list[LMBatch]
     global_tokens: int
     index: int
-
-
-def shard_range(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's contiguous share when n items are cut into world_size
-    nearly equal parts (sizes differ by at most one; the parts cover 0..n exactly once)."""
-    return (n * rank) // world_size, (n * (rank + 1)) // world_size
 
 
 def batchify(ids: torch.Tensor, num_streams: int) -> torch.Tensor:
@@ -212,12 +207,7 @@ class Prefetcher:
         self.t.start()
 
     def _move(self, item):
-        if self.device.type == "cpu":
-            return item
-        if isinstance(item, StepBatch):
-            mv = [mb.to(self.device) for mb in item.micro]
-            return StepBatch(mv, item.global_tokens, item.index)
-        return item.to(self.device)
+        return item if self.device.type == "cpu" else move_to(item, self.device)
 
     def _run(self, it: Iterator) -> None:
         try:
@@ -247,6 +237,30 @@ class Prefetcher:
                 self.q.get_nowait()
             except queue.Empty:
                 self.t.join(timeout=0.01)
+
+
+def move_to(obj, device: torch.device, non_blocking: bool = True):
+    """``obj`` with its tensors on ``device``: tensors (pinned first on CUDA, so the copy is
+    asynchronous), objects with a ``to(device)`` method (:class:`LMBatch`), dataclasses such
+    as a task's :class:`~paratrain.tasks.TrainStep` (field by field), tuples, lists, dicts."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        pin = non_blocking and device.type == "cuda" and obj.device.type == "cpu"
+        return (obj.pin_memory() if pin else obj).to(device, non_blocking=non_blocking)
+    if isinstance(obj, LMBatch):
+        return obj.to(device, non_blocking)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: move_to(getattr(obj, f.name), device, non_blocking)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (tuple, list)):
+        moved = [move_to(x, device, non_blocking) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device, non_blocking) for k, v in obj.items()}
+    return obj
 
 
 class _Direct:

@@ -1,24 +1,29 @@
 """Worker side of the parameter-server strategies (between-graph replication).
 
-Each worker holds a full replica. A step: (ps-async with a staleness bound:
-wait for admission and pull) forward and backward on this worker's shard of
-the global batch, push the gradient of every parameter shard to its server
-concurrently (``rpc_async``), and load the parameters each server answers
-with. The optimizer lives on the servers; the worker's own optimizer only
-carries the learning rate set by the schedule (rank 0's rules the servers).
+Each worker holds a full replica. ``optimizer.step()`` (the wrapped optimizer of
+:meth:`Strategy.setup`, in the user's own loop or in the trainer) pushes the
+gradient of every parameter shard to its server concurrently (``rpc_async``),
+with the learning rate of the optimizer's param group and, for ps-sync, the
+clipping threshold given to :meth:`clip_grad_norm_`; then it loads the
+parameters each server answers with. The optimizer's state lives on the servers;
+the worker's optimizer carries only the learning rate (rank 0's rules the
+servers). ps-async with a staleness bound asks for admission to each step and
+pulls before its first forward (:meth:`begin_step`).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from ..strategies.base import IndependentReplicasMixin, StepResult, Strategy
+from ..errors import UsageError
+from ..strategies.base import Strategy, _StepRecord, require_optimizer
+from ..strategies.wrapping import base_state_dict
 from . import rpc_api
 from .layout import PSLayout
 from .sharding import shard_by_bytes
@@ -43,44 +48,93 @@ def staleness_summary(hist: dict[int, int]) -> dict[str, float]:
             "staleness_p99": q(0.99), "staleness_max": float(keys[-1])}
 
 
-class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
+class ParameterServerStrategy(Strategy):
     """Options: ``layout`` (PSLayout), ``worker_group`` (c10d group of the workers),
     ``backup_workers``, ``max_staleness`` (-1 = unbounded), ``staleness_lr``."""
 
     mode = "sync"
+    cost_model = "ps"
+    merged_before_step = False  # the servers merge the pushed gradients in optimizer.step()
+    dist_keys = ("num_ps",)
+    launch_env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # TensorPipe warns per closed connection at the local RPC shutdown
 
+    # ---- the job -----------------------------------------------------------------------------
+    @classmethod
+    def processes_per_node(cls, dist_cfg) -> int:
+        return dist_cfg.nproc + dist_cfg.num_ps
+
+    @classmethod
+    def options(cls, cfg) -> dict[str, Any]:
+        d = cfg.dist
+        return {"num_ps": d.num_ps, "backup_workers": d.backup_workers, "max_staleness": d.max_staleness,
+                "staleness_lr": d.staleness_lr}
+
+    @classmethod
+    def init_process(cls, settings):
+        from .runtime import join
+
+        return join(settings, cls.mode)
+
+    @classmethod
+    def supervised(cls, dist_cfg, rank: int) -> bool:
+        """Workers other than 0 run in a child process where losing a worker is tolerated."""
+        layout = PSLayout(dist_cfg.nproc, dist_cfg.num_ps, dist_cfg.nnodes)
+        role, index = layout.role(rank)
+        tolerant = cls.mode == "async" or dist_cfg.backup_workers > 0
+        return role == "worker" and index != 0 and tolerant
+
+    # ---- construction ------------------------------------------------------------------------
     def __init__(self, env, **options: Any) -> None:
         super().__init__(env, **options)
         if "layout" not in options:
-            from ..errors import UsageError
-
             raise UsageError(f"strategy {self.name!r} runs under paratrain train/launch with --num-ps; "
                              f"it needs parameter-server processes")
         self.layout: PSLayout = options["layout"]
         self.worker_group = options.get("worker_group")
         self.gated = self.mode == "async" and options.get("max_staleness", -1) >= 0
         self.wait_s = 0.0
+        self._server_clip = 0.0
 
-    # ---- setup ---------------------------------------------------------------
-    def _wrap(self, module: nn.Module) -> nn.Module:
+    @property
+    def lockstep(self) -> bool:
+        """ps-sync without backup workers: every worker takes every step. Otherwise workers run at
+        their own pace (async) or a straggler stops early (backup workers)."""
+        return self.mode == "sync" and not self.options.get("backup_workers")
+
+    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
         return module
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        super().setup(model, optimizer)
+    def _groups(self) -> list:
+        return [self.worker_group] if self._group_ok() else []
+
+    def stats_group(self):
+        if not self.lockstep:
+            raise UsageError(f"sync_batchnorm needs workers that step together; {self.name}"
+                             f"{' with backup workers' if self.mode == 'sync' else ''} does not: use ps-sync "
+                             f"without backup workers, or turn model.sync_batchnorm off")
+        return self.worker_group if self.env.world_size > 1 else None
+
+    def _after_setup(self) -> None:
+        require_optimizer(self)
+        if len(self.optimizer.param_groups) != 1:
+            raise UsageError(f"strategy {self.name!r} supports an optimizer with one parameter group "
+                             f"(got {len(self.optimizer.param_groups)}): the servers run one update rule")
         self.params = list(self.module.parameters())
         self.shards = shard_by_bytes([p.numel() * p.element_size() for p in self.params], self.layout.num_servers)
         self.servers = [self.layout.name("server", k) for k in range(self.layout.num_servers)]
         self.versions = [0] * len(self.servers)
         if self.env.rank == 0:
-            defaults = dict(optimizer.defaults)
+            defaults = dict(self.optimizer.defaults)
+            opt_cls = type(self.optimizer).__mro__[2]  # the user's optimizer class (behind the distributed one)
             futs = [rpc.rpc_async(srv, rpc_api.init_shard,
-                                  args=(k, [self.params[i].detach().cpu() for i in self.shards[k]], type(optimizer), defaults))
+                                  args=(k, [self.params[i].detach().cpu() for i in self.shards[k]], opt_cls, defaults))
                     for k, srv in enumerate(self.servers)]
             torch.futures.wait_all(futs)
         self._pull()
         self.barrier()  # start together: otherwise a fast-starting worker runs ahead of the others
-        return self.model, optimizer
+        self._admitted = False  # bounded staleness: admitted to the current step
 
+    # ---- parameters to and from the servers ------------------------------------------------------
     def _load(self, answers: list[tuple[int, list[torch.Tensor]]]) -> None:
         for a in answers:  # a server that failed the step answers with the error
             if isinstance(a, BaseException):
@@ -91,56 +145,82 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
                 for i, t in zip(self.shards[k], tensors):
                     self.params[i].copy_(t)
 
-    def _pull(self) -> None:
+    def _pull(self, busy: bool = False) -> None:
+        """Load the servers' current parameters. ``busy``: no push follows soon (evaluation, checkpoint)."""
         t0 = time.perf_counter()
-        futs = [rpc.rpc_async(srv, rpc_api.pull, args=(k,)) for k, srv in enumerate(self.servers)]
+        futs = [rpc.rpc_async(srv, rpc_api.pull, args=(k, self.env.rank, busy)) for k, srv in enumerate(self.servers)]
         self._load(torch.futures.wait_all(futs))
         self.wait_s += time.perf_counter() - t0
 
-    # ---- the step --------------------------------------------------------------
-    def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-                   clip: float = 0.0) -> StepResult:
-        """Compute this worker's gradient, push it to every server, load the answers.
-
-        Called by every worker independently (no collective among workers).
-        """
-        c, spans = self.clock, []
-        if self.gated:  # bounded staleness: wait for admission (other workers), then pull
-            t0 = c.mark()
-            rpc.rpc_sync(self.servers[0], rpc_api.gate_request, args=(self.env.rank,))
-            t1 = c.mark()
-            self._pull()
-            spans += [("idle", t0, t1), ("comm", t1, c.mark())]
-        total = None
-        for mb in micro_batches:
-            t0 = c.mark()
-            loss = loss_fn(self.model, mb)
-            t1 = c.mark()
-            loss.backward()
-            spans += [("forward", t0, t1), ("backward", t1, c.mark())]
-            total = loss.detach() if total is None else total + loss.detach()
-        t0, server_clip = c.mark(), clip
-        if self.mode == "async" and clip > 0:  # the worker has the whole gradient of its update
-            norm = nn.utils.clip_grad_norm_(self.params, clip, foreach=True)
-            server_clip = 0.0
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None], foreach=True)
-        spans.append(("optimizer", t0, c.mark()))
-        finite = bool(torch.isfinite(norm))
-        if not finite and self.mode == "async":  # drop this gradient: nothing is pushed
-            for p in self.params:
-                p.grad = None
-            m1 = c.mark()
-            self._pull()
-            spans.append(("comm", m1, c.mark()))
-            return StepResult(total, norm, spans, None, skipped=True)
-        t1 = time.perf_counter()
+    # ---- the step ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Bounded staleness: wait until the servers admit this worker's next step (other workers'
+        steps in flight), then pull the parameters it will compute on. Once per step."""
+        if not self.gated or self._admitted:
+            return
+        c = self.clock
+        m0 = c.mark()
+        rpc.rpc_sync(self.servers[0], rpc_api.gate_request, args=(self.env.rank,))
         m1 = c.mark()
-        # ps-sync needs every worker's push for the version to complete: a non-finite gradient goes as zeros
-        grads = [(p.grad if p.grad is not None and finite else torch.zeros_like(p)).detach().cpu() for p in self.params]
-        lr = self.optimizer.param_groups[0]["lr"]
+        self._pull()
+        self.record.spans += [("idle", m0, m1), ("comm", m1, c.mark())]
+        self._admitted = True
+
+    def clip_grad_norm_(self, max_norm: float, parameters: Iterable[torch.Tensor] | None = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """ps-async: clip this worker's gradient now (it is the whole gradient of its update).
+        ps-sync: the servers clip the *merged* gradient to ``max_norm`` in the next ``step()``
+        (global norm over every shard); returns this worker's local norm."""
+        if parameters is not None and {id(p) for p in self._params(parameters)} != \
+                {id(p) for p in self.module.parameters() if p.grad is not None}:
+            raise UsageError(f"{self.name} clips the whole model's gradient; pass model.parameters()")
+        if norm_type != 2.0:
+            raise UsageError(f"{self.name} clips by the L2 norm; drop norm_type={norm_type}")
+        if self.mode == "async":
+            return super().clip_grad_norm_(max_norm)
+        self._server_clip = max_norm
+        self.record.norm = self._total_norm()
+        return self.record.norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, base_step: Callable, closure=None):
+        """Push this worker's gradient to every server (ps-sync: they wait for all W, or W - b,
+        average, clip, update), load the parameters they answer with. With ``skip_nonfinite`` a
+        NaN/Inf gradient is not used: ps-async drops it, ps-sync pushes zeros (a step needs
+        every worker's push). Called by every worker independently (no collective among workers)."""
+        c = self.clock
+        rec, self.record = self.record, _StepRecord()
+        out = None
+        if closure is not None:
+            with torch.enable_grad():
+                out = closure()
+        t0 = c.mark()
+        finite = True
+        if self.skip_nonfinite:
+            rec.norm = rec.norm if rec.norm is not None else self._total_norm()
+            finite = bool(torch.isfinite(rec.norm))
+        rec.spans.append(("optimizer", t0, c.mark()))
+        rec.skipped = not finite
+        server_clip, self._server_clip = self._server_clip, 0.0
+        m1 = c.mark()
+        if finite or self.mode == "sync":
+            self._push([(p.grad if p.grad is not None and finite else torch.zeros_like(p)).detach().cpu()
+                        for p in self.params], optimizer.param_groups[0]["lr"], server_clip)
+        for p in self.params:
+            p.grad = None
+        m2 = c.mark()
+        rec.spans.append(("comm", m1, m2))  # push + (servers' update) + answer: ps-sync waits for the slowest
+        if self.mode == "sync":
+            rec.collective = (m1, m2)
+        if not finite and not self.gated:  # async, dropped: continue from the servers' current parameters
+            self._pull()
+        self._admitted = False  # the next step asks for admission again (begin_step)
+        self.last_step = rec
+        return out
+
+    def _push(self, grads: list[torch.Tensor], lr: float, clip: float) -> None:
+        t1 = time.perf_counter()
         futs = [rpc.rpc_async(srv, rpc_api.push,
-                              args=(k, self.env.rank, self.versions[k], [grads[i] for i in self.shards[k]], lr, server_clip))
+                              args=(k, self.env.rank, self.versions[k], [grads[i] for i in self.shards[k]], lr, clip))
                 for k, srv in enumerate(self.servers)]
         answers = [f.wait() for f in futs]
         if not self.gated:
@@ -149,40 +229,27 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
             errors = [a for a in answers if isinstance(a, BaseException)]
             if errors:
                 raise RuntimeError(f"[rank {self.env.rank}] {errors[0]}")
-        for p in self.params:
-            p.grad = None
         self.wait_s += time.perf_counter() - t1
-        m2 = c.mark()
-        # push + (servers' update) + answer: ps-sync waits here for the slowest worker
-        spans.append(("comm", m1, m2))
-        return StepResult(total, norm, spans, (m1, m2) if self.mode == "sync" else None, skipped=not finite)
 
-    def peer_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """ps-sync without backup workers: the workers move in lock-step, max over the worker
-        group. Otherwise workers are at different steps: no per-step comparison (identity)."""
-        if self.mode == "sync" and not self.options.get("backup_workers") and self.worker_group is not None \
-                and self.env.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.worker_group)
-        return tensor
-
-    # ---- state -------------------------------------------------------------------
+    # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        self._pull()
+        self._pull(busy=True)
         return self.module.state_dict()
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
         """Every worker calls it; rank 0 sends the parameters to the servers, then all pull."""
-        self.module.load_state_dict(state)
+        out = self.module.load_state_dict(state, strict=strict)
         if self.env.rank == 0:
             futs = [rpc.rpc_async(srv, rpc_api.set_params, args=(k, [self.params[i].detach().cpu() for i in self.shards[k]]))
                     for k, srv in enumerate(self.servers)]
             torch.futures.wait_all(futs)
         self.barrier()
         self._pull()
+        return out
 
     def optimizer_state_dict(self) -> dict:
-        """The servers' optimizer states as one state_dict of the whole model (rank 0)."""
-        full = self.optimizer.state_dict()
+        """The servers' optimizer states as one state_dict of the whole model."""
+        full = base_state_dict(self.optimizer)
         full["state"] = {}
         for k, srv in enumerate(self.servers):
             part = rpc.rpc_sync(srv, rpc_api.optimizer_state, args=(k,))
@@ -200,16 +267,38 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
                     "param_groups": [dict(group, params=list(range(len(self.shards[k]))))]}
             rpc.rpc_sync(srv, rpc_api.load_optimizer_state, args=(k, part))
 
-    # ---- reductions and metrics -------------------------------------------------------
+    # ---- collectives among the workers (the worker group) --------------------------------------------
+    def _group_ok(self) -> bool:
+        return self.worker_group is not None and self.env.world_size > 1
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor  # replicas do not talk to each other: rank-local
+        if self._group_ok():
+            ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+            dist.all_reduce(tensor, op=ops[op], group=self.worker_group)
+        return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self._group_ok():
+            dist.broadcast(tensor, self.layout.global_rank("worker", src), group=self.worker_group)
         return tensor
 
     def barrier(self) -> None:
-        if self.worker_group is not None and self.env.world_size > 1:
+        if self._group_ok():
             dist.barrier(group=self.worker_group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self._group_ok():
+            return [obj]
+        out: list = [None] * self.env.world_size
+        dist.all_gather_object(out, obj, group=self.worker_group)
+        return out
+
+    # ---- what differs from all-reduce ------------------------------------------------------------------
+    def evaluation_share(self) -> tuple[int, int] | None:
+        """Workers that step together share evaluation; otherwise rank 0 evaluates the whole split."""
+        if self.lockstep:
+            return super().evaluation_share()
+        return (0, 1) if self.env.rank == 0 else None
 
     def server_stats(self) -> list[dict]:
         """Every server's counters and staleness histogram (one RPC each, issued concurrently)."""
@@ -236,17 +325,24 @@ class ParameterServerStrategy(IndependentReplicasMixin, Strategy):
         return max(self.versions) >= target or (self.mode == "sync" and local_steps >= total_steps)
 
     def before_eval(self) -> None:
-        """Evaluate the servers' current parameters (in ps-async the local copy may lag)."""
-        self._pull()
+        """Evaluate the servers' current parameters (in ps-async the local copy may lag); the servers
+        know this worker is busy, not dead, until its next push."""
+        self._pull(busy=True)
 
-    def words_trained(self, local_words: int, local_steps: int) -> int:
-        """Target tokens in gradients the servers applied (server 0's count)."""
+    def units_trained(self, local_units: int, local_steps: int) -> int:
+        """Units in gradients the servers applied (server 0's count)."""
         if local_steps == 0:
             return 0
-        per_push = local_words / local_steps / self.env.world_size
+        per_push = local_units / local_steps / self.env.world_size
         return int(self.server_stats()[0]["applied"] * per_push)
 
+    def describe(self) -> list[str]:
+        return [f"parameter server {k}: {len(s)} parameter tensors" for k, s in enumerate(self.shards)]
+
     def teardown(self) -> None:
-        """Tell every server this worker is done (they stop once all are done or dead)."""
-        for k, srv in enumerate(self.servers):
+        self.release()
+
+    def release(self) -> None:
+        """Tell every server this worker is done (they stop once all are done or dead). Waits for no worker."""
+        for k, srv in enumerate(getattr(self, "servers", [])):
             rpc.rpc_sync(srv, rpc_api.worker_done, args=(k, self.env.rank))

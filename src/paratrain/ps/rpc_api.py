@@ -27,8 +27,8 @@ def init_shard(k: int, params: list[torch.Tensor], opt_cls: type, opt_defaults: 
     _shard(k).init(params, opt_cls, opt_defaults)
 
 
-def pull(k: int) -> tuple[int, list[torch.Tensor]]:
-    return _shard(k).pull()
+def pull(k: int, worker: int = -1, busy: bool = False) -> tuple[int, list[torch.Tensor]]:
+    return _shard(k).pull(worker, busy)
 
 
 @rpc.functions.async_execution

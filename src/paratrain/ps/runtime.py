@@ -1,66 +1,83 @@
-"""Run one process of a parameter-server job: a server shard or a worker.
+"""Join a parameter-server job as one of its processes: a server shard or a worker.
 
-Every process of the job (workers and servers) calls :func:`run_process`: it
-joins the default process group if needed, creates the servers' group (for the
-global gradient norm) and the workers' group (for the restore barrier), starts
-the RPC agent (TensorPipe; ``init_method`` env:// under torchrun), then serves
-or trains. RPC is shut down without a final barrier, so a dead worker cannot
-keep the others waiting.
+Every process of the job (workers and servers; torchrun starts ``nproc + num_ps``
+per node, see :mod:`.layout`) calls :func:`join`: it joins the default process
+group if needed, creates the servers' group (for the global gradient norm) and
+the workers' group (collectives among workers: barriers, sync BatchNorm,
+logging), starts the RPC agent (TensorPipe; ``init_method`` env:// under
+torchrun), then a server serves until every worker is done or declared dead,
+while a worker returns its :class:`~paratrain.env.DistEnv` (rank = worker index,
+world_size = number of workers) to train. RPC is shut down without a final
+barrier, so a dead worker cannot keep the others waiting.
 """
 from __future__ import annotations
 
 import datetime
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..config import Config
-from ..env import DistEnv, default_threads, resolve_device_backend
+from ..env import DistEnv, ProcessSettings, default_threads, join_process_group, resolve_device_backend, startup_timeout
+from ..errors import UsageError
 from .layout import PSLayout
 
 
-def layout_of(cfg: Config) -> PSLayout:
-    return PSLayout(cfg.dist.nproc, cfg.dist.num_ps, cfg.dist.nnodes)
+def layout_of(settings: ProcessSettings) -> PSLayout:
+    """Workers and servers per node from the job's size: ``local_world_size - num_ps`` workers."""
+    num_ps = int(settings.options.get("num_ps", 1))
+    world, local_world = settings.resolved("world_size"), settings.resolved("local_world_size")
+    nproc = local_world - num_ps
+    if nproc < 1 or world % local_world:
+        raise UsageError(f"a parameter-server job of {local_world} process(es) per node has no room for "
+                         f"{num_ps} server(s) and a worker; start nproc + num_ps processes per node")
+    return PSLayout(nproc, num_ps, world // local_world)
 
 
-def run_process(cfg: Config, run_dir: Path, global_rank: int, *, resume: bool = False,
-                data_dir: str | None = None, rpc_init_method: str = "env://", verbose: bool = True,
-                run=None) -> dict | None:
-    """Serve (server role) or train (worker role) as ``global_rank`` of the PS job.
-
-    Every process of the job must call it. Returns the training summary on
-    workers, the shard's stats on servers. ``run(trainer) -> dict`` replaces
-    ``trainer.fit()`` on workers (``paratrain verify`` drives the steps itself).
-    """
-    layout = layout_of(cfg)
-    role, index = layout.role(global_rank)
-    timeout = datetime.timedelta(seconds=cfg.train.timeout_s)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timeout)
-    server_group = dist.new_group(layout.server_ranks(), timeout=timeout)
-    worker_group = dist.new_group(layout.worker_ranks(), timeout=timeout)
-    torch.set_num_threads(cfg.dist.threads or default_threads(layout.per_node))
+def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
+    """Join the job: ``(DistEnv, strategy options)`` on a worker; ``(None, {"server_stats": ...})``
+    on a server after it served. Every process of the job must call it."""
+    layout = layout_of(settings)
+    rank = settings.resolved("rank")
+    role, index = layout.role(rank)
+    join_process_group("gloo", rank, layout.world_size, settings)
+    server_group, worker_group = (_group(ranks, settings) for ranks in (layout.server_ranks(), layout.worker_ranks()))
+    torch.set_num_threads(settings.threads or default_threads(layout.per_node))
+    # a step's RPC ends by the servers' own timeout_s (they fail a step that waits too long); the RPC
+    # timeout only bounds what has no such answer, start-up included
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=max(16, 4 * layout.num_workers),
-                                           rpc_timeout=cfg.train.timeout_s + 30, init_method=rpc_init_method)
-    rpc.init_rpc(layout.name(role, index), rank=global_rank, world_size=layout.world_size, rpc_backend_options=opts)
-    try:
-        if role == "server":
-            return _serve(cfg, layout, index, server_group)
-        return _train(cfg, layout, index, run_dir, resume, data_dir, worker_group, verbose, run)
-    finally:
-        _shutdown_rpc()
+                                           rpc_timeout=max(settings.timeout_s + 30, startup_timeout(settings)),
+                                           init_method=settings.rpc_init_method)
+    rpc.init_rpc(layout.name(role, index), rank=rank, world_size=layout.world_size, rpc_backend_options=opts)
+    if role == "server":
+        try:
+            return None, {"server_stats": _serve(settings, layout, index, mode, server_group)}
+        finally:
+            shutdown_rpc()
+    local_rank = index % layout.nproc
+    device, _ = resolve_device_backend(settings.device, "gloo", local_rank, layout.nproc)
+    env = DistEnv(index, local_rank, layout.num_workers, layout.nproc, "rpc", device)
+    options = {k: v for k, v in settings.options.items() if k in ("backup_workers", "max_staleness", "staleness_lr")}
+    return env, {**options, "layout": layout, "worker_group": worker_group}
 
 
-def _shutdown_rpc() -> None:
+def _group(ranks: list[int], settings: ProcessSettings):
+    """A subgroup with the start-up timeout (the strategy arms ``timeout_s`` after set-up).
+    Collective over the whole job (every process creates every group)."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=startup_timeout(settings)))
+
+
+def shutdown_rpc() -> None:
     """Local shutdown: a graceful one is a barrier over every RPC process and would
-    wait forever for a dead or hung peer. By now every worker has told every server
-    it is done (or is dead), so nothing is outstanding."""
-    rpc.shutdown(graceful=False)
+    wait forever for a dead or hung peer. By then every worker has told every server
+    it is done (or is dead), so nothing is outstanding. Safe when RPC never started."""
+    try:
+        rpc.shutdown(graceful=False)
+    except (RuntimeError, AssertionError):
+        pass
 
 
-def _serve(cfg: Config, layout: PSLayout, index: int, server_group) -> dict:
+def _serve(settings: ProcessSettings, layout: PSLayout, index: int, mode: str, server_group) -> dict:
     from .rpc_api import serve
     from .server import ShardServer, StalenessGate
 
@@ -69,29 +86,10 @@ def _serve(cfg: Config, layout: PSLayout, index: int, server_group) -> dict:
             dist.all_reduce(t, group=server_group)
         return t
 
-    d = cfg.dist
-    mode = "sync" if d.strategy == "ps-sync" else "async"
-    shard = ShardServer(index, layout.num_workers, mode, backup_workers=d.backup_workers,
-                        staleness_lr=d.staleness_lr, timeout_s=cfg.train.timeout_s, norm_allreduce=norm_allreduce)
-    gate = StalenessGate(d.max_staleness) if (index == 0 and mode == "async" and d.max_staleness >= 0) else None
+    o = settings.options
+    shard = ShardServer(index, layout.num_workers, mode, backup_workers=int(o.get("backup_workers", 0)),
+                        staleness_lr=bool(o.get("staleness_lr", False)), timeout_s=settings.timeout_s,
+                        norm_allreduce=norm_allreduce)
+    s = int(o.get("max_staleness", -1))
+    gate = StalenessGate(s) if (index == 0 and mode == "async" and s >= 0) else None
     return serve(shard, gate)
-
-
-def _train(cfg: Config, layout: PSLayout, index: int, run_dir: Path, resume: bool, data_dir: str | None,
-           worker_group, verbose: bool, run=None) -> dict:
-    from ..train import Trainer
-    from ..train.checkpoint import latest, should_resume
-
-    local_rank = index % layout.nproc
-    device, _ = resolve_device_backend(cfg.dist.device, "gloo", local_rank, layout.nproc)
-    env = DistEnv(index, local_rank, layout.num_workers, layout.nproc, "rpc", device)
-    trainer = Trainer(cfg, env, run_dir, data_dir, verbose=verbose,
-                      strategy_options={"layout": layout, "worker_group": worker_group,
-                                        "max_staleness": cfg.dist.max_staleness,
-                                        "backup_workers": cfg.dist.backup_workers})
-    try:
-        if should_resume(Path(run_dir), resume):
-            trainer.restore(latest(Path(run_dir)))
-        return run(trainer) if run is not None else trainer.fit()
-    finally:
-        trainer.close()

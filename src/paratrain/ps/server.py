@@ -45,6 +45,7 @@ class ShardServer:
         self.done: set[int] = set()
         self.dead: set[int] = set()
         self.last_seen: dict[int, float] = {}
+        self.busy: set[int] = set()  # workers evaluating or checkpointing: no push expected for a while
         self.staleness: list[int] = []
         self.received = self.applied = self.dropped = 0
 
@@ -58,12 +59,17 @@ class ShardServer:
             self.last_seen = {w: now for w in range(self.W)}
         self.ready.set()
 
-    def pull(self) -> tuple[int, list[torch.Tensor]]:
-        """(version, copies of the parameters); waits for init (rank 0 may still be loading data)."""
+    def pull(self, worker: int = -1, busy: bool = False) -> tuple[int, list[torch.Tensor]]:
+        """(version, copies of the parameters); waits for init (rank 0 may still be loading data).
+        ``busy``: ``worker`` goes on to evaluate or checkpoint, so it will not push for a while
+        (it is declared dead only after ``10 x timeout_s`` of silence; its next push ends that)."""
         wait_s = max(self.timeout_s, 300.0)
         if not self.ready.wait(wait_s):
             raise RuntimeError(f"parameter server {self.shard_id} got no parameters from worker 0 within {wait_s:g} s")
         with self.lock:
+            if busy and worker >= 0:
+                self.last_seen[worker] = time.monotonic()
+                self.busy.add(worker)
             return self.version, [p.detach().clone() for p in self.params]
 
     def set_params(self, params: list[torch.Tensor]) -> None:
@@ -113,11 +119,13 @@ class ShardServer:
             self._maybe_apply_sync()
 
     def check_liveness(self, now: float) -> tuple[list[int], list[tuple[Future, BaseException]]]:
-        """Declare workers silent for timeout_s dead (tolerant modes); fail sync steps past timeout_s."""
+        """Declare workers silent for timeout_s (10 x timeout_s while busy) dead (tolerant modes); fail
+        sync steps past timeout_s."""
         newly_dead, failures = [], []
         with self.lock:
             for w in list(self.alive()):
-                if now - self.last_seen.get(w, now) > self.timeout_s and w not in self.pending:
+                limit = self.timeout_s * (10 if w in self.busy else 1)
+                if now - self.last_seen.get(w, now) > limit and w not in self.pending:
                     if self.mode == "async" or self.backup > 0:
                         self.dead.add(w)
                         newly_dead.append(w)
@@ -137,6 +145,7 @@ class ShardServer:
         fut: Future = Future()
         with self.lock:
             self.last_seen[worker] = time.monotonic()
+            self.busy.discard(worker)
             self.received += 1
             if lr is not None and worker == 0:  # rank 0 owns the learning-rate schedule
                 self.lr = lr

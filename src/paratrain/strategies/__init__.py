@@ -1,6 +1,11 @@
-"""Strategy registry: name -> class. A new strategy is one file plus one line here."""
+"""Strategy registry: name -> class. A new strategy is one file plus one line here.
+
+Config validation, the command line, ``paratrain launch``, ``verify`` and
+``bench`` learn the names, the processes a strategy needs and the config keys it
+owns from these classes (see :class:`~paratrain.strategies.base.Strategy`).
+"""
 from .allreduce import AllReduce
-from .base import IndependentReplicasMixin, NoSyncMixin, StepResult, Strategy
+from .base import NoSyncMixin, StepResult, Strategy
 from .ps_async import PSAsync
 from .ps_sync import PSSync
 from .replicate import Replicate
@@ -14,6 +19,21 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ps-async": PSAsync,
 }
 
+REFERENCE = "single"
+"""The strategy every synchronous one is compared with (``verify``, ``bench`` baselines)."""
+DEFAULT = "allreduce"
+"""What several processes use when nothing names a strategy."""
+
+
+def default_for(world_size: int) -> str:
+    """The strategy when none is named: :data:`DEFAULT` for several processes, :data:`REFERENCE` for one."""
+    return DEFAULT if world_size > 1 else REFERENCE
+
+
+def modelled(cost_model: str) -> list[str]:
+    """Strategies whose step the cost model's ``cost_model`` algorithm describes (``ring``, ``ps``)."""
+    return [n for n, cls in STRATEGIES.items() if cls.cost_model == cost_model]
+
 
 def get_strategy(name: str, env, **options) -> Strategy:
     """Instantiate the strategy registered as ``name``; KeyError lists the known names."""
@@ -24,5 +44,9 @@ def get_strategy(name: str, env, **options) -> Strategy:
     return cls(env, **options)
 
 
-__all__ = ["STRATEGIES", "get_strategy", "Strategy", "StepResult", "NoSyncMixin", "IndependentReplicasMixin",
-           "PSSync", "PSAsync", "Replicate", "AllReduce", "SingleDevice"]
+def owners(key: str) -> list[str]:
+    """Strategies that read the strategy-specific ``dist.<key>``."""
+    return [n for n, cls in STRATEGIES.items() if key in cls.dist_keys]
+
+
+__all__ = ["STRATEGIES", "REFERENCE", "DEFAULT", "default_for", "modelled", "get_strategy", "owners", "Strategy", "StepResult", "NoSyncMixin"]

@@ -7,8 +7,7 @@ Parallel Training"). gloo on CPU, NCCL on GPU (chosen by :mod:`paratrain.env`).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -26,18 +25,40 @@ class AllReduce(NoSyncMixin, Strategy):
     """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25)."""
 
     name = "allreduce"
+    dist_keys = ("bucket_mb",)
+    cost_model = "ring"  # bucketed ring all-reduce overlapped with backward
 
-    def _wrap(self, module: nn.Module) -> nn.Module:
+    @classmethod
+    def options(cls, cfg) -> dict[str, Any]:
+        return {"bucket_mb": cfg.dist.bucket_mb}
+
+    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
         if not dist.is_initialized():
             if self.env.world_size > 1:
                 raise UsageError("strategy 'allreduce' needs a process group; start it with paratrain launch/train --nproc N")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
         ids = [self.device] if self.device.type == "cuda" else None
+        # replicas of sync BatchNorm layers already agree on their buffers: no broadcast every forward
         ddp = DDP(module, device_ids=ids, bucket_cap_mb=self.options.get("bucket_mb", 25.0),
-                  gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, self._timed_allreduce)
+                  gradient_as_bucket_view=True, broadcast_buffers=not self._bn_group_made)
+        if self.timing:
+            ddp.register_comm_hook(None, self._timed_allreduce)
         return ddp
+
+    _bn_group_made = False
+
+    def stats_group(self):
+        """A group of its own for BatchNorm statistics, so that they never interleave with DDP's
+        bucket all-reduces on the default group (every rank calls setup, so creating it is safe)."""
+        if self.env.world_size < 2:
+            return None
+        self._bn_group_made = True
+        self._bn_group = dist.new_group(list(range(self.env.world_size)))
+        return self._bn_group
+
+    def _groups(self) -> list:
+        return [self._bn_group] if self._bn_group_made else []
 
     def _timed_allreduce(self, state, bucket):  # no annotations: DDP checks them, and this module has string annotations
         """DDP's default all-reduce-mean hook (``dist.GradBucket`` -> future of the averaged
@@ -47,7 +68,8 @@ class AllReduce(NoSyncMixin, Strategy):
         return default_hooks.allreduce_hook(state, bucket)
 
     def no_sync(self) -> ContextManager:
-        return self.model.no_sync() if self.model is not None else nullcontext()
+        """DDP's ``no_sync()``: backward accumulates locally, the next backward outside it communicates."""
+        return self.engine.no_sync()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.env.world_size > 1:
@@ -63,12 +85,21 @@ class AllReduce(NoSyncMixin, Strategy):
         if self.env.world_size > 1:
             dist.barrier()
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.env.world_size < 2:
+            return [obj]
+        out: list = [None] * self.env.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def teardown(self) -> None:
         """Wait for every rank, then drop the DDP reducer before the group goes away
         (a reducer outliving its gloo group can abort the process at exit)."""
         if self.env.world_size > 1 and dist.is_initialized():
             dist.barrier()
-        self.model = None
+        self.engine = None
+        if self.model is not None:
+            object.__setattr__(self.model, "_engine", self.module)
         import gc
 
         gc.collect()

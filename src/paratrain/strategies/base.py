@@ -1,47 +1,82 @@
 """The Strategy interface: how replicas are set up and how their gradients meet.
 
-The training loop calls only these methods and never asks which strategy it
-has. A strategy is constructed with the process' :class:`~paratrain.env.DistEnv`,
-then ``setup(model, optimizer)`` once, ``train_step`` every optimizer step,
-``teardown`` at the end.
+A strategy is the one place where data parallelism happens. Both doors use the
+same objects:
 
-Gradient contract: strategies *average* the replicas' gradients (all-reduce
-mean, like DistributedDataParallel). A loss normalised by a global count must
-therefore be divided by ``count / num_replicas`` on each replica, so that the
-average of the replicas' gradients is the gradient of the global mean.
+* the minimal-change API (:mod:`paratrain.api`): ``model, optimizer =
+  strategy.setup(model, optimizer)``; the user's own loop calls ``model(...)``,
+  ``loss.backward()``, ``torch.nn.utils.clip_grad_norm_`` (or
+  :meth:`Strategy.clip_grad_norm_`) and ``optimizer.step()``, and the step
+  merges gradients the strategy's way;
+* the Task trainer (:mod:`paratrain.train`), which calls :meth:`Strategy.train_step`
+  once per optimizer step: the micro-batch loop written once, on top of the same
+  wrapped model and optimizer.
 
-Optional abilities are mixins checked with ``isinstance``:
-:class:`NoSyncMixin` (skip gradient communication on accumulation micro-steps).
+Gradient contract: the merge *averages* the gradients of ``num_replicas``
+replicas (all-reduce mean, like DistributedDataParallel, or the parameter
+server's mean). Towers (:mod:`~paratrain.strategies.replicate`) sit inside one
+replica: the wrapped model splits the batch over devices and autograd sums their
+gradients, as ``nn.DataParallel`` does. A loss normalised by a count over the
+*global* batch must therefore be divided by ``count / num_replicas`` on each
+replica, so that the merged gradient is the gradient of the global mean.
+
+What differs between strategies is a method or a class attribute here, never a
+switch in the loop: who evaluates (:meth:`evaluation_share`), when training
+stops (:meth:`finished`), how work is counted (:meth:`units_trained`), whether
+the ranks' loops move together so that the loop may use collectives
+(:attr:`lockstep`), whether replicas hold identical parameters
+(:attr:`synchronous`). Class methods describe the job a strategy needs
+(processes per node, towers, config keys, how to ask for N replicas) so that the
+config, the launcher, ``verify`` and ``bench`` learn everything from the
+registry in :mod:`paratrain.strategies`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ..bench.timing import StepClock
 from ..env import DistEnv
+from ..errors import UsageError
+from .wrapping import ReplicaModule, base_load_state_dict, base_state_dict, distribute_optimizer
 
 
 @dataclass
 class StepResult:
-    """loss: sum of the micro-batch losses on this replica (detached, 0-dim).
-    grad_norm: global L2 norm of the merged gradient before clipping (0-dim), or
-    None when clipping is off. spans: labelled (label, start, end) marks of
-    ``self.clock`` (labels in :data:`paratrain.bench.timing.CATEGORIES`).
-    collective: (start, end) marks of the gradient merge that waits for the other
-    replicas, or None (no such wait); the loop uses it to split idle time off.
-    skipped: the merged gradient was not finite, so the optimizer did not step."""
+    """What :meth:`Strategy.train_step` returns for one optimizer step of this rank.
+
+    loss: sum of the values ``loss_fn`` returned for this rank's micro-batches
+        (detached, 0-dim, the loss's dtype and device).
+    grad_norm: L2 norm of the merged gradient before clipping (0-dim), or None when
+        the step computed none (no clipping and no non-finite guard). Parameter
+        server: the norm of this worker's own gradient (the merge happens on the servers).
+    spans: labelled ``(label, start, end)`` marks of :attr:`Strategy.clock`
+        (labels in :data:`paratrain.bench.timing.CATEGORIES`).
+    collective: ``(start, end)`` marks of the gradient merge that waits for the
+        other replicas, or None; the loop uses it to split idle time off.
+    skipped: the merged gradient was not finite (NaN/Inf): no parameter changed.
+    """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor | None
     spans: list = field(default_factory=list)
     collective: tuple | None = None
-    skipped: bool = False  # the merged gradient was not finite (NaN/Inf): no update was made
+    skipped: bool = False
+
+
+@dataclass
+class _StepRecord:
+    """What the strategy saw during one optimizer step (reset by every ``optimizer.step()``)."""
+
+    norm: torch.Tensor | None = None  # from clip_grad_norm_ or the non-finite guard
+    spans: list = field(default_factory=list)
+    collective: tuple | None = None
+    skipped: bool = False
 
 
 class NoSyncMixin:
@@ -51,85 +86,194 @@ class NoSyncMixin:
         raise NotImplementedError
 
 
-class IndependentReplicasMixin:
-    """Ability marker: replicas never talk to each other (parameter server).
+class Strategy(ABC):
+    """Base class. Subclasses set ``name``, implement ``_wrap`` and the collectives.
 
-    ``all_reduce`` is rank-local, evaluation runs on rank 0 over the whole
-    split, and checkpoints carry no BPTT hidden state (it cannot be gathered).
+    Options (keyword arguments, all optional): ``timing`` (mark step spans on
+    :attr:`clock`; the trainer turns it on), ``skip_nonfinite`` (``optimizer.step()``
+    drops a NaN/Inf merged gradient instead of applying it), ``placed`` (the
+    model was placed by a placement plan: do not move it), plus each strategy's own.
     """
 
-
-class Strategy(ABC):
-    """Base class. Subclasses set ``name`` and implement ``_wrap`` plus collectives."""
-
     name: str = ""
-    in_process: bool = False  # True: runs in the paratrain process itself (no launcher)
+    in_process: bool = False  # True: runs in the process that calls paratrain train (no launcher)
+    synchronous: bool = True  # replicas hold identical parameters after every step
+    merged_before_step: bool = True  # .grad holds the merged gradient after backward (not so for a parameter server)
+    dist_keys: tuple[str, ...] = ()  # dist.* config keys that only this strategy (and others naming them) reads
+    launch_env: dict[str, str] = {}  # environment variables the launcher sets for this strategy's jobs
+    cost_model: str | None = None  # the algorithm of paratrain.bench.costmodel that describes its step
 
+    # ---- the job a strategy needs (config, launcher, verify, bench) ----------------------------------
+    @classmethod
+    def check_dist(cls, dist) -> None:
+        """Raise UsageError (naming the key and the fix) for a ``[dist]`` config this strategy cannot run."""
+
+    @classmethod
+    def processes_per_node(cls, dist) -> int:
+        """Processes the launcher starts on every node (workers, plus servers for a parameter server)."""
+        return dist.nproc
+
+    @classmethod
+    def towers(cls, dist) -> int:
+        """Replicas inside one process (tower mode); 1 otherwise."""
+        return 1
+
+    @classmethod
+    def dist_for_replicas(cls, n: int) -> dict[str, Any]:
+        """``[dist]`` values that give ``n`` data-parallel replicas (``paratrain verify`` and ``bench``)."""
+        return {"nproc": n}
+
+    @classmethod
+    def options(cls, cfg) -> dict[str, Any]:
+        """Constructor options from a :class:`~paratrain.config.Config` (the trainer's door)."""
+        return {}
+
+    @classmethod
+    def init_process(cls, settings) -> tuple[DistEnv, dict] | None:
+        """Join the job as this process: ``(DistEnv of this rank, extra constructor options)``, or None
+        when this process has done its whole part and must exit (a parameter server's servers).
+
+        ``settings`` is a :class:`~paratrain.env.ProcessSettings`. Every process of the job calls it.
+        """
+        from ..env import init
+
+        return init(settings), {}
+
+    @classmethod
+    def supervised(cls, dist, rank: int) -> bool:
+        """True when ``paratrain train`` should run this rank's training in a child process, so that
+        the job survives the rank's death (parameter servers that tolerate dead workers)."""
+        return False
+
+    # ---- construction --------------------------------------------------------------------------------
     def __init__(self, env: DistEnv, **options: Any) -> None:
         self.env = env
         self.options = options
-        self.model: nn.Module | None = None  # the wrapped model (what forward is called on)
         self.module: nn.Module | None = None  # the plain model (state dicts, evaluation)
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.engine: nn.Module | None = None  # what training forward runs (DDP, towers, the module)
+        self.model: ReplicaModule | None = None  # the wrapped model users call
+        self.optimizer: torch.optim.Optimizer | None = None  # the user's optimizer, now distributed
+        self.timing = bool(options.get("timing", False))
+        self.skip_nonfinite = bool(options.get("skip_nonfinite", False))
         self._clock: StepClock | None = None
         self._grads_ready = None  # mark set by a communication hook when the last gradient bucket is ready
+        self.record = _StepRecord()  # what clip_grad_norm_ and step() see during the current step
+        self.last_step = _StepRecord()  # the record of the last finished optimizer.step()
 
     @property
     def clock(self) -> StepClock:
-        """The clock the step's spans are marked on (CUDA events on a GPU device)."""
+        """The clock step spans are marked on (CUDA events on a GPU device; a no-op without ``timing``)."""
         if self._clock is None:
-            self._clock = StepClock(self.device)
+            self._clock = StepClock(self.device, enabled=self.timing)
         return self._clock
 
     @property
     def num_replicas(self) -> int:
-        """How many replicas' gradients are averaged each step."""
+        """How many replicas' gradients the merge averages (towers do not count: they sum)."""
         return self.env.world_size
 
     @property
-    def towers(self) -> int:
-        """Replicas inside this process (tower mode); the loop hands over accumulation x towers micro-batches."""
+    def replicas(self) -> int:
+        """Data-parallel replicas in the whole job (ranks x towers): the global batch is split this many ways."""
+        return self.num_replicas * self.towers_per_process
+
+    @property
+    def towers_per_process(self) -> int:
         return 1
 
     @property
     def device(self) -> torch.device:
         return self.env.device
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Place the model, make replicas identical, wrap for communication.
+    @property
+    def lockstep(self) -> bool:
+        """True when every rank runs the same steps together, so a training loop may call the
+        collectives (:meth:`all_reduce`) at the same points on every rank."""
+        return True
 
-        Every rank must call it (collective). ``optimizer`` must already hold
-        ``model``'s parameters. Returns (wrapped model, optimizer).
+    # ---- setup ---------------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch_dim: int = 0,
+              sync_batchnorm: bool = False) -> tuple[ReplicaModule, torch.optim.Optimizer | None]:
+        """Place the model, make replicas identical, wrap it and the optimizer.
+
+        Every rank must call it (collective). ``optimizer`` (optional; the parameter
+        server needs one) must hold ``model``'s parameters; it is returned as the same
+        object, whose ``step()`` now merges gradients the strategy's way.
+        ``batch_dim``: the batch dimension of the model's tensor inputs and outputs
+        (towers split and join along it). ``sync_batchnorm``: BatchNorm layers compute
+        their batch statistics over every replica (:mod:`.sync_batchnorm`).
+        Returns (wrapped model, optimizer). Raises UsageError for a setup this strategy cannot run.
         """
+        if sync_batchnorm:
+            model = self._sync_batchnorm(model)
         # a model placed by a placement plan (model parallel) stays where the plan put it
         self.module = model if self.options.get("placed") else model.to(self.device)
-        self.optimizer = optimizer
-        self.model = self._wrap(self.module)
-        return self.model, optimizer
+        self.engine = self._wrap(self.module, batch_dim)
+        self.model = ReplicaModule(self.module, self.engine, self)
+        if optimizer is not None:
+            self.optimizer = distribute_optimizer(optimizer, self)
+        self._after_setup()
+        return self.model, self.optimizer
 
     @abstractmethod
-    def _wrap(self, module: nn.Module) -> nn.Module:
-        """Return the module forward should be called on."""
+    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
+        """The module training forward runs (DDP, towers, or ``module`` itself)."""
+
+    def _after_setup(self) -> None:
+        """Hook after wrapping (parameter server: send the parameters to the servers)."""
+
+    def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
+        """Replace BatchNorm layers by ones whose statistics span every replica (default: the
+        process group of this strategy's ranks)."""
+        from .sync_batchnorm import convert, group_reducer
+
+        return convert(model, group_reducer(self.stats_group()))
+
+    def stats_group(self):
+        """The c10d group BatchNorm statistics are summed over (None: this process alone)."""
+        return None
+
+    def arm_timeouts(self, timeout_s: float) -> None:
+        """After set-up (joining, replicas made identical, consistency checked), every collective of
+        this strategy's groups times out after ``timeout_s``; set-up itself may take the start-up
+        timeout the groups were created with. Every rank calls it once."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        td = datetime.timedelta(seconds=timeout_s)
+        dist.group.WORLD.set_timeout(td)
+        for group in self._groups():
+            group.set_timeout(td)
+
+    def _groups(self) -> list:
+        """Process groups of this strategy besides the default one."""
+        return []
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def no_sync(self) -> ContextManager:
+        """Context for accumulation micro-steps: backward does not communicate (default: nothing to skip)."""
+        return nullcontext()
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                    clip: float = 0.0) -> StepResult:
-        """One optimizer step over this replica's micro-batches.
+        """One optimizer step over this rank's micro-batches: the data-parallel step (DESIGN.md).
 
-        ``loss_fn(model, micro_batch) -> loss`` (0-dim) is called once per
-        micro-batch; gradients of the micro-batch losses are *summed* locally and
-        averaged over replicas (communication only on the last micro-batch when
-        the strategy has :class:`NoSyncMixin`). Then, on the merged gradient:
-        global-norm clipping to ``clip`` (0 = off; Pascanu et al. 2013), the
-        optimizer update and ``zero_grad`` (no update when the gradient is not
-        finite: ``StepResult.skipped``). Every rank must call it (collective).
+        ``loss_fn(model, micro_batch) -> loss`` (0-dim) is called once per micro-batch
+        with the wrapped model; the gradients of the micro-batch losses are summed
+        locally and merged over replicas (communication only on the last micro-batch,
+        :meth:`no_sync`). Then, on the merged gradient: global-norm clipping to
+        ``clip`` (0 = off; Pascanu et al. 2013), ``optimizer.step()`` and
+        ``zero_grad``. Every rank must call it (collective where replicas communicate).
         """
-        c, spans = self.clock, []
+        c, spans, total = self.clock, [], None
         self._grads_ready = None
-        total = None
+        self.begin_step()
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
-            ctx = self.no_sync() if (i < last and isinstance(self, NoSyncMixin)) else nullcontext()
-            with ctx:
+            with self.no_sync() if i < last else nullcontext():
                 t0 = c.mark()
                 loss = loss_fn(self.model, mb)
                 t1 = c.mark()
@@ -142,30 +286,77 @@ class Strategy(ABC):
             spans[-1] = ("backward", t1, self._grads_ready)
             spans.append(("comm", self._grads_ready, t2))
             collective = (self._grads_ready, t2)
-        norm, ok = self._update(clip)
-        spans.append(("optimizer", t2, c.mark()))
-        return StepResult(total, norm, spans, collective, skipped=not ok)
-
-    def _update(self, clip: float) -> tuple[torch.Tensor, bool]:
-        """On the merged gradient: global L2 norm (Pascanu et al. 2013 clipping to ``clip`` when
-        > 0), then the optimizer step and ``zero_grad``, unless the norm is NaN/Inf: then the
-        gradient is dropped and no parameter changes. Returns (norm before clipping, stepped).
-        The check reads one scalar per step (a device sync on CUDA)."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        t3 = c.mark()
         if clip > 0:
-            norm = nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        ok = bool(torch.isfinite(norm))
-        if ok:
-            self.optimizer.step()
+            self.clip_grad_norm_(clip)
+        spans.append(("optimizer", t3, c.mark()))
+        self.optimizer.step()
+        t4 = c.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm, ok
+        spans.append(("optimizer", t4, c.mark()))
+        rec = self.last_step
+        return StepResult(total, rec.norm, spans + rec.spans, collective or rec.collective, skipped=rec.skipped)
 
-    # collectives: every rank must call them, in the same order
+    def begin_step(self) -> None:
+        """Start an optimizer step (before its first forward): :meth:`train_step` calls it, and so does
+        the wrapped model's first training forward after a step in a user's own loop. Default: nothing
+        (the parameter server with a staleness bound waits for admission and pulls here)."""
+
+    def clip_grad_norm_(self, max_norm: float, parameters: Iterable[torch.Tensor] | None = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the *merged* gradient to global norm ``max_norm`` (Pascanu et al. 2013); returns the
+        norm before clipping (0-dim). Call it between backward and ``optimizer.step()``.
+
+        Strategies that merge during backward (single, allreduce, replicate) clip the
+        gradient ``torch.nn.utils.clip_grad_norm_`` sees there, so the plain torch call works
+        too; the parameter server overrides this (the merge happens in ``step()``).
+        ``parameters`` defaults to the whole model.
+        """
+        params = self._params(parameters)
+        norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)
+        self.record.norm = norm
+        return norm
+
+    def _params(self, parameters: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+        if parameters is None:
+            return [p for p in self.module.parameters() if p.grad is not None]
+        if isinstance(parameters, torch.Tensor):
+            return [parameters]
+        return [p for p in parameters if p.grad is not None]
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, base_step: Callable, closure=None):
+        """What ``optimizer.step()`` does (the wrapped optimizer calls it): here the gradient is
+        already merged (in backward), so: the non-finite guard when ``skip_nonfinite``, then the
+        optimizer's own step. Returns what the optimizer's step returns."""
+        c = self.clock
+        t0 = c.mark()
+        record, self.record = self.record, _StepRecord()  # this step's; the next one starts fresh
+        out = None
+        if closure is not None:
+            with torch.enable_grad():
+                out = closure()
+        if self.skip_nonfinite:
+            norm = record.norm if record.norm is not None else self._total_norm()
+            record.norm = norm
+            record.skipped = not bool(torch.isfinite(norm))
+        if record.skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            base_step()
+        record.spans.append(("optimizer", t0, c.mark()))
+        self.last_step = record
+        return out
+
+    def _total_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return nn.utils.get_total_norm(grads, foreach=True)
+
+    # ---- collectives: every rank (of those that step together) must call them, in the same order ----
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce of ``tensor`` (``op`` in sum, max, min); returns it."""
+        """In-place all-reduce of ``tensor`` over the data-parallel ranks (``op`` in sum, max, min); returns it."""
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -173,24 +364,17 @@ class Strategy(ABC):
 
     @abstractmethod
     def barrier(self) -> None:
-        """Wait until every rank arrives."""
+        """Wait until every data-parallel rank arrives."""
 
-    def optimizer_state_dict(self) -> dict:
-        """The optimizer's state_dict for the whole model (what a checkpoint stores)."""
-        return self.optimizer.state_dict()
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order. Default: this process alone."""
+        return [obj]
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        """Load a whole-model optimizer state_dict (from any strategy)."""
-        self.optimizer.load_state_dict(state)
-
-    def peer_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Element-wise max over the replicas that wait for each other every step (collective
-        among them; used to split idle time off communication). Default: ``all_reduce(max)``."""
-        return self.all_reduce(tensor, "max")
-
-    def metrics(self) -> dict[str, float]:
-        """Strategy-specific numbers for the metrics file and summary (rank 0 reads them)."""
-        return {}
+    # ---- what differs between strategies, as methods --------------------------------------------------
+    def evaluation_share(self) -> tuple[int, int] | None:
+        """(index, count) of this rank's share of evaluation work, or None when it evaluates nothing.
+        Default: every rank evaluates its share and the sums are all-reduced."""
+        return self.env.rank, self.env.world_size
 
     def finished(self, local_steps: int, total_steps: int) -> bool:
         """True when training should stop; synchronous replicas stop after ``total_steps`` of their own."""
@@ -199,17 +383,45 @@ class Strategy(ABC):
     def before_eval(self) -> None:
         """Make the parameters evaluation reads current (every rank calls it before evaluating)."""
 
-    def words_trained(self, local_words: int, local_steps: int) -> int:
-        """Tokens trained on by all replicas, given rank 0's count of global-batch tokens."""
-        return local_words
+    def units_trained(self, local_units: int, local_steps: int) -> int:
+        """Units (words, samples) trained on by all replicas, given rank 0's count of global-batch units."""
+        return local_units
+
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific numbers for the metrics file and summary (rank 0 reads them)."""
+        return {}
+
+    def describe(self) -> list[str]:
+        """Lines for the placement log (towers, servers); default none."""
+        return []
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's state_dict for the whole model (what a checkpoint stores)."""
+        return base_state_dict(self.optimizer)
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load a whole-model optimizer state_dict (from any strategy)."""
+        base_load_state_dict(self.optimizer, state)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state_dict (no wrapper prefixes); same on every rank."""
         return self.module.state_dict()
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
         """Load a plain model state_dict (from any strategy or world_size) on every rank."""
-        self.module.load_state_dict(state)
+        return self.module.load_state_dict(state, strict=strict)
 
     def teardown(self) -> None:
         """Release communication resources. Every rank must call it."""
+        self.release()
+
+    def release(self) -> None:
+        """The part of :meth:`teardown` that waits for no other rank (safe at interpreter exit after a
+        failure). Default: nothing."""
+
+
+def require_optimizer(strategy: Strategy) -> None:
+    if strategy.optimizer is None:
+        raise UsageError(f"strategy {strategy.name!r} needs an optimizer: pass it to setup "
+                         f"(pt.setup(model, optimizer)), the parameter servers run its updates")

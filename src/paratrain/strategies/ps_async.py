@@ -12,3 +12,5 @@ from ..ps.client import ParameterServerStrategy
 class PSAsync(ParameterServerStrategy):
     name = "ps-async"
     mode = "async"
+    synchronous = False  # workers apply their gradients at their own pace: replicas differ
+    dist_keys = ("num_ps", "max_staleness", "staleness_lr")

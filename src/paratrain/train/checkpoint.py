@@ -61,6 +61,20 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+def atomic_torch_save(obj, path: Path) -> None:
+    """``torch.save(obj)`` to a temp file beside ``path``, fsync, rename over ``path``: a crash leaves
+    either the old file or the complete new one, never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        _fsync_write(Path(tmp), lambda f: torch.save(obj, f))
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
     """Write ``state`` as ``checkpoint-<step>.pt`` with its sha256 sidecar; keep the newest ``keep``.
 

@@ -1,8 +1,10 @@
 """Metric sinks of rank 0: JSON-lines file, TensorBoard scalars, progress bar, summary.
 
 Each JSON line is one record with a ``kind`` (``train``, ``valid``, ``test``,
-``summary``) and numbers with units in their names: ``words_per_s``,
-``time_s``; ``loss`` is mean cross-entropy per token (nats), ``ppl`` = exp(loss).
+``summary``, ``resume``, ``nonfinite``) and numbers with units in their names:
+``<unit>_per_s`` (the task's unit: ``words_per_s`` for the language models,
+``samples_per_s``), ``time_s``; ``loss`` is the task's mean loss per unit (cross-entropy
+per token in nats for a language model, whose records add ``ppl`` = exp(loss)).
 """
 from __future__ import annotations
 
@@ -11,14 +13,6 @@ import math
 import time
 from pathlib import Path
 from typing import Any
-
-
-def perplexity(loss: float) -> float:
-    """exp(mean cross-entropy in nats); inf on overflow."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
 
 
 class MetricsLog:
@@ -49,9 +43,16 @@ class MetricsLog:
             self.tb.close()
 
 
+def _cell(v: Any) -> str:
+    """Floats with 2 decimals, or 4 significant ones below 1 (an accuracy of 0.9933 stays readable)."""
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.4f}" if 0 < abs(v) < 1 else f"{v:,.2f}"
+
+
 def format_summary(rows: list[tuple[str, Any]]) -> str:
     """A boxed two-column summary table."""
-    cells = [(k, f"{v:,.2f}" if isinstance(v, float) else str(v)) for k, v in rows]
+    cells = [(k, _cell(v)) for k, v in rows]
     w1 = max(len(k) for k, _ in cells)
     w2 = max(len(v) for _, v in cells)
     line = "+" + "-" * (w1 + 2) + "+" + "-" * (w2 + 2) + "+"

@@ -1,0 +1,150 @@
+"""Synchronised BatchNorm: batch statistics over every replica of the step, on CPU and GPU,
+for processes and for towers.
+
+With data parallelism each replica normalises with the statistics of its own part of
+the batch, so N replicas with global batch B do not compute what one device with
+batch B computes. ``torch.nn.SyncBatchNorm`` fixes that for DDP on CUDA only (it
+refuses CPU tensors and DataParallel); this module does it for every strategy.
+
+Training forward of :class:`SyncBatchNorm` for input x (N, C, *) on one replica
+(two passes, each a differentiable sum over the replicas: Ioffe & Szegedy 2015's
+normalisation with the statistics of the global batch, as in ``torch.nn.SyncBatchNorm``)::
+
+    [count, sum]  = reduce([N * prod(*), x.sum over (N, *)])          # (1 + C,)
+    mean          = sum / count                                         # (C,)
+    var           = reduce(((x - mean)^2).sum over (N, *)) / count      # (C,), biased
+    y             = (x - mean) / sqrt(var + eps) * weight + bias
+
+Running statistics (eval) are updated with the global mean and the unbiased global
+variance (``var * count / (count - 1)``), identical on every replica. The backward
+needs no code of its own: ``reduce`` is differentiable. Between processes it is
+``torch.distributed.nn.functional.all_reduce`` (its backward all-reduces the gradient:
+each rank gets d(sum of the ranks' losses)/d(its statistics), and the strategy's
+gradient average makes it the gradient of the global loss). Between towers (threads
+of one process) it is a plain sum of every tower's tensor, graphs included, so one
+``backward()`` runs through all towers and no thread waits in backward.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .towers import TowerGroup, current_tower
+
+
+class GroupReducer:
+    """Differentiable sum over the ranks of a c10d process group (every rank calls it in the same order)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=self.group)
+
+    def updates_buffers(self) -> bool:
+        return True
+
+
+class TowerReducer:
+    """Differentiable sum over the towers of one process (each tower's forward runs in its own thread)."""
+
+    def __init__(self, group: TowerGroup, devices: list[torch.device]) -> None:
+        self.group, self.devices = group, devices
+
+    def _index(self, t: torch.Tensor) -> int:
+        return self.devices.index(t.device) if t.is_cuda and t.device in self.devices else current_tower()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        parts = self.group.exchange(self._index(t), t)
+        total = parts[0].to(t.device)
+        for p in parts[1:]:
+            total = total + p.to(t.device)
+        return total
+
+    def updates_buffers(self) -> bool:
+        return current_tower() == 0  # DataParallel's rule: tower 0's buffers are the model's
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over N-d input (N, C, *) whose training statistics span every replica.
+
+    Args as ``torch.nn.BatchNorm2d``, plus ``reducer`` (a :class:`GroupReducer`,
+    :class:`TowerReducer` or None: statistics of this replica alone, as plain BatchNorm).
+    Eval mode uses the running statistics. Input shape (N, C) or (N, C, *); output the same.
+    Raises ValueError for input with fewer than 2 dimensions.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, reducer: Any = None, device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.reducer = reducer
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (N, C, *), got {x.dim()}D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch or self.reducer is None:
+            return super().forward(x)
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        local = torch.cat([x.new_full((1,), x.numel() // x.size(1)), x.sum(dims)])
+        stats = self.reducer(local)  # (1 + C,)
+        count, mean = stats[0], stats[1:] / stats[0]
+        xmu = x - mean.view(shape)
+        var = self.reducer(xmu.pow(2).sum(dims)) / count
+        y = xmu * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        if self.training and self.track_running_stats and self.reducer.updates_buffers():
+            self._update_running(mean.detach(), var.detach(), count.detach())
+        return y
+
+    @torch.no_grad()
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
+        self.num_batches_tracked.add_(1)
+        factor = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
+        unbiased = var * count / (count - 1).clamp_min(1)
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+
+def convert(module: nn.Module, reducer: Any) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` (recursively) by :class:`SyncBatchNorm` using
+    ``reducer``, keeping the same parameter and buffer tensors (an optimizer built on ``module``
+    stays valid). Returns the converted module (a new object only when ``module`` itself is a BatchNorm)."""
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, reducer)
+        if module.affine:
+            out.weight, out.bias = module.weight, module.bias
+        out.running_mean, out.running_var = module.running_mean, module.running_var
+        out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, convert(child, reducer))
+    return out
+
+
+def set_reducer(module: nn.Module, reducer: Any) -> None:
+    """Point every :class:`SyncBatchNorm` in ``module`` at ``reducer``."""
+    for m in module.modules():
+        if isinstance(m, SyncBatchNorm):
+            m.reducer = reducer
+
+
+def group_reducer(group) -> GroupReducer | None:
+    """A reducer over ``group`` (None: no other replica, plain BatchNorm statistics)."""
+    return None if group is None else GroupReducer(group)
+
+
+def has_batchnorm(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+

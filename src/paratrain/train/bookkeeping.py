@@ -1,0 +1,146 @@
+"""Numbers of a run: training loss per logging interval, throughput, the step-time breakdown,
+metric records (rank 0) and the summary.
+
+Throughput counts the task's unit (``words`` for the language models, ``samples``
+for a classifier): ``<unit>_per_s`` over the whole run and
+``<unit>_per_s_after_warmup`` over the logging intervals that start after
+``train.timing_warmup_steps``; evaluation and checkpoints are outside the
+training clock. Step timing is :mod:`paratrain.bench.timing`'s (spans marked by
+the strategy, idle split off communication once per interval by a small
+collective among the ranks that step together).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..bench.timing import RankTimer, breakdown, write_rank_timing
+from ..devices import peak_memory_bytes
+from .metrics import MetricsLog, format_summary
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Bookkeeper:
+    """One rank's bookkeeping. ``reduce(tensor, op)``: all-reduce over the ranks that step together,
+    or None (this rank alone). Rank 0 writes ``metrics.jsonl`` and TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, env, strategy, unit: str, train, reduce: Callable | None,
+                 verbose: bool = True) -> None:
+        self.run_dir, self.env, self.strategy, self.unit, self.train = Path(run_dir), env, strategy, unit, train
+        self.reduce, self.verbose = reduce, verbose
+        self.log = MetricsLog(self.run_dir) if env.is_main else None
+        self.timer = RankTimer(strategy.clock)
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.loss_count = 0.0
+        self._tick = time.perf_counter()
+        self._interval_start = 0  # first step of the current logging interval
+        self._interval_time, self._interval_units = 0.0, 0  # train_time_s and units at its start
+        self._measured_units, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
+
+    # ---- inside a step ----------------------------------------------------------------------------
+    def add_loss(self, loss_sum: torch.Tensor, count: Any) -> None:
+        """Accumulate a micro-batch's summed loss and unit count (for the interval's mean loss)."""
+        self.loss_sum = self.loss_sum.to(loss_sum.device) + loss_sum.detach().double()
+        self.loss_count += float(count)
+
+    def step_done(self, step: int, start: Any, end: Any, spans: list, collective: tuple | None) -> None:
+        self.timer.add(step, start, end, spans, collective)
+
+    # ---- the training clock -------------------------------------------------------------------------
+    def resume_clock(self) -> None:
+        self._tick = time.perf_counter()
+
+    def pause_clock(self, pos) -> None:
+        """Stop the training clock (before evaluation, a checkpoint, logging): adds to ``pos.train_time_s``."""
+        _sync(self.env.device)
+        pos.train_time_s += time.perf_counter() - self._tick
+
+    def start_interval(self, pos) -> None:
+        """A new logging interval starts at ``pos`` (after a resume or an evaluation pause)."""
+        self._interval_start, self._interval_time, self._interval_units = pos.step, pos.train_time_s, pos.units
+        self.timer.reset_arrival()
+
+    # ---- logging ---------------------------------------------------------------------------------------
+    def _step_times(self, pos) -> tuple[dict[str, float], bool]:
+        arrivals = self.timer.flush()
+        t = torch.tensor(arrivals, dtype=torch.float64, device=self.env.device)
+        peak = (self.reduce(t, "max") if self.reduce is not None else t).cpu()
+        counted = self._interval_start >= self.train.timing_warmup_steps
+        self._interval_start = pos.step
+        return self.timer.finish_interval(arrivals, peak.tolist(), counted), counted
+
+    def log_interval(self, pos, lr: float, bar) -> None:
+        """Mean training loss since the last record (collective where ranks step together), units/s,
+        step-time breakdown. Every rank calls it (the clock is paused)."""
+        times, counted = self._step_times(pos)
+        dev = self.env.device
+        acc = torch.stack([self.loss_sum.to(dev), torch.tensor(self.loss_count, dtype=torch.float64, device=dev)])
+        if self.reduce is not None:
+            acc = self.reduce(acc, "sum")
+        self.loss_sum, self.loss_count = torch.zeros((), dtype=torch.float64), 0.0
+        loss = float(acc[0] / acc[1]) if acc[1] > 0 else math.nan
+        if not self.log:
+            self._interval_time = pos.train_time_s
+            return
+        units = self.strategy.units_trained(pos.units, pos.step)
+        dt = max(pos.train_time_s - self._interval_time, 1e-9)
+        rate = (units - self._interval_units) / dt
+        if counted:
+            self._measured_units += units - self._interval_units
+            self._measured_time_s += dt
+        self._interval_time, self._interval_units = pos.train_time_s, units
+        extra = {"ppl": math.exp(min(loss, 700))} if self.unit == "words" else {}
+        self.log.write("train", pos.step, epoch=pos.epoch, loss=loss, **extra, lr=lr, **{f"{self.unit}_per_s": rate},
+                       **{k: round(v, 4) for k, v in times.items()}, **self.strategy.metrics())
+        if bar is not None:
+            parts = [f"loss {loss:.3f}", *([f"ppl {extra['ppl']:.1f}"] if extra else []), f"lr {lr:.3g}",
+                     f"{rate:,.0f} {self.unit}/s"]
+            bar.set_postfix_str(" | ".join(parts))
+
+    def write(self, kind: str, step: int, **values: Any) -> None:
+        if self.log:
+            self.log.write(kind, step, **values)
+
+    # ---- the end ---------------------------------------------------------------------------------------
+    def summary(self, pos, results: dict[str, float], wall_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+        """The run's summary record (rank 0 writes and prints it); every rank writes its timing file."""
+        env, t, unit = self.env, self.train, self.unit
+        units = self.strategy.units_trained(pos.units, pos.step) if self.log else 0
+        summary: dict[str, Any] = {
+            **extra, "world_size": env.world_size, "global_batch": t.batch_size,
+            "per_replica_batch": t.batch_size // self.strategy.replicas, "steps": pos.step, **results,
+            f"{unit}_per_s": units / max(pos.train_time_s, 1e-9),
+            f"{unit}_per_s_after_warmup": (self._measured_units / self._measured_time_s
+                                           if self._measured_time_s > 0 else math.nan),
+            "unit": unit, "units_per_step": pos.units / pos.step if pos.step else math.nan, "wall_time_s": wall_s, "device": str(env.device),
+            "backend": env.backend if env.world_size > 1 else "-", "threads_per_process": torch.get_num_threads(),
+            "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
+        }
+        timing = self.timer.summary()
+        write_rank_timing(self.run_dir, env.rank, {"rank": env.rank, "world_size": env.world_size,
+                                                   "strategy": extra.get("strategy"),
+                                                   "warmup_steps": t.timing_warmup_steps, **timing})
+        summary.update({k: round(v, 3) for k, v in breakdown(timing).items()})
+        summary["timed_steps"] = timing["measured_steps"]
+        # wall time per measured step by the throughput clock (logging included): what the breakdown must add up to
+        summary["train_step_ms"] = (1000.0 * self._measured_time_s / timing["measured_steps"]
+                                    if timing["measured_steps"] and self.log else math.nan)
+        if self.log:
+            summary.update(self.strategy.metrics())
+            self.log.write("summary", pos.step, **summary)
+            if self.verbose:
+                print(format_summary([("run dir", str(self.run_dir)), *summary.items()]), flush=True)
+        return summary
+
+    def close(self) -> None:
+        if self.log:
+            self.log.close()
+            self.log = None

@@ -1,0 +1,70 @@
+"""What a training checkpoint holds and how a trainer writes and reads it.
+
+The file format and its safety (atomic writes, sha256 sidecar, ``weights_only``
+loading) are :mod:`.checkpoint`'s. Here: the state of a run. ``model`` (plain
+state_dict), ``optimizer`` (whole model, assembled by the strategy), ``schedule``,
+``epoch`` / ``batch_index`` (the data position: the next step), ``units`` and
+``train_time_s`` (throughput bookkeeping), ``task`` (the task's carried state, e.g.
+the BPTT hidden state of the whole global batch). Rank 0 writes; every rank calls
+:meth:`Checkpointer.save` (gathering the task state may be a collective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import TrainingStopped, UsageError
+from . import checkpoint
+
+
+@dataclass
+class Position:
+    """Where training is: optimizer steps done, the 1-based epoch of the next step, its index in
+    that epoch, units (words, samples) of the global batches stepped through, training seconds."""
+
+    step: int = 0
+    epoch: int = 1
+    batch_index: int = 0
+    units: int = 0
+    train_time_s: float = 0.0
+
+
+class Checkpointer:
+    """Saves and restores a run (model, optimizer, schedule, position, task state) in ``run_dir``."""
+
+    def __init__(self, run_dir: Path, strategy, task, schedule, keep: int, is_main: bool) -> None:
+        self.run_dir, self.strategy, self.task, self.schedule = Path(run_dir), strategy, task, schedule
+        self.keep, self.is_main = keep, is_main
+
+    def save(self, pos: Position, gather) -> Path | None:
+        """Write ``checkpoint-<step>.pt`` (rank 0). ``gather``: the task state's all-reduce over the
+        ranks, or None when they cannot be gathered. Every rank must call it. Raises TrainingStopped
+        (no file written) when a parameter is not finite."""
+        task_state = self.task.state_dict(gather)
+        bad = [n for n, p in self.strategy.module.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:  # every rank holds the same parameters: all stop; never write a checkpoint one cannot resume from
+            raise TrainingStopped(f"parameters {bad[:3]} are not finite at step {pos.step}; no checkpoint "
+                                  f"written, the previous one is kept")
+        if not self.is_main:
+            return None
+        state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
+                 "schedule": self.schedule.state_dict(), "epoch": pos.epoch, "batch_index": pos.batch_index,
+                 "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s}
+        return checkpoint.save(self.run_dir, state, pos.step, keep=self.keep)
+
+    def restore(self, path: Path) -> Position:
+        """Load model, optimizer, schedule and task state (every rank); return the position."""
+        state = checkpoint.load(path)
+        try:
+            self.strategy.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise UsageError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0][:120]}); "
+                             f"resume with the config it was written with") from None
+        self.strategy.load_optimizer_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        legacy = {"hidden": state["hidden"]} if state.get("hidden") else {}  # format of paratrain <= 0.1 runs
+        self.task.load_state_dict(state.get("task", legacy))
+        return Position(state["step"], state["epoch"], state["batch_index"],
+                        state.get("units", state.get("words", 0)), state.get("train_time_s", 0.0))

@@ -1,0 +1,58 @@
+"""What the loop does around a step that is not the step itself: fault injection (``--fault``),
+the straggler delay (``--slow-rank``/``--slow-ms``) and the non-finite guard.
+
+The guard: the strategy's ``optimizer.step()`` drops a NaN/Inf merged gradient
+(``skip_nonfinite``; no parameter changes); :meth:`StepGuards.nonfinite` then finds
+the ranks whose loss was not finite (a collective among the ranks that step
+together), counts the step, writes a ``nonfinite`` record and, with
+``train.on_nonfinite = "stop"``, ends the run with one line
+(:class:`~paratrain.errors.TrainingStopped`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import TrainingStopped
+from ..faults import inject, parse
+
+
+class StepGuards:
+    """One rank's faults, straggler delay and non-finite counting. ``reduce(tensor, op)``: all-reduce
+    over the ranks that step together, or None."""
+
+    def __init__(self, cfg, env, clock, reduce: Callable | None, book, say: Callable[[str], None]) -> None:
+        self.env, self.clock, self.reduce, self.book, self.say = env, clock, reduce, book, say
+        self.faults = parse(cfg.dist.fault)
+        self.slow_s = cfg.dist.slow_ms / 1000 if env.rank == cfg.dist.slow_rank else 0.0
+        self.on_nonfinite = cfg.train.on_nonfinite
+        self.nonfinite_steps = 0
+
+    def before_step(self, step: int) -> tuple[list, bool]:
+        """Straggler delay (a ``compute`` span) and injected faults before step ``step`` (0-based).
+        Returns (spans, poison): ``poison`` makes this rank's loss of the step NaN (``--fault nan``)."""
+        spans = []
+        if self.slow_s:  # straggler injection: slower compute
+            m = self.clock.mark()
+            time.sleep(self.slow_s)
+            spans.append(("compute", m, self.clock.mark()))
+        poison = inject(self.faults, self.env.rank, step) if self.faults else False
+        return spans, poison
+
+    def nonfinite(self, step: int, local_loss: torch.Tensor) -> None:
+        """The merged gradient of step ``step`` (0-based) was NaN/Inf and no update was made: name the
+        ranks whose loss was not finite, count, log; stop the run when ``on_nonfinite = "stop"``."""
+        flags = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.env.device)
+        flags[self.env.rank] = float(not bool(torch.isfinite(local_loss)))
+        if self.reduce is not None:
+            flags = self.reduce(flags, "sum")
+        ranks = [int(r) for r in torch.nonzero(flags).flatten().tolist()]
+        self.nonfinite_steps += 1
+        what = f"non-finite loss on rank(s) {ranks}" if ranks else "non-finite gradient (losses finite)"
+        self.book.write("nonfinite", step, ranks=ranks, action=self.on_nonfinite, count=self.nonfinite_steps)
+        if self.on_nonfinite == "stop":
+            raise TrainingStopped(f"{what} at step {step}; the parameters are unchanged since the last step "
+                                  f"(use --on-nonfinite skip to skip such steps)")
+        self.say(f"{what} at step {step}: update skipped ({self.nonfinite_steps} so far)")
