@@ -23,6 +23,7 @@ def test_tensor_shards_are_contiguous_column_blocks_covering_every_stream(stream
         parts = [shard_tensor(data, r, world) for r in range(world)]
         assert {p.size(1) for p in parts} == {streams // world}
     assert torch.equal(torch.cat(parts, dim=1), data)  # contiguous blocks, in rank order: the union is everything
+    assert all(p.is_contiguous() for p in parts)  # like the tensor it replaces: part[i:j].view(-1) works
 
 
 def test_tensor_needs_the_dimension_it_shards():

@@ -42,14 +42,15 @@ def _even(n: int, world_size: int, what: str, allow_uneven: bool) -> None:
 def shard_tensor(data: torch.Tensor, rank: int, world_size: int, dim: int = 1,
                  allow_uneven: bool = False) -> torch.Tensor:
     """Rank ``rank``'s contiguous block of ``data`` along ``dim`` (default 1: the streams of a
-    batchified ``(L, B)`` tensor). A view when possible; same device and dtype."""
+    batchified ``(L, B)`` tensor), itself contiguous in memory like the tensor it replaces (code
+    written for the whole tensor, e.g. ``source[i:j].view(-1)``, keeps working); same device and dtype."""
     if data.dim() <= dim:
         raise ValueError(f"a {data.dim()}-d tensor has no dimension {dim} to shard; pass dim= (0 for rows, 1 for "
                          f"the streams of a batchified (L, B) tensor)")
     n = data.size(dim)
     _even(n, world_size, f"dimension {dim}", allow_uneven)
     lo, hi = shard_range(n, world_size, rank)
-    return data.narrow(dim, lo, hi - lo)
+    return data.narrow(dim, lo, hi - lo).contiguous()
 
 
 def split_batch(batch: Any, rank: int, world_size: int, dim: int = 0, allow_uneven: bool = False) -> Any:
