@@ -7,6 +7,7 @@ Parallel Training"). gloo on CPU, NCCL on GPU (chosen by :mod:`paratrain.env`).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, ContextManager
 
 import torch
@@ -19,6 +20,7 @@ from ..errors import UsageError
 from .base import NoSyncMixin, Strategy
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_DDP_ARGS = inspect.signature(DDP.__init__).parameters
 
 
 class AllReduce(NoSyncMixin, Strategy):
@@ -40,8 +42,10 @@ class AllReduce(NoSyncMixin, Strategy):
             self._own_group = True
         ids = [self.device] if self.device.type == "cuda" else None
         # replicas of sync BatchNorm layers already agree on their buffers: no broadcast every forward
+        # (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; init still syncs them)
+        key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
         ddp = DDP(module, device_ids=ids, bucket_cap_mb=self.options.get("bucket_mb", 25.0),
-                  gradient_as_bucket_view=True, broadcast_buffers=not self._bn_group_made)
+                  gradient_as_bucket_view=True, **{key: not self._bn_group_made})
         if self.timing:
             ddp.register_comm_hook(None, self._timed_allreduce)
         return ddp
