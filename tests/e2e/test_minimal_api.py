@@ -61,6 +61,7 @@ def test_bptt_port_equals_one_process(lm_runs, strategy):
     assert out.count("| end of training |") == 1, out  # rank 0 alone prints (from paratrain import print)
     diff = max_rel_diff(torch.load(tmp / f"{strategy}.pt", weights_only=True),
                         torch.load(tmp / "single.pt", weights_only=True))
+    print(f"DIFF lm port {strategy}: {diff:.3e}")
     assert diff <= 1e-10, f"{strategy}: max relative difference {diff:.2e}"
 
 
@@ -90,6 +91,7 @@ def test_dataloader_port_with_sync_batchnorm_equals_one_process(tmp_path, strate
     a, b = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
     assert any("running_var" in k for k in b)  # the BatchNorm statistics are compared too
     diff = max_rel_diff(a, b)
+    print(f"DIFF image port {strategy}: {diff:.3e}")
     assert diff <= 1e-10, f"{strategy}: max relative difference {diff:.2e}"
 
 

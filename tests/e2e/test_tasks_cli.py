@@ -97,7 +97,7 @@ def test_user_task_restart_after_a_killed_worker_is_bitwise_and_nan_is_skipped(u
     assert rec["step"] == 4 and rec["ranks"] == [1]
 
 
-def test_verify_and_bench_take_a_user_task(user):
+def test_verify_bench_and_predict_take_a_user_task(user):
     tmp, _ = user
     v = paratrain("verify", "user.toml", "--strategy", "ps-sync", "--nproc", 2, "--steps", 3, cwd=tmp, timeout=300)
     assert v.returncode == 0 and "[verify] OK: ps-sync x 2 equals single" in v.stdout, v.stdout + v.stderr[-2000:]
@@ -108,6 +108,10 @@ def test_verify_and_bench_take_a_user_task(user):
     results = json.loads((tmp / "bench" / "results.json").read_text())
     assert results["unit"] == "samples" and "samples/s" in (tmp / "bench" / "report.md").read_text()
     assert all(r["ok"] and r["units_per_s"] > 0 for r in results["runs"])
+    p = paratrain("predict", "user.toml", "--nproc", 4, "--interconnect", "eth25", "--from-bench", "bench", cwd=tmp)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2, 4] and "40 samples/step" in p.stdout and "samples/s" in p.stdout
 
 
 def test_digits_recipe_trains_with_two_workers(tmp_path):
