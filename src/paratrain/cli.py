@@ -136,10 +136,20 @@ def _add_multinode(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, help="this node's index (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous on node 0 (multi-node)")
+    p.add_argument("--rdzv-id", help="job id shared by the nodes (default: $SLURM_JOB_ID, else derived from "
+                                     "--rdzv-endpoint, --nnodes and --nproc)")
+    p.add_argument("--rdzv-timeout", type=int, dest="rdzv_timeout_s",
+                   help="seconds to wait for every node to arrive (default 120)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import signal
+
+    def terminated(signum, frame):  # SIGTERM ends a one-process run like Ctrl-C does (torchrun's agent has its own)
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         if args.command == "train":
             return cmd_train(args)
@@ -163,16 +173,32 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:
         print(f"paratrain: stopped: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("paratrain: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        code, name = (143, "SIGTERM") if isinstance(e, Terminated) else (130, "SIGINT")
+        print(f"paratrain: {name} received: stopped (exit {code}){_checkpoint_hint()}", file=sys.stderr)
+        return code
     return 2
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the paratrain process (raised by its handler, like KeyboardInterrupt)."""
+
+
+_RUN_DIR: Path | None = None  # the run dir of this paratrain train, once it exists
+
+
+def _checkpoint_hint() -> str:
+    from .launch import _last_checkpoint
+
+    return _last_checkpoint(_RUN_DIR)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .runs import prepare_run, start_run
 
+    global _RUN_DIR
     run = prepare_run(args)
+    _RUN_DIR = run.run_dir
     return start_run(run)
 
 
@@ -193,7 +219,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     dist = {"strategy": args.strategy or default_for(args.nproc * nnodes),
             "nproc": args.nproc, "nnodes": nnodes, "node_rank": args.node_rank or 0,
             "rdzv_endpoint": args.rdzv_endpoint or "", "max_restarts": args.max_restarts}
-    for key in ("num_ps", "backup_workers", "max_staleness", "devices"):
+    for key in ("num_ps", "backup_workers", "max_staleness", "devices", "rdzv_id", "rdzv_timeout_s"):
         if getattr(args, key) is not None:
             dist[key] = getattr(args, key)
     if args.staleness_lr:
@@ -212,9 +238,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for key, value in cls.launch_env.items():
         os.environ.setdefault(key, value)
     per_node = cls.processes_per_node(cfg.dist)
+    d = cfg.dist
     spec = launch.LaunchSpec(nproc=per_node, target=[args.script, *args.script_args], module=args.module,
-                             nnodes=nnodes, node_rank=args.node_rank or 0, rdzv_endpoint=args.rdzv_endpoint or "",
-                             max_restarts=args.max_restarts)
+                             nnodes=d.nnodes, node_rank=d.node_rank, rdzv_endpoint=d.rdzv_endpoint,
+                             rdzv_id=d.rdzv_id, rdzv_timeout_s=d.rdzv_timeout_s, max_restarts=d.max_restarts)
     return launch.run(launch.build_command(spec), args.threads or default_threads(per_node))
 
 

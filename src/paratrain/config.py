@@ -138,6 +138,8 @@ class DistConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""  # host:port of the rendezvous; "" = 127.0.0.1 and a free port
+    rdzv_id: str = ""  # job id of a multi-node rendezvous; "" = $SLURM_JOB_ID, else derived (paratrain.launch)
+    rdzv_timeout_s: int = 120  # seconds every node waits for the others to arrive
     max_restarts: int = 0
     bucket_mb: float = 25.0  # allreduce: DDP gradient bucket size in MiB
     num_ps: int = 1  # ps-*: parameter-server processes per node
@@ -164,6 +166,7 @@ class DistConfig:
         check_at_least("dist", "nnodes", self.nnodes, 1)
         check_at_least("dist", "threads", self.threads, 0)
         check_at_least("dist", "max_restarts", self.max_restarts, 0)
+        check_at_least("dist", "rdzv_timeout_s", self.rdzv_timeout_s, 1)
         check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
         check_at_least("dist", "num_ps", self.num_ps, 1)
         check_at_least("dist", "backup_workers", self.backup_workers, 0)

@@ -2,24 +2,44 @@
 
 :func:`build_command` is pure: it turns a :class:`LaunchSpec` into the argv of
 ``python -m torch.distributed.run ...``. :func:`run` hands that argv to
-``torch.distributed.run`` in this process and turns a worker failure into one
-summary line per failed rank (exit code 1) instead of pages of tracebacks.
+``torch.distributed.run`` in this process and turns every way a job ends into one
+line: a worker failure names the rank that failed first (and keeps its exit code),
+a node that never arrives names the rendezvous, Ctrl-C / SIGTERM stop every worker.
 
-Single node (the default): c10d rendezvous on ``127.0.0.1`` with port 0, so
-the agent picks a free port and nothing listens beyond loopback's address.
-Several nodes: every node runs the same command with ``--nnodes``,
-``--node-rank`` and ``--rdzv-endpoint HOST:PORT`` of node 0 (torchrun's
-c10d rendezvous). Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT.
+Single node (the default): c10d rendezvous on ``127.0.0.1`` with port 0, so the
+agent picks a free port and nothing listens beyond loopback's address.
+
+Several nodes: every node runs the same command with ``--nnodes``, its own
+``--node-rank`` and ``--rdzv-endpoint HOST:PORT`` of node 0. paratrain uses
+torchrun's *static* rendezvous there (the ``--master-addr/--master-port`` way):
+node 0 hosts the store at HOST:PORT, the others connect to it, in any start
+order, and node ``k``'s workers are ranks ``k * nproc .. (k + 1) * nproc - 1``
+(``--node-rank`` is honoured; the dynamic c10d rendezvous ignores it and ranks
+nodes by join order). The job id (store prefix) is ``--rdzv-id``, else
+``$SLURM_JOB_ID`` / ``$PARATRAIN_JOB_ID``, else derived from what every node is
+given (endpoint, nnodes, nproc), so two launchers always meet in one rendezvous.
+A node that has not arrived within ``rdzv_timeout_s`` ends every waiting node
+with one line (exit 2). Static membership means no elastic scaling: a restart
+(``--max-restarts``) restarts the same nodes. Workers bind gloo and TensorPipe to
+the network interface that reaches HOST, unless ``GLOO_SOCKET_IFNAME`` /
+``TP_SOCKET_IFNAME`` are set.
+
+Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (the node),
+MASTER_ADDR and MASTER_PORT, and die with their launcher (see :mod:`paratrain.child`).
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import re
+import signal
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
+DEFAULT_RDZV_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,50 +52,145 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
-    rdzv_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    rdzv_id: str = ""  # "" = $SLURM_JOB_ID / $PARATRAIN_JOB_ID, else derived (several nodes) or random (one)
+    rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
     max_restarts: int = 0
     python: str = sys.executable
 
 
+def job_id(spec: LaunchSpec) -> str:
+    """The rendezvous id every node of the job computes alike."""
+    if spec.rdzv_id:
+        return spec.rdzv_id
+    for var in ("PARATRAIN_JOB_ID", "SLURM_JOB_ID"):
+        if os.environ.get(var):
+            return f"{var.split('_')[0].lower()}-{os.environ[var]}"
+    if spec.nnodes == 1:
+        return uuid.uuid4().hex[:12]
+    key = f"{spec.rdzv_endpoint}|{spec.nnodes}|{spec.nproc}"
+    return "paratrain-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
 def build_command(spec: LaunchSpec) -> list[str]:
-    """argv for ``python -m torch.distributed.run`` (pure; nothing is started)."""
+    """argv for ``python -m torch.distributed.run`` (pure but for :func:`job_id`; nothing is started).
+
+    The target runs under :mod:`paratrain.child`, which ties the worker's life to its launcher's."""
     cmd = [spec.python, "-m", "torch.distributed.run",
            f"--nproc-per-node={spec.nproc}", f"--nnodes={spec.nnodes}",
-           f"--max-restarts={spec.max_restarts}", "--rdzv-backend=c10d",
-           f"--rdzv-id={spec.rdzv_id}"]
+           f"--max-restarts={spec.max_restarts}", f"--rdzv-id={job_id(spec)}"]
     if spec.nnodes > 1:
-        cmd += [f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--node-rank={spec.node_rank}"]
+        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--node-rank={spec.node_rank}",
+                f"--rdzv-conf=timeout={spec.rdzv_timeout_s}"]
     else:
-        cmd += [f"--rdzv-endpoint={spec.rdzv_endpoint or LOOPBACK + ':0'}", f"--local-addr={LOOPBACK}"]
-    if spec.module:
-        cmd.append("--module")
-    return cmd + list(spec.target)
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint or LOOPBACK + ':0'}",
+                f"--local-addr={LOOPBACK}"]
+    cmd += ["--module", "paratrain.child"]
+    return cmd + (["-m"] if spec.module else []) + list(spec.target)
 
 
-def run(cmd: list[str], threads_per_process: int | None = None) -> int:
+def interface_towards(host: str) -> str | None:
+    """Name of the network interface whose address this machine uses to reach ``host`` (None if unknown)."""
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
+    return None
+
+
+def run(cmd: list[str], threads_per_process: int | None = None, run_dir=None) -> int:
     """Run a :func:`build_command` argv through ``torch.distributed.run`` in this process.
 
-    Returns 0 when every worker succeeded, else 1 after printing
-    ``rank R failed: <first line of its error>`` per failed rank to stderr.
+    Returns 0 when every worker succeeded. Otherwise prints one line per cause to stderr and
+    returns: the exit code of the rank that failed first (1 if it was killed by a signal); 2 when
+    the nodes never formed a job; 130 / 143 after Ctrl-C / SIGTERM (every worker is stopped).
     """
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
     assert cmd[1:3] == ["-m", "torch.distributed.run"], cmd
-    if f"--rdzv-endpoint={LOOPBACK}:0" in cmd and sys.platform.startswith("linux"):
-        # one node: gloo and TensorPipe listen on the loopback interface, whatever the hostname resolves to
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    if threads_per_process:
-        os.environ["OMP_NUM_THREADS"] = str(threads_per_process)
+    args = parse_args(cmd[3:])
+    if sys.platform.startswith("linux"):
+        host = args.rdzv_endpoint.rpartition(":")[0] or LOOPBACK
+        ifname = "lo" if args.rdzv_backend != "static" else interface_towards(host)
+        if ifname:  # gloo and TensorPipe listen on the interface that reaches the rendezvous host
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+            os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_process or os.environ.get("OMP_NUM_THREADS") or 1)
+    os.environ.setdefault("PARATRAIN_LAUNCHER_PID", str(os.getpid()))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # workers: no c10d socket warnings with C++ frames
+    # the agent's own log (worker exit codes, SIGTERMs it sent, exit-barrier traces): the lines below say it once
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic",
+                                                                            "torch.distributed.run"))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        torchrun(parse_args(cmd[3:]))
+        torchrun(args)
     except ChildFailedError as e:
-        for rank, failure in sorted(e.failures.items()):
-            print(f"paratrain: rank {rank} failed: {_first_line(failure)}", file=sys.stderr)
-        return 1
+        return _report_failures(e.failures)
+    except SignalException as e:
+        code = 128 + int(e.sigval)
+        print(f"paratrain: {signal.Signals(e.sigval).name} received: stopped every worker (exit {code})"
+              f"{_last_checkpoint(run_dir)}", file=sys.stderr)
+        return code
+    except (DistError, RendezvousError) as e:
+        print(f"paratrain: {_rendezvous_failure(args, e)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _last_checkpoint(run_dir) -> str:
+    """'; resume from ...' naming the newest checkpoint of ``run_dir`` ('' when no run dir)."""
+    if run_dir is None:
+        return ""
+    from .train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    return f"; resume from {found[-1]} with --resume {run_dir}" if found else "; no checkpoint had been written yet"
+
+
+def _report_failures(failures: dict) -> int:
+    """One line for the rank that failed first, one for the ranks stopped because of it."""
+    order = sorted(failures.items(), key=lambda kv: (_stopped(kv[1]), kv[1].timestamp, kv[0]))
+    rank, first = order[0]
+    print(f"paratrain: rank {rank} failed first: {_first_line(first)}", file=sys.stderr)
+    others = [r for r, f in order[1:]]
+    if others:
+        print(f"paratrain: stopped the other ranks because of it ({', '.join(map(str, sorted(others)))})",
+              file=sys.stderr)
+    return first.exitcode if first.exitcode and first.exitcode > 0 else 1
+
+
+def _stopped(failure) -> bool:
+    """Killed by the agent's SIGTERM after another rank failed (not a failure of its own)."""
+    return failure.exitcode == -signal.SIGTERM
+
+
+def _rendezvous_failure(args, e: BaseException) -> str:
+    nodes = args.nnodes.split(":")[-1]
+    where = args.rdzv_endpoint
+    waited = re.search(r"timeout=(\d+)", args.rdzv_conf or "")
+    within = f"within {waited.group(1)} s" if waited else "within the timeout"
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(e))  # node 0's store counts the nodes that came
+    if joined:
+        return (f"only {joined.group(1)} of {nodes} nodes joined the rendezvous at {where} {within}; "
+                f"start every node with --nnodes {nodes} --rdzv-endpoint {where} (or raise --rdzv-timeout)")
+    if int(args.node_rank or 0) > 0:
+        return (f"node {args.node_rank} could not reach node 0's rendezvous at {where} {within} "
+                f"(1 of {nodes} nodes here); start node 0 with --node-rank 0 --rdzv-endpoint {where}")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"the {nodes} nodes did not form a job at {where}: {first[:200]}"
 
 
 def _first_line(failure) -> str:
@@ -84,8 +199,6 @@ def _first_line(failure) -> str:
         msg = msg.get("message", "")
     msg = str(msg or "").strip()
     if failure.exitcode is not None and failure.exitcode < 0:
-        import signal
-
         try:
             return f"killed by signal {signal.Signals(-failure.exitcode).name}"
         except ValueError:

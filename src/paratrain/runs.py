@@ -44,7 +44,7 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             dist["nproc"] = 1
     elif args.nproc is not None and base_strategy in (None, default_for(1), default_for(2)):
         # --nproc alone picks the process layout: one process is the reference, several the default
-        dist["strategy"] = default_for(args.nproc)
+        dist["strategy"] = default_for(args.nproc * (getattr(args, "nnodes", None) or 1))
     for flag in ("staleness_lr", "strict_placement", "log_placement", "expandable_segments"):
         if getattr(args, flag, False):
             dist[flag] = True
@@ -53,7 +53,7 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             dist[key] = getattr(args, key)
     if getattr(args, "fault", None):
         dist["fault"] = ",".join(args.fault)
-    for key in ("nnodes", "node_rank", "rdzv_endpoint", "max_restarts", "num_ps", "backup_workers",
+    for key in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "max_restarts", "num_ps", "backup_workers",
                 "max_staleness", "slow_rank", "slow_ms", "check_sync_every"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
@@ -210,5 +210,6 @@ def start_run(run: PreparedRun) -> int:
     for key, value in cls.launch_env.items():
         os.environ.setdefault(key, value)
     spec = launch.LaunchSpec(nproc=per_node, target=target, module=True, nnodes=d.nnodes, node_rank=d.node_rank,
-                             rdzv_endpoint=d.rdzv_endpoint, max_restarts=d.max_restarts)
-    return launch.run(launch.build_command(spec), d.threads or default_threads(per_node))
+                             rdzv_endpoint=d.rdzv_endpoint, rdzv_id=d.rdzv_id, rdzv_timeout_s=d.rdzv_timeout_s,
+                             max_restarts=d.max_restarts)
+    return launch.run(launch.build_command(spec), d.threads or default_threads(per_node), run.run_dir)

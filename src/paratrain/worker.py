@@ -51,8 +51,12 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     trainer, clean = None, False
     try:
         trainer = Trainer(cfg, env, run_dir, data_dir, verbose=verbose, strategy_options=options)
-        if should_resume(run_dir, resume):
+        if cfg.dist.nnodes > 1 and trainer.strategy.lockstep and env.world_size > 1:
+            trainer.resume_from_rank0(env.is_main and should_resume(run_dir, resume))  # no shared filesystem
+        elif should_resume(run_dir, resume):
             trainer.restore(latest(run_dir))
+        else:
+            trainer.say_fresh_restart()
         summary = run(trainer) if run is not None else trainer.fit()
         clean = True
         return summary

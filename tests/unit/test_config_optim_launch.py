@@ -9,7 +9,7 @@ import torch
 
 from paratrain import config
 from paratrain.errors import UsageError
-from paratrain.launch import LaunchSpec, build_command
+from paratrain.launch import LaunchSpec, build_command, job_id
 from paratrain.train import checkpoint
 from paratrain.train.optim import LRSchedule, effective_lr_clip, scaling_factor
 
@@ -99,18 +99,31 @@ def test_build_command_single_node_loopback():
     cmd = build_command(LaunchSpec(nproc=2, target=["train.py", "--x", "1"], rdzv_id="abc", python="py"))
     assert cmd[:3] == ["py", "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in cmd and "--rdzv-endpoint=127.0.0.1:0" in cmd and "--local-addr=127.0.0.1" in cmd
-    assert cmd[-3:] == ["train.py", "--x", "1"]
+    assert cmd[-5:] == ["--module", "paratrain.child", "train.py", "--x", "1"]  # the worker dies with its launcher
 
 
-def test_build_command_multi_node_and_module():
+def test_build_command_multi_node_static_rendezvous_honours_node_rank():
     cmd = build_command(LaunchSpec(nproc=4, target=["paratrain.worker", "d"], module=True, nnodes=2, node_rank=1,
-                                   rdzv_endpoint="10.0.0.1:29400", max_restarts=3, rdzv_id="j"))
+                                   rdzv_endpoint="10.0.0.1:29400", max_restarts=3, rdzv_id="j", rdzv_timeout_s=30))
     assert "--nnodes=2" in cmd and "--node-rank=1" in cmd and "--rdzv-endpoint=10.0.0.1:29400" in cmd
-    assert "--max-restarts=3" in cmd and cmd[-3:] == ["--module", "paratrain.worker", "d"]
+    assert "--rdzv-backend=static" in cmd and "--rdzv-conf=timeout=30" in cmd and "--rdzv-id=j" in cmd
+    assert "--max-restarts=3" in cmd and cmd[-5:] == ["--module", "paratrain.child", "-m", "paratrain.worker", "d"]
     from torch.distributed.run import parse_args
 
     args = parse_args(cmd[3:])  # torchrun accepts what we build
-    assert args.nproc_per_node == "4" and args.module
+    assert args.nproc_per_node == "4" and args.module and args.node_rank == 1 and args.rdzv_backend == "static"
+
+
+def test_multi_node_job_id_is_the_same_on_every_node(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("PARATRAIN_JOB_ID", raising=False)
+    node = dict(nproc=1, target=["t.py"], nnodes=2, rdzv_endpoint="127.0.0.2:29400")
+    ids = {job_id(LaunchSpec(node_rank=r, **node)) for r in (0, 1, 0)}  # what each launcher derives
+    assert len(ids) == 1
+    assert job_id(LaunchSpec(node_rank=0, **{**node, "rdzv_endpoint": "127.0.0.2:29401"})) not in ids
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert job_id(LaunchSpec(node_rank=1, **node)) == "slurm-4242"
+    assert job_id(LaunchSpec(node_rank=1, rdzv_id="mine", **node)) == "mine"
 
 
 def test_checkpoint_atomic_keep_and_latest(tmp_path):

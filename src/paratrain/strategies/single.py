@@ -18,7 +18,7 @@ class SingleDevice(Strategy):
         if (dist.nproc, dist.nnodes) != (1, 1):
             raise UsageError(
                 f"dist.strategy = 'single' runs one process, not dist.nproc = {dist.nproc} x dist.nnodes = "
-                f"{dist.nnodes}; set dist.nproc = 1 (--nproc 1) or use dist.strategy = 'allreduce'")
+                f"{dist.nnodes}; use dist.strategy = 'allreduce' (--strategy allreduce), or one process on one node")
 
     @classmethod
     def dist_for_replicas(cls, n: int) -> dict:

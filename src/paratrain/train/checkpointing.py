@@ -54,9 +54,10 @@ class Checkpointer:
                  "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s}
         return checkpoint.save(self.run_dir, state, pos.step, keep=self.keep)
 
-    def restore(self, path: Path) -> Position:
-        """Load model, optimizer, schedule and task state (every rank); return the position."""
-        state = checkpoint.load(path)
+    def restore(self, path: Path, state: dict | None = None) -> Position:
+        """Load model, optimizer, schedule and task state (every rank) from ``path``, or from
+        ``state`` (the loaded contents of ``path``, received from rank 0); return the position."""
+        state = checkpoint.load(path) if state is None else state
         try:
             self.strategy.load_state_dict(state["model"])
         except RuntimeError as e:

@@ -16,6 +16,8 @@ Validation after every epoch (and every ``eval_every`` steps), checkpoints every
 """
 from __future__ import annotations
 
+import os
+
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +38,11 @@ from .bookkeeping import Bookkeeper
 from .checkpointing import Checkpointer, Position
 from .guards import StepGuards
 from .optim import LRSchedule, build_optimizer, effective_lr_clip, scaling_factor
+
+
+def _restart() -> int:
+    """How many times torchrun has restarted this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def seed_step(seed: int, device: torch.device) -> None:
@@ -144,13 +151,38 @@ class Trainer:
         self.watchdog.at(self.pos.step, "checkpoint")
         self.checkpointer.save(self.pos, self.gather)
 
-    def restore(self, path: Path) -> None:
-        """Load model, optimizer, schedule, position and task state (every rank)."""
-        self.pos = self.checkpointer.restore(path)
+    def restore(self, path: Path, state: dict | None = None) -> None:
+        """Load model, optimizer, schedule, position and task state (every rank) from ``path``, or from
+        ``state``, its contents as rank 0 loaded them."""
+        self.pos = self.checkpointer.restore(path, state)
         self.book.start_interval(self.pos)
         p = self.pos
-        self.say(f"resumed from {path.name}: step {p.step}, epoch {p.epoch}, batch {p.batch_index}")
+        restart = _restart()
+        self.say((f"restart {restart} of {self.cfg.dist.max_restarts}: resuming from step {p.step} ({path.name})"
+                  if restart else f"resumed from {path.name}: step {p.step}, epoch {p.epoch}, batch {p.batch_index}"))
         self.book.write("resume", p.step, epoch=p.epoch, batch_index=p.batch_index, checkpoint=path.name)
+
+    def resume_from_rank0(self, wanted: bool) -> None:
+        """Resume every rank from rank 0's newest checkpoint, sent over the process group: nodes
+        without a shared filesystem hold no checkpoint of their own (only rank 0 writes them), and
+        rank 0 alone decides whether there is one to resume (``wanted``: ``should_resume`` there).
+        Every rank must call it."""
+        from .checkpoint import latest, load
+
+        mine = None
+        if self.env.is_main and wanted:
+            path = latest(self.run_dir)
+            mine = (path.name, load(path))
+        name, state = self.strategy.all_gather_object(mine)[0] or (None, None)
+        if state is not None:
+            self.restore(self.run_dir / name, state)
+        else:
+            self.say_fresh_restart()
+
+    def say_fresh_restart(self) -> None:
+        """The line of a restarted group that found no checkpoint (nothing on a first attempt)."""
+        if _restart():
+            self.say(f"restart {_restart()} of {self.cfg.dist.max_restarts}: no checkpoint yet: starting from step 0")
 
     def evaluate(self, split: str) -> float:
         """The task's metrics of a whole split (recorded as ``<split>_<name>``); returns the mean
