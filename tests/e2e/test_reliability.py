@@ -4,6 +4,7 @@ a NaN loss is skipped (counted) or stops the run."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,15 +23,15 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def survivors(marker: str) -> list[str]:
+    """Command lines of live processes (not this test process) that mention ``marker``."""
+    import psutil
+
+    me = os.getpid()
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmd and "pytest" not in cmd:
-                out.append(cmd)
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] != me and marker in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            out.append(cmd)
     return out
 
 

@@ -1,0 +1,111 @@
+"""Process hygiene as a user meets it: workers die with their launcher (even `kill -9`), Ctrl-C and
+SIGTERM end a multi-process run with one line and the conventional exit code, leaving the last
+checkpoint loadable, and `paratrain launch` keeps a worker's own exit code and names the rank that
+failed first."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain.train import checkpoint
+
+from .test_cli import TINY, paratrain
+from .test_reliability import survivors
+
+pytestmark = pytest.mark.slow
+START_UP = 120  # launcher, two workers, torch import and the first steps on a busy 2-core machine
+
+
+def start_long_run(tmp_path: Path, tiny_data: Path, run: str) -> subprocess.Popen:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    cmd = [sys.executable, "-m", "paratrain.cli", "train", "tiny.toml", "--data-dir", str(tiny_data),
+           "--run-dir", str(tmp_path / run), "--set", "train.epochs=1000", "--set", "train.checkpoint_every=3"]
+    return subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for_checkpoints(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
+    """Start-up deadline: until training has written ``n`` checkpoints."""
+    end = time.monotonic() + START_UP
+    while len(checkpoint.list_checkpoints(run_dir)) < n:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < end, "training did not start within the start-up deadline"
+        time.sleep(0.2)
+
+
+def workers_of(run_dir: Path) -> list[str]:
+    return [c for c in survivors(str(run_dir)) if "paratrain.worker" in c and "paratrain.cli" not in c]
+
+
+def test_kill_9_of_the_launcher_ends_every_worker(tmp_path, tiny_data):
+    run_dir = tmp_path / "orphans"
+    p = start_long_run(tmp_path, tiny_data, "orphans")
+    try:
+        wait_for_checkpoints(run_dir, 1, p)
+        assert len(workers_of(run_dir)) == 2
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        end = time.monotonic() + 10  # the behaviour under test: the workers follow their launcher
+        while workers_of(run_dir) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert workers_of(run_dir) == [], "workers outlived their launcher"
+        written = checkpoint.list_checkpoints(run_dir)
+        time.sleep(2)
+        assert checkpoint.list_checkpoints(run_dir) == written  # nobody writes into the run dir any more
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        if survivors(str(run_dir)):
+            subprocess.run(["pkill", "-9", "-f", str(run_dir)])
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_ends_every_process_with_one_line(tmp_path, tiny_data, sig, code):
+    run_dir = tmp_path / "stopped"
+    p = start_long_run(tmp_path, tiny_data, "stopped")
+    try:
+        wait_for_checkpoints(run_dir, 2, p)
+        if sig == signal.SIGINT:
+            os.killpg(p.pid, sig)  # Ctrl-C in a terminal reaches the whole foreground process group
+        else:
+            os.kill(p.pid, sig)  # a scheduler or `kill` signals the launcher
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == code, err[-2000:]
+    # the progress bar is the only other output; the worker's bar may end without a newline
+    said = [ln[ln.index("paratrain:"):] for ln in err.replace("\r", "\n").splitlines() if "paratrain:" in ln]
+    others = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and "step/s" not in ln
+              and "paratrain:" not in ln]
+    assert len(said) == 1 and not others and "Traceback" not in err, err[-3000:]
+    lines = said
+    assert lines[-1].startswith(f"paratrain: {sig.name} received: stopped every worker"), err[-3000:]
+    assert "--resume" in lines[-1] and str(run_dir) in lines[-1]
+    assert workers_of(run_dir) == []
+    last = checkpoint.latest(run_dir)
+    assert checkpoint.load(last)["step"] > 0  # the newest checkpoint is complete and loadable
+
+
+def test_launch_keeps_the_exit_code_and_names_the_first_failure(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import os, sys, time\n"
+                      "import torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "if dist.get_rank() == 1:\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(600)  # rank 0 waits: it is stopped because rank 1 failed\n")
+    t0 = time.monotonic()
+    res = paratrain("launch", "--nproc", 2, script, cwd=tmp_path)
+    assert time.monotonic() - t0 < 120
+    assert res.returncode == 3, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("paratrain:")]
+    assert lines == ["paratrain: rank 1 failed first: exit code 3 (its output is above)",
+                     "paratrain: stopped the other ranks because of it (0)"], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
