@@ -198,6 +198,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     global _RUN_DIR
     run = prepare_run(args)
+    if run.complete:
+        print(f"paratrain: {run.complete}")
+        return 0
     _RUN_DIR = run.run_dir
     return start_run(run)
 

@@ -25,6 +25,8 @@ class PreparedRun:
     run_dir: Path
     data_dir: str | None
     resume: bool
+    complete: str = ""  # a resumed run that has done all its steps: the line to print (nothing is written)
+    lock: object = None  # the open run-dir lock file (see hold)
 
 
 def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict:
@@ -93,6 +95,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
         resume_state = load_checkpoint(latest(run_dir), mmap=True)  # raises when there is none or it cannot be loaded
+        resume_state_name = latest(run_dir).name
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
@@ -103,11 +106,96 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     task = build_task(cfg, args.data_dir, download=True)
     if resume_state is not None:
         _check_checkpoint_fits(task, resume_state, latest(args.resume), config.load(cfg_path), cfg)
+        _check_same_data_layout(config.load(cfg_path), cfg)
     _check_rdzv_port(cfg)
-    run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
-    (run_dir / "config.toml").write_text(config.to_toml(cfg), encoding="utf-8")
+    _check_strict_placement(cfg)
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
-    return PreparedRun(cfg, run_dir, data_dir, args.resume is not None)
+    if resume_state is not None and resume_state["step"] >= total_steps(cfg, task):
+        return PreparedRun(cfg, args.resume, data_dir, True, complete=_completed(args.resume, resume_state["step"]))
+    run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
+    lock = hold(run_dir)  # one run at a time; released when this process ends
+    if resume_state is not None and latest(run_dir).name != resume_state_name:
+        raise UsageError(f"run dir {str(run_dir)!r} changed while this run started; try again")
+    # faults are for the attempt they are given to: never written into the run dir (paratrain.faults)
+    saved = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=""))
+    (run_dir / "config.toml").write_text(config.to_toml(saved), encoding="utf-8")
+    return PreparedRun(cfg, run_dir, data_dir, args.resume is not None, lock=lock)
+
+
+def total_steps(cfg: config.Config, task) -> int:
+    """Optimizer steps of the whole run (``train.epochs`` of the task's steps, capped by ``train.max_steps``)."""
+    full = cfg.train.epochs * task.steps_per_epoch()
+    return min(full, cfg.train.max_steps) if cfg.train.max_steps else full
+
+
+def hold(run_dir: Path):
+    """An exclusive OS lock on ``run_dir/.lock`` for as long as the returned file stays open (this
+    process's life: a killed launcher releases it, and its workers die with it). UsageError when
+    another paratrain run holds it."""
+    import fcntl
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise UsageError(f"run dir {str(run_dir)!r} is in use by another paratrain run (pid {pid}); wait for it to "
+                         f"end, or use another --run-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _completed(run_dir: Path, step: int) -> str:
+    """The line for a resume of a run that has already done all its steps (its summary's numbers)."""
+    import json
+
+    summary = None
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            if '"summary"' in line:
+                try:
+                    summary = json.loads(line)
+                except ValueError:
+                    pass
+    numbers = ""
+    if summary:
+        keys = [k for k in summary if k.startswith(("valid_", "test_")) and isinstance(summary[k], (int, float))]
+        numbers = ": " + ", ".join(f"{k} {summary[k]:.4g}" for k in keys)
+    return f"run dir {run_dir} is complete (step {step}){numbers}; nothing to do (raise train.max_steps or train.epochs to train on)"
+
+
+_LAYOUT_FREE = {"data.eval_batch_size", "data.eval_fraction"}  # keys that do not move the training data position
+
+
+def _check_same_data_layout(old: config.Config, new: config.Config) -> None:
+    """A resume keeps the data position as a batch index: a change of the global batch or of the data
+    layout would silently skip or repeat data, so it is refused."""
+    a, b = config.to_dict(old), config.to_dict(new)
+    changed = [f"data.{k}" for k in sorted(set(a["data"]) | set(b["data"])) if a["data"].get(k) != b["data"].get(k)]
+    changed += ["train.batch_size"] if old.train.batch_size != new.train.batch_size else []
+    changed = [k for k in changed if k not in _LAYOUT_FREE]
+    if changed:
+        raise UsageError(f"--resume cannot change {', '.join(changed)}: the checkpoint's data position is a batch "
+                         f"index in the old layout (data would be skipped or repeated); drop the override, or "
+                         f"start a new run with --run-dir")
+
+
+def _check_strict_placement(cfg: config.Config) -> None:
+    """Under --strict-placement every named device must exist, checked before anything is written."""
+    if not cfg.dist.strict_placement:
+        return
+    from .devices import resolve, resolve_list
+
+    if cfg.dist.devices:
+        resolve_list(cfg.dist.devices, strict=True)
+    for _, device in cfg.placement:
+        resolve(device, strict=True)
 
 
 def build_task(cfg: config.Config, data_dir: str | None, download: bool = False, rank: int = 0):
@@ -177,7 +265,7 @@ def _new_run_dir(requested: Path | None, name: str) -> Path:
         while requested.exists():
             requested = requested.with_name(f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{i}")
             i += 1
-    if requested.exists() and (not requested.is_dir() or any(requested.iterdir())):
+    if requested.exists() and (not requested.is_dir() or any(p.name != ".lock" for p in requested.iterdir())):
         raise UsageError(f"run dir {str(requested)!r} already exists and is not empty; "
                          f"choose a new --run-dir, or continue it with --resume {requested}")
     requested.mkdir(parents=True, exist_ok=True)
@@ -196,6 +284,7 @@ def start_run(run: PreparedRun) -> int:
 
     if cfg.dist.visible_devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.dist.visible_devices
+    os.environ["PARATRAIN_FAULT"] = cfg.dist.fault  # this attempt's faults (config.toml never holds them)
     if STRATEGIES[cfg.dist.strategy].in_process and not cfg.dist.max_restarts:  # restarts need torchrun's agent
         from .worker import train_worker
 

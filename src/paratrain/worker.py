@@ -33,6 +33,15 @@ def process_settings(cfg: config.Config, **overrides):
                            timeout_s=cfg.train.timeout_s, options=STRATEGIES[d.strategy].options(cfg), **overrides)
 
 
+def with_faults(cfg: config.Config) -> config.Config:
+    """``cfg`` with this attempt's ``--fault`` list, which the launcher passes in ``$PARATRAIN_FAULT``
+    (faults are never written into a run dir, so a ``--resume`` does not fire them again)."""
+    import dataclasses
+
+    fault = os.environ.get("PARATRAIN_FAULT", "")
+    return dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=fault)) if fault else cfg
+
+
 def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = None, run=None, verbose: bool = True,
                  **settings) -> dict | None:
     """Join the job of the run in ``run_dir`` and train as this process' rank; returns the summary
@@ -43,7 +52,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     from .train import Trainer
     from .train.checkpoint import latest, should_resume
 
-    cfg = config.load(run_dir / "config.toml")
+    cfg = with_faults(config.load(run_dir / "config.toml"))
     env, options = STRATEGIES[cfg.dist.strategy].init_process(process_settings(cfg, **settings))
     if env is None:  # a server of a parameter-server job: it served until every worker was done
         shutdown()

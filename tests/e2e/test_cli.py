@@ -137,16 +137,6 @@ def test_replicate_towers_and_placement_log(tiny_data, tmp_path):
     assert summary["strategy"] == "replicate" and summary["per_replica_batch"] == 2 and summary["peak_memory_mb"] > 0
 
 
-def test_strict_placement_error_lists_devices(tiny_data, tmp_path):
-    (tmp_path / "tiny.toml").write_text(TINY)
-    res = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cuda:7,cuda:8", "--strict-placement",
-                    "--run-dir", "r", "--data-dir", tiny_data, "--set", "train.max_steps=2", cwd=tmp_path)
-    if res.returncode == 0:
-        pytest.skip("this machine has 9 GPUs")
-    assert res.returncode == 2 and "does not exist (strict placement); devices here: cpu" in res.stderr
-    assert "Traceback" not in res.stderr
-
-
 def test_model_parallel_recipe_runs(real_data, tmp_path):
     res = paratrain("train", REPO / "configs" / "ptb_small_mp.toml", "--log-placement", "--run-dir", "mp",
                     "--data-dir", real_data, "--set", "train.max_steps=5", "--set", "data.eval_fraction=0.02",

@@ -1,0 +1,108 @@
+"""Run directories and resume as a user meets them: one run at a time holds a run dir, a finished
+run is not trained again, a resume that would move the data position is refused, faults are not
+written into a run dir, and a refused start writes nothing."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.train import checkpoint
+
+from .test_cli import TINY, paratrain
+from .test_processes import START_UP, wait_for_checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    """Every file of a run dir with its content digest."""
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_second_run_on_a_held_run_dir_is_refused(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    short = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "held", "--set", "train.max_steps=4",
+                      cwd=tmp_path)
+    assert short.returncode == 0, short.stderr[-2000:]
+    run_dir = tmp_path / "held"
+    first = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--resume", str(run_dir), "--data-dir",
+                              str(tiny_data), "--set", "train.max_steps=100000"], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_checkpoints(run_dir, 2, first)  # the first resume is training
+        config_before = (run_dir / "config.toml").read_bytes()
+        second = paratrain("train", "--resume", run_dir, "--data-dir", tiny_data, "--set", "train.lr=7.0",
+                           cwd=tmp_path)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert second.stderr.strip().splitlines() == [
+            f"paratrain: error: run dir {str(run_dir)!r} is in use by another paratrain run (pid {first.pid}); "
+            f"wait for it to end, or use another --run-dir"]
+        assert (run_dir / "config.toml").read_bytes() == config_before  # the first run's settings stand
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def test_resuming_a_finished_run_writes_nothing(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    done = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "done", "--set", "train.max_steps=6",
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = snapshot(tmp_path / "done")
+    again = paratrain("train", "--resume", "done", "--data-dir", tiny_data, "--set", "train.max_steps=6", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.startswith("paratrain: run dir done is complete (step 6): valid_loss ")
+    assert "test_ppl" in again.stdout
+    assert snapshot(tmp_path / "done") == before
+
+
+@pytest.mark.parametrize("change", ["train.batch_size=8", "data.bptt=7"])
+def test_resume_that_would_move_the_data_position_is_refused(tmp_path, tiny_data, change):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    part = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "part", "--set", "train.max_steps=4",
+                     cwd=tmp_path)
+    assert part.returncode == 0, part.stderr[-2000:]
+    before = snapshot(tmp_path / "part")
+    r = paratrain("train", "--resume", "part", "--data-dir", tiny_data, "--set", change, "--set",
+                  "train.max_steps=8", cwd=tmp_path)
+    assert r.returncode == 2
+    key = change.split("=")[0]
+    assert r.stderr.strip().splitlines() == [
+        f"paratrain: error: --resume cannot change {key}: the checkpoint's data position is a batch index in the "
+        f"old layout (data would be skipped or repeated); drop the override, or start a new run with --run-dir"]
+    assert snapshot(tmp_path / "part") == before
+
+
+def test_faults_are_never_written_and_do_not_fire_again_on_resume(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    killed = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "f", "--set", "train.max_steps=12",
+                       "--fault", "kill:rank=1:step=9", cwd=tmp_path)
+    assert killed.returncode != 0 and "fault injection: SIGKILL after 9 steps" in killed.stdout + killed.stderr
+    assert "fault" not in (tmp_path / "f" / "config.toml").read_text().replace("fault = \"\"", "")
+    resumed = paratrain("train", "--resume", "f", "--data-dir", tiny_data, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "fault injection" not in resumed.stdout + resumed.stderr
+    assert checkpoint.load(checkpoint.latest(tmp_path / "f"))["step"] == 12
+
+
+def test_a_refused_start_writes_nothing(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    env_cpu_only = {"CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", "tiny.toml", "--strategy", "replicate",
+                          "--devices", "cuda:0,cuda:1", "--strict-placement", "--run-dir", "r", "--data-dir",
+                          str(tiny_data)], cwd=tmp_path, env={**os.environ, **env_cpu_only}, capture_output=True,
+                         text=True, timeout=START_UP)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [
+        "paratrain: error: device 'cuda:0' does not exist (strict placement); devices here: cpu"]
+    assert not (tmp_path / "r").exists()
+    again = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cpu:0,cpu:1", "--run-dir", "r",
+                      "--data-dir", tiny_data, "--set", "train.max_steps=2", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]  # the same --run-dir is free to use
