@@ -94,8 +94,8 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         cfg_path = run_dir / "config.toml"
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
-        resume_state = load_checkpoint(latest(run_dir), mmap=True)  # raises when there is none or it cannot be loaded
-        resume_state_name = latest(run_dir).name
+        newest = latest(run_dir)  # passes over a damaged newest checkpoint with a warning; raises when none loads
+        resume_state, resume_state_name = load_checkpoint(newest, mmap=True), newest.name
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
@@ -105,7 +105,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     cfg.check_world()
     task = build_task(cfg, args.data_dir, download=True)
     if resume_state is not None:
-        _check_checkpoint_fits(task, resume_state, latest(args.resume), config.load(cfg_path), cfg)
+        _check_checkpoint_fits(task, resume_state, args.resume / resume_state_name, config.load(cfg_path), cfg)
         _check_same_data_layout(config.load(cfg_path), cfg)
     _check_rdzv_port(cfg)
     _check_strict_placement(cfg)
@@ -114,7 +114,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         return PreparedRun(cfg, args.resume, data_dir, True, complete=_completed(args.resume, resume_state["step"]))
     run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
     lock = hold(run_dir)  # one run at a time; released when this process ends
-    if resume_state is not None and latest(run_dir).name != resume_state_name:
+    if resume_state is not None and latest(run_dir, warn=lambda m: None).name != resume_state_name:
         raise UsageError(f"run dir {str(run_dir)!r} changed while this run started; try again")
     # faults are for the attempt they are given to: never written into the run dir (paratrain.faults)
     saved = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=""))

@@ -63,7 +63,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
         if cfg.dist.nnodes > 1 and trainer.strategy.lockstep and env.world_size > 1:
             trainer.resume_from_rank0(env.is_main and should_resume(run_dir, resume))  # no shared filesystem
         elif should_resume(run_dir, resume):
-            trainer.restore(latest(run_dir))
+            trainer.restore(latest(run_dir, warn=lambda m: None))  # the launcher warned
         else:
             trainer.say_fresh_restart()
         summary = run(trainer) if run is not None else trainer.fit()

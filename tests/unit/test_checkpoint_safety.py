@@ -75,3 +75,48 @@ def test_crafted_pickle_is_refused(tmp_path):
     torch.save({"model": {}, "x": _Boom()}, path, pickle_protocol=pickle.DEFAULT_PROTOCOL)
     with pytest.raises(UsageError, match="cannot be loaded"):
         checkpoint.load(path)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path):
+    for step in (1, 2):
+        checkpoint.save(tmp_path, {"model": {"w": torch.full((3,), float(step))}}, step)
+    newest = tmp_path / "checkpoint-00000002.pt"
+    newest.write_bytes(newest.read_bytes()[:50])  # truncated by a full disk, say
+    said = []
+    assert checkpoint.latest(tmp_path, warn=said.append).name == "checkpoint-00000001.pt"
+    assert len(said) == 1 and "checkpoint-00000002.pt" in said[0] and "resuming from checkpoint-00000001.pt" in said[0]
+    (tmp_path / "checkpoint-00000001.pt").write_bytes(b"junk")
+    with pytest.raises(UsageError, match="checkpoint-00000002.pt"):  # none loads: the newest one's error
+        checkpoint.latest(tmp_path, warn=said.append)
+
+
+def test_the_checkpoint_is_renamed_before_its_sidecar_and_the_folder_is_synced(tmp_path, monkeypatch):
+    events = []
+    real_replace, real_fsync_dir = os.replace, checkpoint._fsync_dir
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("rename", os.path.basename(b))),
+                                                                  real_replace(a, b)))
+    monkeypatch.setattr(checkpoint, "_fsync_dir", lambda d: (events.append(("fsync", str(d))), real_fsync_dir(d)))
+    checkpoint.save(tmp_path, {"model": {"w": torch.zeros(2)}}, 7)
+    assert events == [("rename", "checkpoint-00000007.pt"), ("rename", "checkpoint-00000007.pt.sha256"),
+                      ("fsync", str(tmp_path))]
+    # a kill between the two renames leaves a complete checkpoint without a sidecar: it loads
+    checkpoint.checksum_path(tmp_path / "checkpoint-00000007.pt").unlink()
+    assert checkpoint.latest(tmp_path).name == "checkpoint-00000007.pt"
+    assert checkpoint.load(tmp_path / "checkpoint-00000007.pt")["step"] == 7
+
+
+def test_a_step_is_saved_once(tmp_path):
+    from types import SimpleNamespace
+
+    from paratrain.train.checkpointing import Checkpointer, Position
+
+    model = torch.nn.Linear(2, 2)
+    strategy = SimpleNamespace(module=model, state_dict=model.state_dict, optimizer_state_dict=lambda: {})
+    task = SimpleNamespace(state_dict=lambda gather: {})
+    schedule = SimpleNamespace(state_dict=lambda: {})
+    saver = Checkpointer(tmp_path, strategy, task, schedule, keep=3, is_main=True)
+    pos = Position(step=4, epoch=2, batch_index=0)
+    assert saver.save(pos, None) is not None  # the checkpoint_every save of step 4
+    first = (tmp_path / "checkpoint-00000004.pt").stat().st_mtime_ns
+    assert saver.save(pos, None) is None  # the epoch end at the same step: not written again
+    assert (tmp_path / "checkpoint-00000004.pt").stat().st_mtime_ns == first

@@ -50,6 +50,20 @@ def _fsync_write(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_dir(folder: Path) -> None:
+    """fsync a directory so that renames into it are durable (POSIX; a no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def sha256_of(path: Path) -> str:
     """Hex sha256 of a file's bytes."""
     with open(path, "rb") as f:
@@ -71,6 +85,7 @@ def atomic_torch_save(obj, path: Path) -> None:
     try:
         _fsync_write(Path(tmp), lambda f: torch.save(obj, f))
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         Path(tmp).unlink(missing_ok=True)
 
@@ -78,10 +93,12 @@ def atomic_torch_save(obj, path: Path) -> None:
 def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
     """Write ``state`` as ``checkpoint-<step>.pt`` with its sha256 sidecar; keep the newest ``keep``.
 
-    Order (each file written to a temp name, fsynced, renamed): checkpoint temp, checksum
-    of it, sidecar, checkpoint. A process killed at any point leaves either no new
-    checkpoint or a complete one with its checksum (a checkpoint file is never visible
-    half-written). Rank 0 only. Returns the path written.
+    Order (each file written to a temp name and fsynced): the checkpoint is renamed into place
+    first, then its sidecar, then the directory is fsynced so that both renames survive a power
+    loss. A process killed at any point leaves the previous checkpoints as they were and the new
+    one either absent, complete without its sidecar (loadable; it is then checked by unpickling),
+    or complete with it. A step is saved once (no second save overwrites a checkpoint under its
+    sidecar). Rank 0 only. Returns the path written.
     """
     run_dir = Path(run_dir)
     path = run_dir / f"checkpoint-{step:08d}.pt"
@@ -93,8 +110,10 @@ def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
         _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
         digest = sha256_of(Path(tmp))
         _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
-        os.replace(side_tmp, checksum_path(path))
+        checksum_path(path).unlink(missing_ok=True)  # a stale sidecar must never describe the new file
         os.replace(tmp, path)
+        os.replace(side_tmp, checksum_path(path))
+        _fsync_dir(run_dir)
     finally:
         for t in (Path(tmp), side_tmp):
             t.unlink(missing_ok=True)
@@ -113,14 +132,29 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest(run_dir: Path) -> Path:
-    """The newest checkpoint; UsageError if there is none."""
+def latest(run_dir: Path, warn=None) -> Path:
+    """The newest checkpoint that loads and matches its checksum. A damaged newer one (truncated,
+    checksum mismatch) is passed over with ``warn(line)`` (default: a line on stderr). UsageError if
+    there is none, or none loads (the newest one's error)."""
+    import sys
+
     found = list_checkpoints(run_dir)
     if not found:
         raise UsageError(
             f"resume dir {str(run_dir)!r} has no checkpoint-*.pt; give a run dir written by paratrain train"
         )
-    return found[-1]
+    first_error = None
+    for path in reversed(found):
+        try:
+            load(path, mmap=True)
+        except UsageError as e:
+            first_error = first_error or e
+            continue
+        if first_error is not None:
+            line = f"paratrain: warning: {first_error}; resuming from {path.name}, the newest checkpoint that loads"
+            (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
+        return path
+    raise first_error
 
 
 def should_resume(run_dir: Path, resume: bool) -> bool:
@@ -141,12 +175,14 @@ def load(path: Path, mmap: bool = False) -> dict:
         want = side.read_text().split()[0] if side.read_text().strip() else ""
         if sha256_of(Path(path)) != want:
             raise UsageError(f"checkpoint {str(path)!r} does not match its checksum ({side.name}): the file is "
-                             f"damaged; delete it to resume from the previous checkpoint")
+                             f"damaged")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, crafted pickle, not a checkpoint
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({first[:160]}); resume from another run dir") from None
+        first = first if len(first) <= 160 else first[:157].rsplit(" ", 1)[0] + " ..."
+        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({first}): it is truncated or not a "
+                         f"checkpoint") from None
     if not isinstance(state, dict) or "model" not in state:
         raise UsageError(f"checkpoint {str(path)!r} is not a paratrain checkpoint (no 'model' key)")
     if state.get("format", FORMAT) > FORMAT:

@@ -37,6 +37,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, strategy, task, schedule, keep: int, is_main: bool) -> None:
         self.run_dir, self.strategy, self.task, self.schedule = Path(run_dir), strategy, task, schedule
         self.keep, self.is_main = keep, is_main
+        self.last_saved = -1
 
     def save(self, pos: Position, gather) -> Path | None:
         """Write ``checkpoint-<step>.pt`` (rank 0). ``gather``: the task state's all-reduce over the
@@ -47,8 +48,9 @@ class Checkpointer:
         if bad:  # every rank holds the same parameters: all stop; never write a checkpoint one cannot resume from
             raise TrainingStopped(f"parameters {bad[:3]} are not finite at step {pos.step}; no checkpoint "
                                   f"written, the previous one is kept")
-        if not self.is_main:
+        if not self.is_main or pos.step == self.last_saved:  # an epoch end on a checkpoint_every step: once
             return None
+        self.last_saved = pos.step
         state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
                  "schedule": self.schedule.state_dict(), "epoch": pos.epoch, "batch_index": pos.batch_index,
                  "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s}

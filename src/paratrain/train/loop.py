@@ -171,7 +171,7 @@ class Trainer:
 
         mine = None
         if self.env.is_main and wanted:
-            path = latest(self.run_dir)
+            path = latest(self.run_dir, warn=lambda m: None)  # the launcher warned
             mine = (path.name, load(path))
         name, state = self.strategy.all_gather_object(mine)[0] or (None, None)
         if state is not None:
