@@ -97,7 +97,9 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     if bug == "overlap-shards":  # every rank reads rank 0's shard
         trainer.task = tasks.build(cfg.task.entry, cfg.task_section(), dataclasses.replace(trainer.task_env, rank=0))
     if bug == "same-dropout":  # the dropout seed forgets the rank
-        trainer.dropout_seed = lambda step: cfg.train.seed * 1_000_003 + step
+        from .train.loop import stream_seed
+
+        trainer.dropout_seed = lambda step: stream_seed(cfg.train.seed, 0, step)
     _no_dropout(s.module)
     task = trainer.task
     if bug == "sum-loss":  # each replica's loss multiplied by the replicas: summed, not averaged

@@ -45,6 +45,17 @@ def _restart() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def stream_seed(seed: int, rank: int, step: int, tower: int = 0) -> int:
+    """A 63-bit seed for the random numbers of (``seed``, ``rank``, ``tower``, ``step``): a
+    cryptographic hash of the four, so no two (rank, tower, step) share or shift into each other's
+    stream (a linear formula such as ``seed*K + rank*R + step`` makes rank r at step s reuse rank r-1's
+    masks of step s+R)."""
+    import hashlib
+
+    key = f"{seed}:{rank}:{tower}:{step}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
 def seed_step(seed: int, device: torch.device) -> None:
     """Seed the generators a step draws from (dropout masks): the CPU one, and the device's on CUDA.
     Not ``torch.manual_seed``: without a started CUDA it records a stack trace for lazy CUDA seeding
@@ -127,7 +138,7 @@ class Trainer:
     def dropout_seed(self, step: int) -> int:
         """Seed of step ``step``'s random numbers (dropout masks): a function of (seed, rank, step)
         only, so ranks draw different masks and a resumed run draws the same ones (no RNG state to save)."""
-        return self.cfg.train.seed * 1_000_003 + self.env.rank * 7919 + step
+        return stream_seed(self.cfg.train.seed, self.env.rank, step)
 
     def say(self, msg: str) -> None:
         if self.env.is_main and self.verbose:
