@@ -98,9 +98,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between validations; 0 = only at epoch end
     timing_warmup_steps: int = 5  # steps left out of the step-time breakdown in the summary
     on_nonfinite: str = "skip"  # NaN/Inf loss or gradient: skip the step (counted) | stop the run
+    max_nonfinite_steps: int = 10  # consecutive skipped steps after which the run stops (it cannot recover)
 
     def __post_init__(self) -> None:
-        for key in ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints"):
+        for key in ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
             check_at_least("train", key, getattr(self, key), 1)
         for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
                     "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps"):

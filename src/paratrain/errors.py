@@ -19,4 +19,9 @@ class DataError(UsageError):
 
 
 class TrainingStopped(Exception):
-    """The run was stopped by a check; the message names the rank(s), the step and the cause."""
+    """The run was stopped by a check; the message names the rank(s), the step and the cause.
+    ``every_rank``: every rank reached the same decision (a collective check), so rank 0 alone says it."""
+
+    def __init__(self, message: str, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank

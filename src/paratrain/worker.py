@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {rank}] paratrain: error: {e}", file=sys.stderr, flush=True)
         return 2
     except TrainingStopped as e:
-        print(f"[rank {rank}] paratrain: stopped: {e}", file=sys.stderr, flush=True)
+        if rank == 0 or not e.every_rank:
+            print(f"[rank {rank}] paratrain: stopped: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
 

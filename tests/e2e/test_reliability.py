@@ -79,3 +79,21 @@ def test_nan_loss_is_skipped_or_stops(tmp_path, tiny_data):
     assert r.returncode != 0
     assert "non-finite loss on rank(s) [0] at step 5" in r.stderr
     assert max(int(p.stem.split("-")[1]) for p in (tmp_path / "stop").glob("checkpoint-*.pt")) <= 4
+
+
+def test_a_run_that_cannot_recover_stops_and_divergence_is_warned(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    huge = ("--set", "train.lr=3e38", "--set", "train.clip=0.0", "--set", "train.max_steps=40",
+            "--set", "train.max_nonfinite_steps=5", "--set", "train.dtype=\"float32\"")
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "dead", *huge, cwd=tmp_path)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if "paratrain: stopped:" in ln]  # rank 0 alone says it
+    assert len(lines) == 1 and "5 steps in a row were skipped" in lines[0] and "cannot recover" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert len(records(tmp_path / "dead", "nonfinite")) == 5
+    # finite but exploding: a warning, once
+    big = ("--set", "train.lr=1e30", "--set", "train.clip=0.0", "--set", "train.max_steps=40",
+           "--set", "train.dtype=\"float32\"")
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "big", *big, cwd=tmp_path)
+    said = (r.stdout + r.stderr).count("warning: the loss is diverging")
+    assert said == 1, (r.stdout + r.stderr)[-3000:]

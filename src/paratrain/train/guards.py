@@ -28,7 +28,11 @@ class StepGuards:
         self.faults = parse(cfg.dist.fault)
         self.slow_s = cfg.dist.slow_ms / 1000 if env.rank == cfg.dist.slow_rank else 0.0
         self.on_nonfinite = cfg.train.on_nonfinite
-        self.nonfinite_steps = 0
+        self.max_in_a_row = cfg.train.max_nonfinite_steps
+        self.nonfinite_steps = 0  # all skipped steps of this attempt
+        self.in_a_row = 0  # skipped steps since the last update
+        self.first_loss: float | None = None
+        self.warned_divergence = False
 
     def before_step(self, step: int) -> tuple[list, bool]:
         """Straggler delay (a ``compute`` span) and injected faults before step ``step`` (0-based).
@@ -50,9 +54,30 @@ class StepGuards:
             flags = self.reduce(flags, "sum")
         ranks = [int(r) for r in torch.nonzero(flags).flatten().tolist()]
         self.nonfinite_steps += 1
+        self.in_a_row += 1
         what = f"non-finite loss on rank(s) {ranks}" if ranks else "non-finite gradient (losses finite)"
         self.book.write("nonfinite", step, ranks=ranks, action=self.on_nonfinite, count=self.nonfinite_steps)
         if self.on_nonfinite == "stop":
             raise TrainingStopped(f"{what} at step {step}; the parameters are unchanged since the last step "
-                                  f"(use --on-nonfinite skip to skip such steps)")
+                                  f"(use --on-nonfinite skip to skip such steps)", every_rank=self.reduce is not None)
+        if self.in_a_row >= self.max_in_a_row:
+            raise TrainingStopped(f"{self.in_a_row} steps in a row were skipped ({what}, the last at step {step}): "
+                                  f"the run cannot recover; lower train.lr or train.clip and resume from the last "
+                                  f"checkpoint (train.max_nonfinite_steps = {self.max_in_a_row})",
+                                  every_rank=self.reduce is not None)
         self.say(f"{what} at step {step}: update skipped ({self.nonfinite_steps} so far)")
+
+    def finite(self, step: int, local_loss: torch.Tensor) -> None:
+        """Step ``step`` made an update: reset the run of skipped steps; warn once when the loss is
+        finite but 100 times its first value (divergence). Reads the loss every 10th step only (a
+        device sync on GPU)."""
+        self.in_a_row = 0
+        if self.warned_divergence or (step % 10 and self.first_loss is not None):
+            return
+        loss = float(local_loss)
+        if self.first_loss is None:
+            self.first_loss = abs(loss) or 1.0
+        elif abs(loss) > 100 * self.first_loss:
+            self.warned_divergence = True
+            self.say(f"warning: the loss is diverging (rank {self.env.rank}: {loss:.3g} at step {step}, "
+                     f"{self.first_loss:.3g} at the start); lower train.lr or set train.clip")

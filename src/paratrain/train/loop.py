@@ -248,6 +248,8 @@ class Trainer:
                 res = s.train_step(step.micro_batches, self._loss_fn(step.global_count, poison), self.clip)
                 if res.skipped:
                     self.guards.nonfinite(pos.step, res.loss)
+                else:
+                    self.guards.finite(pos.step, res.loss)
                 pos.step, pos.batch_index, pos.units = pos.step + 1, pos.batch_index + 1, pos.units + step.global_count
                 if bar is not None:
                     bar.update(1)
