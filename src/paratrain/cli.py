@@ -216,12 +216,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
     if not args.module and not Path(args.script).is_file():
         raise UsageError(f"script {args.script!r} does not exist; give the path of a Python file (or -m MODULE)")
-    nnodes = args.nnodes or 1
-    if nnodes > 1 and not args.rdzv_endpoint:
+    from .cluster import slurm_dist, slurm_task_env
+
+    given = any(getattr(args, k) is not None for k in ("nnodes", "node_rank", "rdzv_endpoint"))
+    task_env = {} if given else slurm_task_env()  # srun started one task per worker: be that worker
+    slurm = {} if given or task_env else slurm_dist()  # inside a Slurm step: no rendezvous flags needed
+    nnodes = args.nnodes or slurm.get("nnodes", 1)
+    if nnodes > 1 and not (args.rdzv_endpoint or slurm):
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0")
-    dist = {"strategy": args.strategy or default_for(args.nproc * nnodes),
-            "nproc": args.nproc, "nnodes": nnodes, "node_rank": args.node_rank or 0,
-            "rdzv_endpoint": args.rdzv_endpoint or "", "max_restarts": args.max_restarts}
+    dist = {"strategy": args.strategy or default_for(args.nproc * nnodes), **slurm,
+            "nproc": args.nproc, "nnodes": nnodes, "node_rank": args.node_rank or slurm.get("node_rank", 0),
+            "rdzv_endpoint": args.rdzv_endpoint or slurm.get("rdzv_endpoint", ""), "max_restarts": args.max_restarts}
     for key in ("num_ps", "backup_workers", "max_staleness", "devices", "rdzv_id", "rdzv_timeout_s"):
         if getattr(args, key) is not None:
             dist[key] = getattr(args, key)
@@ -241,6 +246,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     for key, value in cls.launch_env.items():
         os.environ.setdefault(key, value)
     per_node = cls.processes_per_node(cfg.dist)
+    if task_env:
+        threads = args.threads or default_threads(int(task_env["LOCAL_WORLD_SIZE"]))
+        os.environ.update(task_env, OMP_NUM_THREADS=str(threads))
+        target = ["-m", args.script] if args.module else [args.script]
+        os.execv(sys.executable, [sys.executable, "-m", "paratrain.child", *target, *args.script_args])
     d = cfg.dist
     spec = launch.LaunchSpec(nproc=per_node, target=[args.script, *args.script_args], module=args.module,
                              nnodes=d.nnodes, node_rank=d.node_rank, rdzv_endpoint=d.rdzv_endpoint,

@@ -137,17 +137,27 @@ def run(cmd: list[str], threads_per_process: int | None = None, run_dir=None) ->
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun(args)
-    except ChildFailedError as e:
+    except (ChildFailedError, SignalException, DistError, RendezvousError):
+        if sys.stderr.isatty():  # a worker's progress bar may have been cut mid-line
+            sys.stderr.write("\n")
+        return _report(sys.exc_info()[1], args, run_dir)
+    return 0
+
+
+def _report(e: BaseException, args, run_dir) -> int:
+    """One line per cause for how the job ended (see :func:`run`); returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(e, ChildFailedError):
         return _report_failures(e.failures)
-    except SignalException as e:
+    if isinstance(e, SignalException):
         code = 128 + int(e.sigval)
         print(f"paratrain: {signal.Signals(e.sigval).name} received: stopped every worker (exit {code})"
               f"{_last_checkpoint(run_dir)}", file=sys.stderr)
         return code
-    except (DistError, RendezvousError) as e:
-        print(f"paratrain: {_rendezvous_failure(args, e)}", file=sys.stderr)
-        return 2
-    return 0
+    print(f"paratrain: {_rendezvous_failure(args, e)}", file=sys.stderr)  # the nodes never formed a job
+    return 2
 
 
 def _last_checkpoint(run_dir) -> str:

@@ -32,7 +32,11 @@ class PreparedRun:
 def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict:
     from .strategies import STRATEGIES, default_for
 
-    dist: dict = {}
+    from .cluster import slurm_dist
+
+    # inside a Slurm step: nodes, node rank and rendezvous from SLURM_* unless given as flags
+    given = any(getattr(args, k, None) is not None for k in ("nnodes", "node_rank", "rdzv_endpoint"))
+    dist: dict = {} if given else slurm_dist()
     if args.nproc is not None:
         if args.nproc < 1:
             raise UsageError(f"--nproc {args.nproc} is not allowed; use --nproc 1 or more")
@@ -46,7 +50,7 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             dist["nproc"] = 1
     elif args.nproc is not None and base_strategy in (None, default_for(1), default_for(2)):
         # --nproc alone picks the process layout: one process is the reference, several the default
-        dist["strategy"] = default_for(args.nproc * (getattr(args, "nnodes", None) or 1))
+        dist["strategy"] = default_for(args.nproc * (getattr(args, "nnodes", None) or dist.get("nnodes", 1)))
     for flag in ("staleness_lr", "strict_placement", "log_placement", "expandable_segments"):
         if getattr(args, flag, False):
             dist[flag] = True

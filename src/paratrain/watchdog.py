@@ -6,9 +6,11 @@ is missing. Each rank therefore posts its position -- (step, phase, operation) -
 into the job's c10d store (the torchrun TCPStore) from a daemon thread once per
 ``interval_s``; the training thread only assigns two attributes per step. When a
 collective fails, :meth:`Watchdog.diagnose` reads every rank's last post and names
-the ranks behind this one (or silent: a dead process posts nothing), the step and
-the operation, e.g. ``rank 1 did not arrive at the gradient all-reduce of step 20
-within timeout_s=30 (rank 1 is at step 20, before the step, last post 0.4 s ago)``.
+the ranks that are gone (a process that exited: its pid is gone on this host; or a
+peer whose heartbeats stopped: connection lost), e.g. ``rank 1 exited at step 50
+(gradient all-reduce; process 4242 is gone)``, else the ranks that are late (alive,
+behind this one), e.g. ``rank 1 did not arrive at the gradient all-reduce of step 20
+within timeout_s=30 (rank 1 is at step 20, before the step, alive)``.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ PHASES = {"before the step": 0, "gradient all-reduce": 1, "logging all-reduce": 
           "checkpoint": 3, "start": -1}
 
 
-def is_comm_failure(e: BaseException) -> bool:
-    """True for the errors a collective raises when a peer is missing (timeout) or gone."""
-    text = str(e).lower()
-    return any(k in text for k in ("timed out", "timeout", "connection closed", "connection reset",
-                                   "pair closure", "broken pipe", "no route"))
+def is_backend_error(e: BaseException) -> bool:
+    """torch's own distributed error types (c10d ``DistError`` and its subclasses: backend, network,
+    store, queue-empty). gloo raises a plain RuntimeError for a lost peer or a timed-out collective,
+    so for those the watchdog decides from facts (heartbeats, processes), not from the message."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistError)
 
 
 class Watchdog:
@@ -62,7 +66,10 @@ class Watchdog:
         self.step, self.op = step, op
 
     def _post(self) -> None:
-        self.store.set(str(self.rank), json.dumps({"step": self.step, "op": self.op, "t": time.time()}))
+        import socket
+
+        self.store.set(str(self.rank), json.dumps({"step": self.step, "op": self.op, "t": time.time(),
+                                                   "pid": os.getpid(), "host": socket.gethostname()}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -82,33 +89,51 @@ class Watchdog:
                 out[r] = None
         return out
 
-    def diagnose(self, error: BaseException) -> str:
-        """One sentence: which ranks did not arrive at this rank's operation, and where they are."""
+    def diagnose(self, error: BaseException) -> str | None:
+        """One sentence for a failed collective: the ranks that are gone (their process exited, or
+        their heartbeats stopped: connection lost), else the ranks that are late (alive, behind this
+        one), else a backend failure although every rank arrived. None when no peer is gone or late
+        and ``error`` is not one of torch's distributed error types (then it is not a communication
+        failure: the caller re-raises it). Waits up to ~3 heartbeat intervals to tell gone from late."""
+        import socket
+
+        import psutil
+
         where = f"the {self.op} of step {self.step}"
+        first = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
         if self.store is None:
-            return f"{where} failed ({str(error).strip().splitlines()[-1][:160]})"
-        me = (self.step, PHASES.get(self.op, 0))
-        now, late, notes = time.time(), [], []
-        for r, pos in self.positions().items():
+            return f"{where} failed ({first})" if is_backend_error(error) else None
+        me, host = (self.step, PHASES.get(self.op, 0)), socket.gethostname()
+        before = self.positions()
+        time.sleep(3 * self.interval_s)  # a live peer posts again meanwhile; a dead one cannot
+        now, after = time.time(), self.positions()
+        gone, late = [], []
+        for r in range(self.world_size):
             if r == self.rank:
                 continue
+            pos, old = after.get(r), before.get(r)
             if pos is None:
-                late.append(r)
-                notes.append(f"rank {r} never reported")
+                gone.append(f"rank {r} never reported (it did not start or could not reach the store)")
                 continue
-            age = now - pos["t"]
-            behind = (pos["step"], PHASES.get(pos["op"], 0)) < me
-            silent = age > max(5 * self.interval_s, 5.0)
-            if behind or silent:
-                late.append(r)
-                state = "silent (process gone?)" if silent else "alive"
-                notes.append(f"rank {r} is at step {pos['step']}, {pos['op']}, last post {age:.1f} s ago, {state}")
-        if not late:
-            return (f"{where} did not complete within timeout_s={self.timeout_s:g} although every rank reached it "
-                    f"(network or backend failure: {str(error).strip().splitlines()[-1][:120]})")
-        names = ", ".join(map(str, late))
-        return (f"rank{'s' if len(late) > 1 else ''} {names} did not arrive at {where} within "
-                f"timeout_s={self.timeout_s:g} ({'; '.join(notes)})")
+            same_host = pos.get("host") == host and pos.get("pid")
+            if same_host and not psutil.pid_exists(pos["pid"]):
+                gone.append(f"rank {r} exited (process {pos['pid']} is gone; last seen at step {pos['step']}, "
+                            f"{pos['op']})")
+            elif old is not None and pos["t"] == old["t"] and now - pos["t"] > 2 * self.interval_s:
+                gone.append(f"connection to rank {r} lost (no heartbeat for {now - pos['t']:.1f} s from "
+                            f"{pos.get('host', '?')}; last seen at step {pos['step']}, {pos['op']})")
+            elif (pos["step"], PHASES.get(pos["op"], 0)) < me:
+                late.append((r, f"rank {r} is at step {pos['step']}, {pos['op']}, alive"))
+        if gone:
+            return f"{'; '.join(gone)}: {where} cannot complete"
+        if late:
+            names = ", ".join(str(r) for r, _ in late)
+            return (f"rank{'s' if len(late) > 1 else ''} {names} did not arrive at {where} within "
+                    f"timeout_s={self.timeout_s:g} ({'; '.join(n for _, n in late)})")
+        if is_backend_error(error):
+            return (f"{where} did not complete although every rank reached it (network or backend failure: "
+                    f"{first})")
+        return None
 
     def close(self) -> None:
         self._stop.set()

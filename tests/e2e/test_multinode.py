@@ -196,3 +196,21 @@ def test_worker_killed_on_node_1_resumes_from_rank_0s_checkpoint(nodes, real_dat
     diff = max_rel_diff(final_model(tmp_path / "node0"), single_20)
     print(f"two nodes with a kill and a restart vs single, 20 steps, float64: max relative difference {diff:.2e}")
     assert diff < 1e-10
+
+
+@pytest.mark.slow
+def test_a_dead_node_is_reported_as_dead_by_the_survivor(nodes, real_data, tmp_path):
+    port = _free_port()
+    kill = ("--fault", "kill:rank=1:step=12", "--set", "train.timeout_s=600")
+    procs = [nodes.start(n, node_args(nodes, n, tmp_path / f"node{n}", port, real_data, *kill), tmp_path,
+                         tmp_path / f"node{n}.log") for n in (0, 1)]
+    t0 = time.monotonic()
+    codes = wait(procs, START_UP * 2 + 120)  # far below timeout_s=600: the death is seen, not waited out
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert codes[0] not in (0, None) and codes[1] not in (0, None), f"{codes} after {time.monotonic() - t0:.0f} s"
+    said = [ln for ln in logs[0].splitlines() if "paratrain: stopped:" in ln]
+    # namespaces share the host name and pid space, so the survivor may see the process gone as well
+    assert len(said) == 1 and ("connection to rank 1 lost" in said[0] or "rank 1 exited" in said[0]), logs[0][-3000:]
+    assert "the gradient all-reduce of step 12 cannot complete" in said[0]
+    assert "did not arrive" not in logs[0] and "Traceback" not in logs[0]
+    assert "paratrain: rank 1 failed first: killed by signal SIGKILL" in logs[1]

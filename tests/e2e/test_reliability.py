@@ -35,6 +35,11 @@ def survivors(marker: str) -> list[str]:
     return out
 
 
+def said_lines(err: str) -> list[str]:
+    """paratrain's own lines of a run's stderr (a cut progress bar may precede one on its line)."""
+    return [ln[ln.index("paratrain:"):] for ln in err.replace("\r", "\n").splitlines() if "paratrain:" in ln]
+
+
 def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path, tiny_data):
     (tmp_path / "tiny.toml").write_text(TINY)
     a = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "plain", *COMMON, cwd=tmp_path)
@@ -61,6 +66,24 @@ def test_hung_worker_is_named_and_nothing_survives(tmp_path, tiny_data):
     assert elapsed < 10 + 30, elapsed
     assert "rank 1 did not arrive at the gradient all-reduce of step 20 within timeout_s=10" in r.stderr
     assert "Traceback" not in r.stderr
+    time.sleep(1)
+    assert survivors(str(run)) == []
+
+
+def test_a_dead_peer_is_reported_as_dead_seconds_after_its_death(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    run = tmp_path / "dead"
+    t0 = time.monotonic()
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", run, "--set", "train.timeout_s=600",
+                  "--set", "train.max_steps=120", "--fault", "kill:rank=1:step=20", cwd=tmp_path, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert elapsed < 120, elapsed  # not the 600 s collective timeout: the death is seen at once
+    # one node: the launcher sees the death first and stops rank 0 (the cross-node case, where the
+    # survivor diagnoses it from heartbeats, is in test_multinode.py)
+    said = said_lines(r.stderr)
+    assert said[0] == "paratrain: rank 1 failed first: killed by signal SIGKILL", r.stderr[-2000:]
+    assert "did not arrive" not in r.stderr and "Traceback" not in r.stderr
     time.sleep(1)
     assert survivors(str(run)) == []
 

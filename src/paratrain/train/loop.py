@@ -32,7 +32,7 @@ from ..devices import Placement, apply_memory_controls, apply_placement, format_
 from ..env import DistEnv
 from ..faults import poisoned
 from ..strategies import STRATEGIES
-from ..watchdog import Watchdog, is_comm_failure
+from ..watchdog import Watchdog
 from . import evaluation
 from .bookkeeping import Bookkeeper
 from .checkpointing import Checkpointer, Position
@@ -308,12 +308,13 @@ class Trainer:
             if "valid_loss" not in self.results:
                 self.evaluate("valid")
             self.evaluate("test")
-        except RuntimeError as e:  # a collective timed out or lost a peer: say who did not arrive
-            if self.watchdog.store is None or not is_comm_failure(e):
+        except RuntimeError as e:  # a collective timed out or lost a peer: say who is gone or late
+            said = self.watchdog.diagnose(e) if self.env.world_size > 1 else None
+            if said is None:
                 raise
             from ..errors import TrainingStopped
 
-            raise TrainingStopped(self.watchdog.diagnose(e)) from None
+            raise TrainingStopped(said) from None
         finally:
             if bar is not None:
                 bar.close()
