@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_cli import TINY, paratrain, records
+from .test_cli import TINY, final_model, paratrain, records
 
 DELAYS = "delay:rank=0:ms=60,delay:rank=1:ms=60,delay:rank=2:ms=60"  # steps long enough to overlap
 
@@ -33,7 +33,7 @@ def test_ps_sync_dead_worker_ends_the_run_naming_it(tiny):
                     "--data-dir", data, "--set", "train.max_steps=40", "--set", "train.timeout_s=20",
                     "--fault", "kill:rank=1:step=5", cwd=tmp)
     assert res.returncode == 1
-    assert "paratrain: rank 1 failed: killed by signal SIGKILL" in res.stderr
+    assert "paratrain: rank 1 failed first: killed by signal SIGKILL" in res.stderr
 
 
 def test_ps_sync_with_backup_worker_survives_a_dead_worker(tiny):
@@ -47,3 +47,22 @@ def test_ps_sync_with_backup_worker_survives_a_dead_worker(tiny):
     summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
     assert summary["updates"] == 30  # the servers made every update; rank 0 may have had a gradient dropped
     assert 25 <= summary["steps"] <= 30
+
+
+def test_ps_sync_drops_the_whole_version_of_a_non_finite_gradient(tiny):
+    """A NaN gradient on one worker: the servers apply no part of that step (not (W-1)/W of it), so
+    the run equals allreduce with the same fault, where the step is skipped whole; every worker
+    counts the step as skipped."""
+    tmp, data = tiny
+    fault = ("--fault", "nan:rank=1:step=5", "--set", "train.max_steps=10")
+    ps = paratrain("train", "tiny.toml", "--strategy", "ps-sync", "--nproc", 2, "--num-ps", 2, "--run-dir", "psnan",
+                   "--data-dir", data, *fault, cwd=tmp)
+    ar = paratrain("train", "tiny.toml", "--strategy", "allreduce", "--nproc", 2, "--run-dir", "arnan",
+                   "--data-dir", data, *fault, cwd=tmp)
+    assert ps.returncode == 0 and ar.returncode == 0, ps.stderr[-2000:] + ar.stderr[-2000:]
+    recs = records(tmp / "psnan")
+    (rec,) = [r for r in recs if r["kind"] == "nonfinite"]
+    assert rec["step"] == 5 and rec["ranks"] == [1]
+    a, b = final_model(tmp / "psnan"), final_model(tmp / "arnan")
+    worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+    assert worst < 1e-10, worst

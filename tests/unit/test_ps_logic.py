@@ -48,7 +48,8 @@ def test_sync_waits_for_all_and_averages():
     assert not f0.done()
     f1 = s.push(1, 0, [3 * torch.ones(3, dtype=torch.float64)], 1.0, 0.0)
     assert f0.done() and f1.done()
-    version, params = f0.wait()
+    version, params, skipped = f0.wait()
+    assert not skipped
     assert version == 1 and torch.equal(params[0], -2 * torch.ones(3, dtype=torch.float64))
 
 
@@ -154,3 +155,27 @@ def test_staleness_summary_from_histogram():
     assert s["staleness_mean"] == (40 + 45 + 9) / 100
     assert (s["staleness_p50"], s["staleness_p99"], s["staleness_max"]) == (0.0, 5.0, 9.0)  # nearest rank
     assert staleness_summary({})["staleness_max"] == 0.0
+
+
+def test_sync_drops_the_whole_version_when_a_gradient_is_not_finite():
+    s = server("sync", W=2)
+    f0 = s.push(0, 0, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0)
+    f1 = s.push(1, 0, None, 1.0, 0.0)  # worker 1's gradient was NaN/Inf
+    for f in (f0, f1):
+        version, params, skipped = f.wait()
+        assert version == 1 and skipped
+        assert torch.equal(params[0], torch.zeros(3, dtype=torch.float64))  # nothing of worker 0's gradient applied
+    assert s.applied == 0
+
+
+def test_sync_clipping_all_reduce_runs_outside_the_lock_and_on_empty_shards():
+    seen = []
+
+    def norm_allreduce(t):
+        seen.append((t.dtype, t.item(), empty.lock.locked()))
+        return t
+
+    empty = ShardServer(1, 1, "sync", norm_allreduce=norm_allreduce)
+    empty.init([], torch.optim.SGD, {"lr": 1.0})
+    empty.push(0, 0, [], 1.0, 0.5).wait()  # an empty shard still takes part in the global norm
+    assert seen == [(torch.float64, 0.0, False)]

@@ -139,8 +139,9 @@ class ParameterServerStrategy(Strategy):
         for a in answers:  # a server that failed the step answers with the error
             if isinstance(a, BaseException):
                 raise RuntimeError(f"[rank {self.env.rank}] {a}")
+        self.dropped_version = any(len(a) > 2 and a[2] for a in answers)  # ps-sync: a worker's gradient was not finite
         with torch.no_grad():
-            for k, (version, tensors) in enumerate(answers):
+            for k, (version, tensors, *_) in enumerate(answers):
                 self.versions[k] = version
                 for i, t in zip(self.shards[k], tensors):
                     self.params[i].copy_(t)
@@ -185,8 +186,9 @@ class ParameterServerStrategy(Strategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, base_step: Callable, closure=None):
         """Push this worker's gradient to every server (ps-sync: they wait for all W, or W - b,
         average, clip, update), load the parameters they answer with. With ``skip_nonfinite`` a
-        NaN/Inf gradient is not used: ps-async drops it, ps-sync pushes zeros (a step needs
-        every worker's push). Called by every worker independently (no collective among workers)."""
+        NaN/Inf gradient is not used: ps-async drops it; ps-sync pushes a vote to drop the
+        step, and the servers drop that whole version (no part of it is applied; every worker
+        learns it from the answer, so all of them count the step as skipped). Called by every worker independently (no collective among workers)."""
         c = self.clock
         rec, self.record = self.record, _StepRecord()
         out = None
@@ -202,9 +204,10 @@ class ParameterServerStrategy(Strategy):
         rec.skipped = not finite
         server_clip, self._server_clip = self._server_clip, 0.0
         m1 = c.mark()
-        if finite or self.mode == "sync":
-            self._push([(p.grad if p.grad is not None and finite else torch.zeros_like(p)).detach().cpu()
-                        for p in self.params], optimizer.param_groups[0]["lr"], server_clip)
+        if finite or self.mode == "sync":  # ps-sync: a non-finite gradient is a vote to drop the whole version
+            self._push([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu() for p in self.params]
+                       if finite else None, optimizer.param_groups[0]["lr"], server_clip)
+            rec.skipped = rec.skipped or (self.mode == "sync" and self.dropped_version)
         for p in self.params:
             p.grad = None
         m2 = c.mark()
@@ -217,10 +220,11 @@ class ParameterServerStrategy(Strategy):
         self.last_step = rec
         return out
 
-    def _push(self, grads: list[torch.Tensor], lr: float, clip: float) -> None:
+    def _push(self, grads: list[torch.Tensor] | None, lr: float, clip: float) -> None:
         t1 = time.perf_counter()
-        futs = [rpc.rpc_async(srv, rpc_api.push,
-                              args=(k, self.env.rank, self.versions[k], [grads[i] for i in self.shards[k]], lr, clip))
+        futs = [rpc.rpc_async(srv, rpc_api.push, args=(k, self.env.rank, self.versions[k],
+                                                       None if grads is None else [grads[i] for i in self.shards[k]],
+                                                       lr, clip))
                 for k, srv in enumerate(self.servers)]
         answers = [f.wait() for f in futs]
         if not self.gated:
@@ -344,5 +348,10 @@ class ParameterServerStrategy(Strategy):
 
     def release(self) -> None:
         """Tell every server this worker is done (they stop once all are done or dead). Waits for no worker."""
-        for k, srv in enumerate(getattr(self, "servers", [])):
-            rpc.rpc_sync(srv, rpc_api.worker_done, args=(k, self.env.rank))
+        futs = [rpc.rpc_async(srv, rpc_api.worker_done, args=(k, self.env.rank))
+                for k, srv in enumerate(getattr(self, "servers", []))]
+        for f in futs:
+            try:
+                f.wait()
+            except RuntimeError:  # the last worker's answer can race the server's exit: nothing is outstanding
+                pass

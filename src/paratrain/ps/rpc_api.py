@@ -32,7 +32,7 @@ def pull(k: int, worker: int = -1, busy: bool = False) -> tuple[int, list[torch.
 
 
 @rpc.functions.async_execution
-def push(k: int, worker: int, pulled_version: int, grads: list[torch.Tensor], lr: float | None,
+def push(k: int, worker: int, pulled_version: int, grads: list[torch.Tensor] | None, lr: float | None,
          clip: float) -> Future:
     return _shard(k).push(worker, pulled_version, grads, lr, clip)
 
@@ -88,6 +88,7 @@ def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float =
                 raise failures[0][1]
             if newly_dead:
                 shard.recheck()  # a sync step may need fewer gradients now
+        time.sleep(2 * poll_s)  # let the answer to the last worker_done leave before RPC shuts down
         return shard.stats()
     finally:
         _SHARDS.pop(shard.shard_id, None)

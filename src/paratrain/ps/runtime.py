@@ -13,6 +13,7 @@ barrier, so a dead worker cannot keep the others waiting.
 from __future__ import annotations
 
 import datetime
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,9 @@ def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=max(16, 4 * layout.num_workers),
                                            rpc_timeout=max(settings.timeout_s + 30, startup_timeout(settings)),
                                            init_method=settings.rpc_init_method)
-    rpc.init_rpc(layout.name(role, index), rank=rank, world_size=layout.world_size, rpc_backend_options=opts)
+    with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(layout.name(role, index), rank=rank, world_size=layout.world_size, rpc_backend_options=opts)
     if role == "server":
         try:
             return None, {"server_stats": _serve(settings, layout, index, mode, server_group)}

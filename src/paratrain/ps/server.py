@@ -139,9 +139,11 @@ class ShardServer:
         return newly_dead, failures
 
     # ---- updates ------------------------------------------------------------
-    def push(self, worker: int, pulled_version: int, grads: list[torch.Tensor], lr: float | None,
+    def push(self, worker: int, pulled_version: int, grads: list[torch.Tensor] | None, lr: float | None,
              clip: float) -> Future:
-        """Hand in a gradient; the future resolves to (version, parameters) after it is handled."""
+        """Hand in a gradient (``None``: this worker's gradient was NaN/Inf); the future resolves to
+        (version, parameters, skipped) after it is handled: ``skipped`` when the version was dropped
+        because some worker's gradient was not finite (ps-sync: no part of that step is applied)."""
         fut: Future = Future()
         with self.lock:
             self.last_seen[worker] = time.monotonic()
@@ -150,46 +152,75 @@ class ShardServer:
             if lr is not None and worker == 0:  # rank 0 owns the learning-rate schedule
                 self.lr = lr
             if self.mode == "async":
-                self._apply_async(worker, pulled_version, grads)
-                fut.set_result((self.version, [p.detach().clone() for p in self.params]))
+                if grads is not None:
+                    self._apply_async(worker, pulled_version, grads)
+                fut.set_result((self.version, [p.detach().clone() for p in self.params], grads is None))
                 return fut
             if pulled_version < self.version or worker in self.pending:
                 self.dropped += 1  # late gradient of a step already applied (backup workers)
-                fut.set_result((self.version, [p.detach().clone() for p in self.params]))
+                fut.set_result((self.version, [p.detach().clone() for p in self.params], False))
                 return fut
             if not self.pending:
                 self.step_started = time.monotonic()
             self.pending[worker] = grads
             self.waiters.append(fut)
             self.clip = clip
-            self._maybe_apply_sync()
+            step = self._take_sync_step()
+        if step is not None:
+            self._finish_sync_step(*step)
         return fut
 
     def _maybe_apply_sync(self) -> None:
-        """Apply the step if enough gradients are in (lock held) and resolve the waiting pushes."""
+        """Apply the step if enough gradients are in (lock held on entry; released for the clipping
+        all-reduce among the servers, never a blocking collective under the lock)."""
+        step = self._take_sync_step()
+        if step is not None:
+            self.lock.release()
+            try:
+                self._finish_sync_step(*step)
+            finally:
+                self.lock.acquire()
+
+    def _take_sync_step(self):
+        """(lock held) When ``required`` gradients are in: take them and their waiters out of the
+        pending set and return (averaged gradients or None to drop the version, waiters, count)."""
         if self.mode != "sync" or not self.pending or len(self.pending) < self.required():
-            return
+            return None
         workers = sorted(self.pending)
-        n = len(workers)
-        for i, p in enumerate(self.params):
-            g = self.pending[workers[0]][i].clone()
+        pending, waiters, self.pending, self.waiters = self.pending, self.waiters, {}, []
+        if any(pending[w] is None for w in workers):  # a non-finite gradient: the whole version is dropped
+            return None, waiters, len(workers)
+        grads = []
+        for i in range(len(self.params)):
+            g = pending[workers[0]][i].clone()
             for w in workers[1:]:
-                g += self.pending[w][i]
-            p.grad = g / n
+                g += pending[w][i]
+            grads.append(g / len(workers))
+        return grads, waiters, len(workers)
+
+    def _finish_sync_step(self, grads: list[torch.Tensor] | None, waiters: list[Future], n: int) -> None:
+        """(lock not held) Clip by the global norm (an all-reduce among the servers: every server
+        takes part, an empty shard or a dropped version with zero), then step under the lock and
+        resolve the waiting pushes."""
         clip = getattr(self, "clip", 0.0)
-        if clip > 0 and self.params:
+        coef = None
+        if clip > 0:
             # global norm over every shard, computed as torch.nn.utils.clip_grad_norm_ does (per-tensor
             # norms in the gradients' dtype, then the norm of those), so float32 runs match allreduce
-            norms = torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params])
-            total = self.norm_allreduce(norms.pow(2).sum()).sqrt()
+            mine = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).pow(2).sum() if grads
+                    else torch.zeros((), dtype=torch.float64))
+            total = self.norm_allreduce(mine.double()).sqrt()
             coef = (clip / (total + 1e-6)).clamp(max=1.0)
-            for p in self.params:
-                p.grad.mul_(coef)
-        self._step(self.lr)
-        self.applied += n
-        self.staleness.extend([0] * n)
-        out = (self.version, [p.detach().clone() for p in self.params])
-        waiters, self.waiters, self.pending = self.waiters, [], {}
+        with self.lock:
+            if grads is not None:
+                for p, g in zip(self.params, grads):
+                    p.grad = g.mul_(coef.to(g.dtype)) if coef is not None else g
+                self._step(self.lr)
+                self.applied += n
+                self.staleness.extend([0] * n)
+            else:
+                self.version += 1  # dropped: the parameters are unchanged, the workers go on together
+            out = (self.version, [p.detach().clone() for p in self.params], grads is None)
         for f in waiters:
             f.set_result(out)
 
