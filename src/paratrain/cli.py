@@ -224,7 +224,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     nnodes = args.nnodes or slurm.get("nnodes", 1)
     if nnodes > 1 and not (args.rdzv_endpoint or slurm):
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT of node 0")
-    dist = {"strategy": args.strategy or default_for(args.nproc * nnodes), **slurm,
+    world = int(task_env["WORLD_SIZE"]) if task_env else args.nproc * nnodes
+    dist = {"strategy": args.strategy or default_for(world), **slurm,
             "nproc": args.nproc, "nnodes": nnodes, "node_rank": args.node_rank or slurm.get("node_rank", 0),
             "rdzv_endpoint": args.rdzv_endpoint or slurm.get("rdzv_endpoint", ""), "max_restarts": args.max_restarts}
     for key in ("num_ps", "backup_workers", "max_staleness", "devices", "rdzv_id", "rdzv_timeout_s"):
