@@ -153,3 +153,29 @@ def test_checkpoint_refuses_code_execution(tmp_path):
 def test_checkpoint_no_resume_point(tmp_path):
     with pytest.raises(UsageError, match="no checkpoint"):
         checkpoint.latest(tmp_path)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sum_over_time_converts_weight_decay_too(optimizer):
+    """The recipe minimises the loss summed over T steps with weight decay wd; paratrain minimises the
+    mean over tokens with the converted lr, clip and wd: the same parameters, step for step."""
+    from paratrain.train.optim import build_optimizer, effective_weight_decay
+
+    T = 7
+    t = config.TrainConfig(optimizer=optimizer, lr=0.05 if optimizer == "sgd" else 1e-2, momentum=0.9,
+                           weight_decay=0.3, convention="sum_over_time", clip=0.0)
+    torch.manual_seed(0)
+    x, y = torch.randn(T, 5, 3, dtype=torch.float64), torch.randn(T, 5, 2, dtype=torch.float64)
+    recipe, ours = (torch.nn.Linear(3, 2).double() for _ in range(2))
+    ours.load_state_dict(recipe.state_dict())
+    opt_recipe = build_optimizer(recipe.parameters(), t, t.lr)  # the paper's summed loss, its own lr and wd
+    lr, _ = effective_lr_clip(t, T)
+    opt_ours = build_optimizer(ours.parameters(), t, lr, effective_weight_decay(t, T))
+    for _ in range(3):
+        for model, opt, scale in ((recipe, opt_recipe, 1.0), (ours, opt_ours, 1.0 / T)):
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean(dim=(1, 2)).sum() * scale  # summed over T, or the mean over T
+            loss.backward()
+            opt.step()
+    worst = max(((a - b).abs() / a.abs()).max().item() for a, b in zip(recipe.parameters(), ours.parameters()))
+    assert worst < (1e-12 if optimizer == "sgd" else 1e-5), worst  # Adam: up to its eps, not quite scale-free

@@ -37,7 +37,7 @@ from . import evaluation
 from .bookkeeping import Bookkeeper
 from .checkpointing import Checkpointer, Position
 from .guards import StepGuards
-from .optim import LRSchedule, build_optimizer, effective_lr_clip, scaling_factor
+from .optim import LRSchedule, build_optimizer, effective_lr_clip, effective_weight_decay, scaling_factor
 
 
 def _restart() -> int:
@@ -90,8 +90,9 @@ class Trainer:
         self.placement: list[Placement] = []
         if cfg.placement:  # model parallel: modules on the plan's devices, activations follow
             self.placement = apply_placement(model, dict(cfg.placement), str(env.device), cfg.dist.strict_placement)
-        lr, self.clip = effective_lr_clip(t, tasks.optional(self.task, "sequence_length"))
-        optimizer = build_optimizer(model.parameters(), t, lr)
+        T = tasks.optional(self.task, "sequence_length")
+        lr, self.clip = effective_lr_clip(t, T)
+        optimizer = build_optimizer(model.parameters(), t, lr, effective_weight_decay(t, T) if T else None)
         self.schedule = LRSchedule(t, lr, scaling_factor(t.lr_scaling, t.batch_size, t.ref_batch_size or t.batch_size))
         for note in apply_memory_controls(env.device, cfg.dist.memory_fraction, cfg.dist.expandable_segments):
             self.say(note)

@@ -44,10 +44,23 @@ def scaling_factor(rule: str, batch_size: int, ref_batch_size: int) -> float:
     return {"none": 1.0, "linear": k, "sqrt": math.sqrt(k)}[rule]
 
 
-def build_optimizer(params, train: TrainConfig, lr: float) -> torch.optim.Optimizer:
+def effective_weight_decay(train: TrainConfig, tokens_per_sequence: int) -> float:
+    """The recipe's L2 weight decay for the mean-over-tokens loss: wd / T under ``sum_over_time``.
+
+    Gradients of the mean loss are 1/T of the summed loss's, and torch adds ``wd * p`` to them: the
+    recipe's update ``lr * (T g + wd p)`` is ``(lr T) * (g + (wd / T) p)`` for SGD, and Adam, which
+    ignores a common scale of its input, needs the same ratio ``g : (wd / T) p``."""
+    if train.convention == "sum_over_time":
+        return train.weight_decay / tokens_per_sequence
+    return train.weight_decay
+
+
+def build_optimizer(params, train: TrainConfig, lr: float, weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """The recipe's optimizer (``sgd`` with momentum, or ``adam``); ``weight_decay`` defaults to the recipe's."""
+    wd = train.weight_decay if weight_decay is None else weight_decay
     if train.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=train.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd)
+    return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=wd)
 
 
 class LRSchedule:
