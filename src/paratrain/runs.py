@@ -116,13 +116,21 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
     if resume_state is not None and resume_state["step"] >= total_steps(cfg, task):
         return PreparedRun(cfg, args.resume, data_dir, True, complete=_completed(args.resume, resume_state["step"]))
-    run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
-    lock = hold(run_dir)  # one run at a time; released when this process ends
-    if resume_state is not None and latest(run_dir, warn=lambda m: None).name != resume_state_name:
-        raise UsageError(f"run dir {str(run_dir)!r} changed while this run started; try again")
-    # faults are for the attempt they are given to: never written into the run dir (paratrain.faults)
-    saved = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=""))
-    (run_dir / "config.toml").write_text(config.to_toml(saved), encoding="utf-8")
+    run_dir = args.resume if args.resume is not None else args.run_dir
+    try:
+        run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
+        lock = hold(run_dir)  # one run at a time; released when this process ends
+        if resume_state is not None and latest(run_dir, warn=lambda m: None).name != resume_state_name:
+            raise UsageError(f"run dir {str(run_dir)!r} changed while this run started; try again")
+        # faults are for the attempt they are given to: never written into the run dir (paratrain.faults)
+        saved = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=""))
+        config_path = run_dir / "config.toml"
+        tmp = run_dir / ".config.toml.tmp"
+        tmp.write_text(config.to_toml(saved), encoding="utf-8")
+        os.replace(tmp, config_path)  # a full disk never leaves a half-written config.toml
+    except OSError as e:
+        raise UsageError(f"cannot write to run dir {str(e.filename or run_dir)!r} ({e.strerror}); free space or make it "
+                         f"writable, or choose another --run-dir") from None
     return PreparedRun(cfg, run_dir, data_dir, args.resume is not None, lock=lock)
 
 

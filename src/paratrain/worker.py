@@ -110,6 +110,20 @@ def _child(run_dir: Path, resume: bool, data_dir: str | None) -> None:
         shutdown()
 
 
+def _quiet_write_errors_in_threads() -> None:
+    """A background writer (TensorBoard's event thread) that hits a full disk must not print a
+    traceback: the training thread meets the same error and says it in one line."""
+    import threading
+
+    default = threading.excepthook
+
+    def hook(args) -> None:
+        if not issubclass(args.exc_type, OSError):
+            default(args)
+
+    threading.excepthook = hook
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="paratrain.worker")
@@ -118,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
+    _quiet_write_errors_in_threads()
     try:
         from .strategies import STRATEGIES
 
@@ -128,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"[rank {rank}] paratrain: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except OSError as e:  # a full disk, a read-only run dir: the path and the cause, the last checkpoint intact
+        where = e.filename or f"to run dir {args.run_dir}"
+        print(f"[rank {rank}] paratrain: stopped: cannot write {where} ({e.strerror}); the "
+              f"last complete checkpoint in {args.run_dir} is intact: free space and resume with --resume",
+              file=sys.stderr, flush=True)
+        return 1
     except TrainingStopped as e:
         if rank == 0 or not e.every_rank:
             print(f"[rank {rank}] paratrain: stopped: {e}", file=sys.stderr, flush=True)

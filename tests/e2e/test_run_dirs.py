@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,41 @@ def test_a_refused_start_writes_nothing(tmp_path, tiny_data):
     again = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cpu:0,cpu:1", "--run-dir", "r",
                       "--data-dir", tiny_data, "--set", "train.max_steps=2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]  # the same --run-dir is free to use
+
+
+@contextmanager
+def small_filesystem(where: Path, size: str, read_only: bool = False):
+    """A tmpfs of ``size`` mounted at ``where`` (root), removed after."""
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)])
+
+
+def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_loads(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    with small_filesystem(tmp_path / "small", "200k") as small:
+        r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", small / "run", "--set",
+                      "train.max_steps=100000", "--set", "train.checkpoint_every=20", "--set",
+                      "train.keep_checkpoints=100", cwd=tmp_path, timeout=300)
+        assert r.returncode == 1
+        said = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if "paratrain: stopped:" in ln]
+        assert len(said) == 1 and "No space left on device" in said[0] and str(small / "run") in said[0], r.stderr
+        assert "Traceback" not in r.stderr
+        last = checkpoint.latest(small / "run")
+        assert checkpoint.load(last)["step"] > 0
+
+
+def test_a_read_only_run_dir_is_one_line(tmp_path, tiny_data):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    with small_filesystem(tmp_path / "ro", "1m", read_only=True) as ro:
+        r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", ro / "run", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"paratrain: error: cannot write to run dir {str(ro / 'run')!r} (Read-only file system); free space or "
+        f"make it writable, or choose another --run-dir"]

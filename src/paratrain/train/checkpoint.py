@@ -107,7 +107,15 @@ def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
     os.close(fd)
     side_tmp = Path(tmp + ".sha256")
     try:
-        _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
+        try:
+            _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
+        except RuntimeError as e:  # torch's zip writer reports a failed write (full disk) as a RuntimeError
+            import errno
+            import shutil
+
+            full = shutil.disk_usage(run_dir).free < 1 << 20
+            raise OSError(errno.ENOSPC if full else errno.EIO,
+                          "No space left on device" if full else str(e).strip().splitlines()[0][:120], str(path)) from None
         digest = sha256_of(Path(tmp))
         _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
         checksum_path(path).unlink(missing_ok=True)  # a stale sidecar must never describe the new file
