@@ -220,15 +220,6 @@ def build_task(cfg: config.Config, data_dir: str | None, download: bool = False,
     return tasks.build(cfg.task.entry, cfg.task_section(), env)
 
 
-def model_shapes(task) -> list[tuple]:
-    """Sorted parameter and buffer shapes of the task's model (built on the meta device)."""
-    import torch
-
-    with torch.device("meta"):
-        model = task.build_model()
-    return sorted(tuple(v.shape) for v in model.state_dict().values())
-
-
 def _changed_keys(old: config.Config, new: config.Config) -> list[str]:
     out = []
     for sec in config.TASK_SECTIONS:
@@ -239,17 +230,22 @@ def _changed_keys(old: config.Config, new: config.Config) -> list[str]:
 
 def _check_checkpoint_fits(task, state: dict, path: Path, old: config.Config, new: config.Config) -> None:
     """The checkpoint's parameter shapes are those of the configured model; a --resume that changes
-    them names the keys it changed."""
-    want = model_shapes(task)
-    have = sorted(tuple(v.shape) for v in state["model"].values() if hasattr(v, "shape"))
-    if want == have:
+    them names the keys it changed, otherwise the tensors that differ (e.g. another vocabulary)."""
+    import torch
+
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in task.build_model().state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
+    if sorted(want.values()) == sorted(have.values()):
         return
     changed = _changed_keys(old, new)
     if changed:
         raise UsageError(f"--resume cannot change {', '.join(changed)} (the checkpoint holds the model of "
                          f"its run); drop those overrides, or start a new run with --run-dir")
-    raise UsageError(f"checkpoint {str(path)!r} holds a different model (parameter shapes {have[:3]}... vs "
-                     f"{want[:3]}...); resume it with the config and corpus it was written with")
+    differ = [f"{k} {have.get(k)} in the checkpoint vs {want.get(k)} here" for k in sorted(set(want) | set(have))
+              if want.get(k) != have.get(k)]
+    raise UsageError(f"checkpoint {str(path)!r} holds a different model ({'; '.join(differ[:3])}"
+                     f"{'; ...' if len(differ) > 3 else ''}); resume it with the config and corpus it was written with")
 
 
 def _check_rdzv_port(cfg: config.Config) -> None:

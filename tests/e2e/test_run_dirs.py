@@ -169,3 +169,18 @@ def test_resume_under_another_world_size_or_strategy_keeps_the_data_order(tmp_pa
     a, b = final_model(tmp_path / "full"), final_model(tmp_path / "part")
     worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
     assert worst < 1e-10, worst
+
+
+def test_resume_on_another_vocabulary_names_the_tensors_that_differ(tmp_path, tiny_data):
+    from ..conftest import write_tiny_corpus
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "v", "--set", "train.max_steps=2",
+                  cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    other = write_tiny_corpus(tmp_path / "other", vocab=50)
+    r = paratrain("train", "--resume", "v", "--data-dir", other, "--set", "train.max_steps=4", cwd=tmp_path)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert "embedding.weight (41, 8) in the checkpoint vs (51, 8) here" in line, line
+    assert "decoder.weight (41, 12) in the checkpoint vs (51, 12) here" in line, line
