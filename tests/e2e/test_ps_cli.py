@@ -66,3 +66,12 @@ def test_ps_sync_drops_the_whole_version_of_a_non_finite_gradient(tiny):
     a, b = final_model(tmp / "psnan"), final_model(tmp / "arnan")
     worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
     assert worst < 1e-10, worst
+
+
+def test_ps_async_applies_exactly_w_times_max_steps_updates(tiny):
+    tmp, data = tiny
+    res = paratrain("train", "tiny.toml", "--strategy", "ps-async", "--nproc", 2, "--num-ps", 2, "--run-dir", "run",
+                    "--data-dir", data, "--set", "train.max_steps=30", "--fault", DELAYS.rsplit(",", 1)[0], cwd=tmp)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
+    assert summary["updates"] == 2 * 30, summary  # W x max_steps: no in-flight push applied past the end

@@ -179,3 +179,20 @@ def test_sync_clipping_all_reduce_runs_outside_the_lock_and_on_empty_shards():
     empty.init([], torch.optim.SGD, {"lr": 1.0})
     empty.push(0, 0, [], 1.0, 0.5).wait()  # an empty shard still takes part in the global norm
     assert seen == [(torch.float64, 0.0, False)]
+
+
+def test_async_applies_no_update_past_the_limit():
+    s = server("async", W=2)
+    for i in range(5):
+        s.push(i % 2, s.version, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0, limit=3)
+    assert s.version == 3 and s.applied == 3 and s.dropped == 2  # W x steps updates, not one more
+
+
+def test_snapshot_holds_parameters_and_optimizer_state_of_one_version():
+    s = ShardServer(0, 1, "async", timeout_s=5)
+    s.init([torch.zeros(3, dtype=torch.float64)], torch.optim.SGD, {"lr": 1.0, "momentum": 0.9})
+    s.push(0, 0, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0)
+    version, params, opt = s.snapshot()
+    s.push(0, 1, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0)  # a later update changes neither copy
+    assert version == 1 and torch.equal(params[0], -torch.ones(3, dtype=torch.float64))
+    assert torch.equal(opt["state"][0]["momentum_buffer"], torch.ones(3, dtype=torch.float64))

@@ -92,6 +92,7 @@ class ParameterServerStrategy(Strategy):
         self.layout: PSLayout = options["layout"]
         self.worker_group = options.get("worker_group")
         self.gated = self.mode == "async" and options.get("max_staleness", -1) >= 0
+        self._update_limit = 0  # ps-async: the run's last update (W x steps), set by finished()
         self.wait_s = 0.0
         self._server_clip = 0.0
 
@@ -224,7 +225,7 @@ class ParameterServerStrategy(Strategy):
         t1 = time.perf_counter()
         futs = [rpc.rpc_async(srv, rpc_api.push, args=(k, self.env.rank, self.versions[k],
                                                        None if grads is None else [grads[i] for i in self.shards[k]],
-                                                       lr, clip))
+                                                       lr, clip, self._update_limit))
                 for k, srv in enumerate(self.servers)]
         answers = [f.wait() for f in futs]
         if not self.gated:
@@ -237,7 +238,14 @@ class ParameterServerStrategy(Strategy):
 
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        self._pull(busy=True)
+        """The servers' parameters, each shard's taken with its optimizer state in one snapshot (the
+        next :meth:`optimizer_state_dict` returns that state: a checkpoint holds one version)."""
+        t0 = time.perf_counter()
+        futs = [rpc.rpc_async(srv, rpc_api.snapshot, args=(k, self.env.rank)) for k, srv in enumerate(self.servers)]
+        snaps = torch.futures.wait_all(futs)
+        self._load([(version, params) for version, params, _ in snaps])
+        self._snapshot_opt = ([opt for _, _, opt in snaps], list(self.versions))
+        self.wait_s += time.perf_counter() - t0
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
@@ -255,8 +263,10 @@ class ParameterServerStrategy(Strategy):
         """The servers' optimizer states as one state_dict of the whole model."""
         full = base_state_dict(self.optimizer)
         full["state"] = {}
+        taken, self._snapshot_opt = getattr(self, "_snapshot_opt", None), None
+        snapshot = taken[0] if taken and taken[1] == self.versions else None  # only right after state_dict()
         for k, srv in enumerate(self.servers):
-            part = rpc.rpc_sync(srv, rpc_api.optimizer_state, args=(k,))
+            part = snapshot[k] if snapshot else rpc.rpc_sync(srv, rpc_api.optimizer_state, args=(k,))
             for local, st in part.get("state", {}).items():
                 full["state"][self.shards[k][int(local)]] = st
         return full
@@ -326,6 +336,7 @@ class ParameterServerStrategy(Strategy):
         versions (backup workers: a straggler stops with the rest), ps-async after
         W x ``total_steps`` applied updates (fast workers keep going while a straggler lags)."""
         target = total_steps * (self.env.world_size if self.mode == "async" else 1)
+        self._update_limit = target if self.mode == "async" else 0  # the servers apply no update past it
         return max(self.versions) >= target or (self.mode == "sync" and local_steps >= total_steps)
 
     def before_eval(self) -> None:

@@ -33,8 +33,8 @@ def pull(k: int, worker: int = -1, busy: bool = False) -> tuple[int, list[torch.
 
 @rpc.functions.async_execution
 def push(k: int, worker: int, pulled_version: int, grads: list[torch.Tensor] | None, lr: float | None,
-         clip: float) -> Future:
-    return _shard(k).push(worker, pulled_version, grads, lr, clip)
+         clip: float, limit: int = 0) -> Future:
+    return _shard(k).push(worker, pulled_version, grads, lr, clip, limit)
 
 
 def set_params(k: int, params: list[torch.Tensor]) -> None:
@@ -43,6 +43,10 @@ def set_params(k: int, params: list[torch.Tensor]) -> None:
 
 def optimizer_state(k: int) -> dict:
     return _shard(k).optimizer_state()
+
+
+def snapshot(k: int, worker: int = -1) -> tuple[int, list[torch.Tensor], dict]:
+    return _shard(k).snapshot(worker)
 
 
 def load_optimizer_state(k: int, state: dict) -> None:

@@ -81,6 +81,19 @@ class ShardServer:
         with self.lock:
             return self.optimizer.state_dict() if self.optimizer else {"state": {}, "param_groups": []}
 
+    def snapshot(self, worker: int = -1) -> tuple[int, list[torch.Tensor], dict]:
+        """(version, parameters, optimizer state) of one version, taken under the lock (a checkpoint
+        of ps-async never mixes parameters and optimizer state of different versions). The worker
+        is busy (checkpointing) until its next push."""
+        import copy
+
+        with self.lock:
+            if worker >= 0:
+                self.last_seen[worker] = time.monotonic()
+                self.busy.add(worker)
+            opt = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else {"state": {}, "param_groups": []}
+            return self.version, [p.detach().clone() for p in self.params], opt
+
     def load_optimizer_state(self, state: dict) -> None:
         with self.lock:
             if self.optimizer:
@@ -140,8 +153,9 @@ class ShardServer:
 
     # ---- updates ------------------------------------------------------------
     def push(self, worker: int, pulled_version: int, grads: list[torch.Tensor] | None, lr: float | None,
-             clip: float) -> Future:
-        """Hand in a gradient (``None``: this worker's gradient was NaN/Inf); the future resolves to
+             clip: float, limit: int = 0) -> Future:
+        """Hand in a gradient (``None``: this worker's gradient was NaN/Inf; ``limit``: ps-async applies
+        no update past that version, the run's last); the future resolves to
         (version, parameters, skipped) after it is handled: ``skipped`` when the version was dropped
         because some worker's gradient was not finite (ps-sync: no part of that step is applied)."""
         fut: Future = Future()
@@ -152,8 +166,10 @@ class ShardServer:
             if lr is not None and worker == 0:  # rank 0 owns the learning-rate schedule
                 self.lr = lr
             if self.mode == "async":
-                if grads is not None:
+                if grads is not None and (limit <= 0 or self.version < limit):
                     self._apply_async(worker, pulled_version, grads)
+                elif grads is not None:
+                    self.dropped += 1  # past the run's last update (W x steps): the run is over
                 fut.set_result((self.version, [p.detach().clone() for p in self.params], grads is None))
                 return fut
             if pulled_version < self.version or worker in self.pending:
