@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -196,3 +197,12 @@ def test_snapshot_holds_parameters_and_optimizer_state_of_one_version():
     s.push(0, 1, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0)  # a later update changes neither copy
     assert version == 1 and torch.equal(params[0], -torch.ones(3, dtype=torch.float64))
     assert torch.equal(opt["state"][0]["momentum_buffer"], torch.ones(3, dtype=torch.float64))
+
+
+def test_liveness_is_heartbeats_not_pushes():
+    s = server("async", W=2)
+    long_ago = time.monotonic() - 100  # neither worker has pushed for 100 s (> timeout_s = 5)
+    s.last_seen = {0: long_ago, 1: long_ago}
+    s.heartbeat(1)  # worker 1 is evaluating or checkpointing; its process is alive
+    dead, _ = s.check_liveness(time.monotonic())
+    assert dead == [0]  # silent: gone; worker 1 lives on its heartbeats alone

@@ -354,11 +354,37 @@ class ParameterServerStrategy(Strategy):
     def describe(self) -> list[str]:
         return [f"parameter server {k}: {len(s)} parameter tensors" for k, s in enumerate(self.shards)]
 
+    def arm_timeouts(self, timeout_s: float) -> None:
+        super().arm_timeouts(timeout_s)
+        self._start_heartbeats(timeout_s)
+
+    def _start_heartbeats(self, timeout_s: float) -> None:
+        """A daemon thread tells every server this process is alive every min(timeout_s / 4, 5 s):
+        liveness does not depend on pushes (a long evaluation or checkpoint on rank 0 is not death)."""
+        import threading
+
+        if getattr(self, "_beating", None) is not None:
+            return
+        every = max(0.5, min(timeout_s / 4, 5.0))
+        self._beating = threading.Event()
+
+        def beat() -> None:
+            while not self._beating.wait(every):
+                try:
+                    for k, srv in enumerate(self.servers):
+                        rpc.rpc_async(srv, rpc_api.heartbeat, args=(k, self.env.rank))
+                except Exception:  # RPC is shutting down: the worker is leaving
+                    return
+
+        threading.Thread(target=beat, name="paratrain-ps-heartbeat", daemon=True).start()
+
     def teardown(self) -> None:
         self.release()
 
     def release(self) -> None:
         """Tell every server this worker is done (they stop once all are done or dead). Waits for no worker."""
+        if getattr(self, "_beating", None) is not None:
+            self._beating.set()
         futs = [rpc.rpc_async(srv, rpc_api.worker_done, args=(k, self.env.rank))
                 for k, srv in enumerate(getattr(self, "servers", []))]
         for f in futs:

@@ -57,6 +57,10 @@ def stats(k: int, full: bool = True) -> dict:
     return _shard(k).stats(full)
 
 
+def heartbeat(k: int, worker: int) -> None:
+    _shard(k).heartbeat(worker)
+
+
 def worker_done(k: int, worker: int) -> None:
     _shard(k).worker_done(worker)
     if 0 in _GATE:

@@ -131,9 +131,15 @@ class ShardServer:
         with self.lock:
             self._maybe_apply_sync()
 
+    def heartbeat(self, worker: int) -> None:
+        """The worker's process is alive (a thread of it posts every few seconds, whatever its
+        training thread does: a long evaluation or checkpoint is not silence)."""
+        with self.lock:
+            self.last_seen[worker] = time.monotonic()
+
     def check_liveness(self, now: float) -> tuple[list[int], list[tuple[Future, BaseException]]]:
-        """Declare workers silent for timeout_s (10 x timeout_s while busy) dead (tolerant modes); fail
-        sync steps past timeout_s."""
+        """Declare workers with no push or heartbeat for timeout_s (10 x timeout_s while busy) dead
+        (tolerant modes); fail sync steps past timeout_s."""
         newly_dead, failures = [], []
         with self.lock:
             for w in list(self.alive()):
