@@ -75,3 +75,40 @@ def test_ps_async_applies_exactly_w_times_max_steps_updates(tiny):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = [r for r in records(tmp / "run") if r["kind"] == "summary"][-1]
     assert summary["updates"] == 2 * 30, summary  # W x max_steps: no in-flight push applied past the end
+
+
+def test_a_killed_parameter_server_is_one_line_naming_it(tiny):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from paratrain.train import checkpoint
+
+    from .test_processes import wait_for_checkpoints
+
+    tmp, data = tiny
+    run = tmp / "pskill"
+    p = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "tiny.toml", "--strategy", "ps-sync",
+                          "--nproc", "2", "--num-ps", "1", "--run-dir", str(run), "--data-dir", str(data),
+                          "--set", "train.epochs=1000", "--set", "train.checkpoint_every=5"], cwd=tmp,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_checkpoints(run, 1, p)
+        server = [c for c in psutil.Process(p.pid).children(recursive=True)
+                  if "paratrain.worker" in " ".join(c.cmdline()) and c.environ().get("RANK") == "2"]
+        assert len(server) == 1
+        server[0].kill()
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 1
+    said = [ln[ln.index("paratrain:"):] for ln in err.replace("\r", "\n").splitlines() if "paratrain:" in ln]
+    assert said[0] == "paratrain: rank 2 failed first: killed by signal SIGKILL", err[-3000:]
+    assert "Traceback" not in err and "eof" not in err, err[-3000:]
+    gone = [ln for ln in said if "parameter server 0 (rank 2, shard 0" in ln]
+    assert len(gone) <= 1  # a worker that noticed before the launcher stopped it says so once (rank 0)
+    assert checkpoint.load(checkpoint.latest(run))["step"] > 0

@@ -136,6 +136,32 @@ class ParameterServerStrategy(Strategy):
         self._admitted = False  # bounded staleness: admitted to the current step
 
     # ---- parameters to and from the servers ------------------------------------------------------
+    def _answers(self, futs: list) -> list:
+        """The servers' answers, in shard order. A server that is gone (its process died: the RPC
+        ends with a transport error) stops this worker with one line naming it."""
+        out = []
+        for k, f in enumerate(futs):
+            try:
+                out.append(f.wait())
+            except RuntimeError as e:
+                if not self._server_gone(k):
+                    raise
+                from ..errors import TrainingStopped
+
+                rank = self.layout.global_rank("server", k)
+                raise TrainingStopped(f"parameter server {k} (rank {rank}, shard {k}: {len(self.shards[k])} parameter "
+                                      f"tensors) is gone; this worker stops: resume from the last checkpoint with "
+                                      f"--resume (or --max-restarts N restarts the job)", every_rank=True) from None
+        return out
+
+    def _server_gone(self, k: int) -> bool:
+        """True when server ``k`` no longer answers a trivial RPC within 5 s."""
+        try:
+            rpc.rpc_async(self.servers[k], rpc_api.heartbeat, args=(k, self.env.rank), timeout=5).wait()
+            return False
+        except RuntimeError:
+            return True
+
     def _load(self, answers: list[tuple[int, list[torch.Tensor]]]) -> None:
         for a in answers:  # a server that failed the step answers with the error
             if isinstance(a, BaseException):
@@ -151,7 +177,7 @@ class ParameterServerStrategy(Strategy):
         """Load the servers' current parameters. ``busy``: no push follows soon (evaluation, checkpoint)."""
         t0 = time.perf_counter()
         futs = [rpc.rpc_async(srv, rpc_api.pull, args=(k, self.env.rank, busy)) for k, srv in enumerate(self.servers)]
-        self._load(torch.futures.wait_all(futs))
+        self._load(self._answers(futs))
         self.wait_s += time.perf_counter() - t0
 
     # ---- the step ------------------------------------------------------------------------------
@@ -227,7 +253,7 @@ class ParameterServerStrategy(Strategy):
                                                        None if grads is None else [grads[i] for i in self.shards[k]],
                                                        lr, clip, self._update_limit))
                 for k, srv in enumerate(self.servers)]
-        answers = [f.wait() for f in futs]
+        answers = self._answers(futs)
         if not self.gated:
             self._load(answers)
         else:
@@ -242,7 +268,7 @@ class ParameterServerStrategy(Strategy):
         next :meth:`optimizer_state_dict` returns that state: a checkpoint holds one version)."""
         t0 = time.perf_counter()
         futs = [rpc.rpc_async(srv, rpc_api.snapshot, args=(k, self.env.rank)) for k, srv in enumerate(self.servers)]
-        snaps = torch.futures.wait_all(futs)
+        snaps = self._answers(futs)
         self._load([(version, params) for version, params, _ in snaps])
         self._snapshot_opt = ([opt for _, _, opt in snaps], list(self.versions))
         self.wait_s += time.perf_counter() - t0
