@@ -153,6 +153,7 @@ class Trainer:
                                   for n, p in self.strategy.module.named_parameters()]
         text = "\n".join([format_placement_log(rows), *self.strategy.describe()])
         if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)  # a Trainer used directly may name a new run dir
             (self.run_dir / "placement.txt").write_text(text + "\n")
             self.say("placement:\n" + text)
 
