@@ -137,15 +137,46 @@ def test_replicate_towers_and_placement_log(tiny_data, tmp_path):
     assert summary["strategy"] == "replicate" and summary["per_replica_batch"] == 2 and summary["peak_memory_mb"] > 0
 
 
-def test_model_parallel_recipe_runs(real_data, tmp_path):
-    res = paratrain("train", REPO / "configs" / "ptb_small_mp.toml", "--log-placement", "--run-dir", "mp",
-                    "--data-dir", real_data, "--set", "train.max_steps=5", "--set", "data.eval_fraction=0.02",
-                    cwd=tmp_path)
+def test_model_parallel_recipe_places_by_plan_and_trains_like_the_unplaced_model(real_data, tmp_path):
+    """configs/ptb_small_mp.toml (layers split over cpu:0 / cpu:1 by its [placement]) for 3 steps in float64,
+    dropout 0: every parameter on its planned device, and the same parameters as the same recipe without
+    [placement] and with the one-module nn.LSTM: exactly single-process, to rounding as hybrid (2 processes
+    x 2 devices)."""
+    from paratrain import config
+    from paratrain.env import DistEnv
+    from paratrain.models.lstm_lm import convert_state_dict
+    from paratrain.train import Trainer
+
+    recipe = REPO / "configs" / "ptb_small_mp.toml"
+    text = recipe.read_text()
+    assert "\n[placement]\n" in text
+    (tmp_path / "unplaced.toml").write_text(text.split("\n[placement]\n")[0] + "\n")
+    same = ["--data-dir", real_data, "--set", "train.max_steps=3", "--set", "data.eval_fraction=0.02",
+            "--set", 'train.dtype="float64"', "--set", "model.dropout=0.0"]
+    res = paratrain("train", recipe, "--log-placement", "--run-dir", "mp", *same, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {ln.split()[0]: ln.split()[1] for ln in (tmp_path / "mp" / "placement.txt").read_text().splitlines()[1:-1]}
-    assert rows["rnn.layers.1.weight_ih_l0"] == "cpu:1" and rows["embedding.weight"] == "cpu:0"
-    assert rows["decoder.weight"] == "cpu:1" and len(rows) == 11  # every parameter once
-    hybrid = paratrain("train", REPO / "configs" / "ptb_small_mp.toml", "--strategy", "allreduce", "--nproc", 2,
-                       "--run-dir", "hybrid", "--data-dir", real_data, "--set", "train.max_steps=3",
-                       "--set", "data.eval_fraction=0.02", cwd=tmp_path)
+    layer = {f"rnn.layers.{i}.{w}_{g}_l0": f"cpu:{i}" for i in (0, 1) for w in ("weight", "bias") for g in ("ih", "hh")}
+    assert rows == {"embedding.weight": "cpu:0", **layer, "decoder.weight": "cpu:1", "decoder.bias": "cpu:1"}
+    ref = paratrain("train", "unplaced.toml", "--log-placement", "--set", "model.layerwise=false", "--run-dir", "ref",
+                    *same, cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "rnn.weight_ih_l1" in (tmp_path / "ref" / "placement.txt").read_text()  # the reference is unsplit
+    hybrid = paratrain("train", recipe, "--strategy", "allreduce", "--nproc", 2, "--run-dir", "hybrid", *same,
+                       cwd=tmp_path)
     assert hybrid.returncode == 0, hybrid.stderr[-3000:]
+    want = final_model(tmp_path / "ref")
+    (tmp_path / "init").mkdir()
+    init = Trainer(config.load(tmp_path / "ref" / "config.toml"), DistEnv(), tmp_path / "init", str(real_data),
+                   verbose=False)  # the same recipe and seed, not trained: the initial parameters
+    start = init.strategy.state_dict()
+    init.close()
+    for name, tol in (("mp", 0.0), ("hybrid", 1e-10)):
+        got = convert_state_dict(final_model(tmp_path / name), layerwise=False)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == torch.float64
+            rel = float((got[k] - want[k]).abs().max() / want[k].abs().max())
+            assert rel <= tol, (name, k, rel)
+    # the comparison is between trained models: 3 steps moved every parameter tensor
+    assert want.keys() == start.keys() and all(not torch.equal(want[k], start[k]) for k in want)

@@ -9,8 +9,7 @@ from .test_cli import TINY, paratrain
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy, extra", [("allreduce", ("--set", "model.dropout=0.2")), ("replicate", ()),
-                                             ("ps-sync", ("--num-ps", "1"))])
+@pytest.mark.parametrize("strategy, extra", [("allreduce", ()), ("replicate", ()), ("ps-sync", ("--num-ps", "1"))])
 def test_verify_passes_for_synchronous_strategies(tmp_path, tiny_data, strategy, extra):
     (tmp_path / "tiny.toml").write_text(TINY)
     r = paratrain("verify", "tiny.toml", "--strategy", strategy, "--nproc", "2", "--steps", "3", *extra,
@@ -18,6 +17,19 @@ def test_verify_passes_for_synchronous_strategies(tmp_path, tiny_data, strategy,
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"[verify] OK: {strategy} x 2 equals single" in r.stdout
     assert "rnn.weight_ih_l0" in r.stdout  # the per-parameter table
+
+
+def test_verify_with_dropout_compares_at_p0_and_checks_the_ranks_dropout_seeds(tmp_path, tiny_data):
+    """What verify does with a configured dropout (verify.py): the comparison runs with the dropout
+    modules at p = 0 (with masks drawn, 2 ranks' halves could not equal one device's batch), while each
+    step is still seeded as configured, and the ranks' RNG states before every step are compared: equal
+    ones are the same-dropout bug (test_verify_names_the_cause_of_a_broken_variant). A correct run passes."""
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = paratrain("verify", "tiny.toml", "--strategy", "allreduce", "--nproc", "2", "--steps", "3",
+                  "--set", "model.dropout=0.5", "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "dropout modules at p = 0" in r.stdout.splitlines()[0]
+    assert "[verify] OK: allreduce x 2 equals single" in r.stdout and "MISMATCH" not in r.stderr
 
 
 @pytest.mark.parametrize("bug, cause", [("sum-loss", "the loss is summed over the 2 replicas instead of averaged"),

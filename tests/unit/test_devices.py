@@ -52,13 +52,19 @@ def test_placement_log_lists_every_parameter_once_and_forward_works():
     tokens = torch.randint(0, 50, (5, 3))
     ref_logits, _ = model(tokens)
     rows = apply_placement(model, {"embedding": "cpu:0", "rnn": "cpu:1", "decoder": "cpu:1"})
-    names = [r.module for r in rows]
-    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each exactly once (tied shared)
-    assert {r.device for r in rows} == {"cpu:0", "cpu:1"} or {r.device for r in rows} == {"cpu"}
+    # each parameter exactly once, on its planned device; the tied decoder weight is embedding.weight and
+    # stays with the embedding (its first owner); the decoder keeps its bias
+    lstm = [f"rnn.{w}_{g}_l{k}" for k in (0, 1) for w in ("weight", "bias") for g in ("ih", "hh")]
+    want = {"embedding.weight": "cpu:0", **{n: "cpu:1" for n in lstm}, "decoder.bias": "cpu:1"}
+    assert [r.module for r in rows] == [n for n, _ in model.named_parameters()]
+    assert {r.module: r.device for r in rows} == want
+    sizes = dict(model.named_parameters())
+    assert all(r.params == sizes[r.module].numel() and r.bytes == 4 * r.params for r in rows)
     logits, _ = model(tokens)
     assert torch.equal(logits, ref_logits)
-    table = format_placement_log(rows)
-    assert "total" in table and "rnn.weight_ih_l0" in table
+    table = format_placement_log(rows).splitlines()
+    assert {ln.split()[0]: ln.split()[1] for ln in table[1:-1]} == want  # the log says the same, once each
+    assert table[-1].split()[:2] == ["total", f"{sum(r.params for r in rows):,}"]
 
 
 def test_memory_controls_do_not_apply_on_cpu():

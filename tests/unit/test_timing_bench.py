@@ -106,33 +106,67 @@ def test_bad_specs(kw, words):
         BenchSpec(config="c.toml", **kw)
 
 
-def _outcome(strategy, n, g, step_ms, ranks=None, threads=None):
-    t = {"step_ms": step_ms, "data_ms": 1, "forward_ms": step_ms / 3, "backward_ms": step_ms / 2, "compute_ms": 0,
-         "comm_ms": step_ms / 6 - 2, "idle_ms": 0.5, "optimizer_ms": 0.5, "measured_steps": 10}
-    summary = {"words_per_s_after_warmup": g * 20 / (step_ms / 1000), "train_step_ms": step_ms,
+# one rank's step-time summary: 2 data + (20 forward + 30 backward) compute + 12 comm + 4 idle + 6 optimizer
+# = 74 ms of accounted parts in a 90 ms step
+RANK = {"step_ms": 90.0, "data_ms": 2.0, "forward_ms": 20.0, "backward_ms": 30.0, "compute_ms": 0.0,
+        "comm_ms": 12.0, "idle_ms": 4.0, "optimizer_ms": 6.0, "measured_steps": 10}
+
+
+def _outcome(strategy, n, g, words_per_s, repeat=0, rc=0, rank1_compute_ms=None):
+    """A finished run with a given throughput; the throughput clock's step is 100 ms; rank 1 (if any)
+    computes ``rank1_compute_ms`` instead of 50 ms."""
+    summary = {"words_per_s_after_warmup": words_per_s, "unit": "words", "train_step_ms": 100.0,
                "per_replica_batch": g // n, "threads_per_process": 1}
-    return RunOutcome(RunPlan(strategy=strategy, n=n, global_batch=g, threads=threads), 0, None, summary,
-                      [t] * (ranks or n))
+    ranks = [RANK] + [dict(RANK, forward_ms=(rank1_compute_ms or 50.0) - 30.0)] * (n - 1)
+    return RunOutcome(RunPlan(strategy=strategy, n=n, global_batch=g, repeat=repeat), rc, None,
+                      summary if rc == 0 else {}, ranks if rc == 0 else [])
 
 
 def test_scaling_rows_speedup_efficiency_and_coverage():
+    """Speedup and efficiency from given throughputs: the single-device baseline runs at 100 words/s
+    (median of 90, 100, 130), 2 replicas at 180 (weak: median of 170, 180, 200; a failed run left out)
+    and 150 (strong), allreduce on 1 replica at 95."""
     spec = BenchSpec(config="c.toml", nprocs=(1, 2), batches=(10,))
-    recs = [run_record(o) for o in (_outcome("single", 1, 10, 60), _outcome("allreduce", 1, 10, 60),
-                                    _outcome("allreduce", 2, 20, 80), _outcome("allreduce", 2, 10, 40))]
-    t = scaling_rows(recs, spec, recipe_batch=10)
+    outcomes = [_outcome("single", 1, 10, w, repeat=i) for i, w in enumerate((130.0, 90.0, 100.0))]
+    outcomes += [_outcome("allreduce", 1, 10, 95.0)]
+    outcomes += [_outcome("allreduce", 2, 20, w, repeat=i, rank1_compute_ms=70.0)
+                 for i, w in enumerate((200.0, 170.0, 180.0))]
+    outcomes += [_outcome("allreduce", 2, 20, 0.0, repeat=3, rc=1)]
+    outcomes += [_outcome("allreduce", 2, 10, 150.0, rank1_compute_ms=70.0)]
+    t = scaling_rows([run_record(o) for o in outcomes], spec, recipe_batch=10)
     weak = {(r["strategy"], r["n"]): r for r in t["weak"]}
-    # weak: 2 replicas at 80 ms vs one at 60 ms: S = 2 x 60/80 = 1.5, E = 0.75
-    assert weak[("allreduce", 2)]["speedup"] == pytest.approx(1.5)
-    assert weak[("allreduce", 2)]["efficiency"] == pytest.approx(0.75)
     strong = {(r["strategy"], r["n"]): r for r in t["strong"]}
-    assert strong[("allreduce", 2)]["speedup"] == pytest.approx(1.5)  # 60 / 40
-    assert strong[("allreduce", 2)]["per_replica_batch"] == 5
-    # parts (data 1 + compute + comm + idle + optimizer) against the throughput clock's step
-    r = weak[("allreduce", 2)]
-    assert r["breakdown_coverage"] == pytest.approx((1 + 80 / 3 + 40 + 80 / 6 - 2 + 0.5 + 0.5) / 80)
+    assert sorted(weak) == sorted(strong) == [("allreduce", 1), ("allreduce", 2), ("single", 1)]
+    expected = {  # (units/s, speedup, efficiency)
+        "weak": {("single", 1): (100.0, 1.0, 1.0), ("allreduce", 1): (95.0, 0.95, 0.95),
+                 ("allreduce", 2): (180.0, 1.8, 0.9)},
+        "strong": {("single", 1): (100.0, 1.0, 1.0), ("allreduce", 1): (95.0, 0.95, 0.95),
+                   ("allreduce", 2): (150.0, 1.5, 0.75)}}
+    for scaling, rows in (("weak", weak), ("strong", strong)):
+        for key, (wps, speedup, efficiency) in expected[scaling].items():
+            r = rows[key]
+            assert r["units_per_s"] == pytest.approx(wps), (scaling, key)
+            assert r["baseline_units_per_s"] == pytest.approx(100.0), (scaling, key)
+            assert r["speedup"] == pytest.approx(speedup), (scaling, key)
+            assert r["efficiency"] == pytest.approx(efficiency), (scaling, key)
+            # coverage: rank 0's accounted parts, 74 ms, against the 100 ms step of the throughput clock
+            assert r["breakdown_coverage"] == pytest.approx(0.74), (scaling, key)
+    # the weak point: 2 x 10 samples, 3 of 4 runs ok, spread over the ok repeats
+    w2 = weak[("allreduce", 2)]
+    assert (w2["global_batch"], w2["per_replica_batch"], w2["runs"], w2["runs_ok"]) == (20, 10, 4, 3)
+    assert (w2["units_per_s_min"], w2["units_per_s_max"]) == (pytest.approx(170.0), pytest.approx(200.0))
+    # rank-mean breakdown: compute (50 + 70) / 2 = 60, other = 90 - (2 + 60 + 12 + 4 + 6) = 6; skew 20 / 60
+    assert w2["breakdown_ms"]["compute_ms"] == pytest.approx(60.0)
+    assert w2["breakdown_ms"]["other_ms"] == pytest.approx(6.0)
+    assert w2["compute_skew"] == pytest.approx(1 / 3) and w2["slowest_rank"] == 1
+    s2 = strong[("allreduce", 2)]
+    assert (s2["global_batch"], s2["per_replica_batch"], s2["runs"], s2["runs_ok"]) == (10, 5, 1, 1)
+    assert weak[("single", 1)]["units_per_s_min"] == pytest.approx(90.0)
+    assert weak[("single", 1)]["units_per_s_max"] == pytest.approx(130.0)
     text = markdown({"date": "d", "machine": {"cpu_cores": 2, "device": "cpu", "torch": "x"}, "command": "c",
                      "scaling": t})
-    assert "| allreduce | 2 | 20 | 10 |" in text and "1.50" in text
+    assert "| allreduce | 2 | 20 | 10 | 180 (170-200) | 1.80 | 0.90 | 100.0 |" in text
+    assert "| allreduce | 2 | 10 | 5 | 150 (150-150) | 1.50 | 0.75 | 100.0 |" in text
 
 
 def test_cpu_share_and_validation_errors():
