@@ -34,8 +34,8 @@ def test_a_second_run_on_a_held_run_dir_is_refused(tmp_path, tiny_data):
     assert short.returncode == 0, short.stderr[-2000:]
     run_dir = tmp_path / "held"
     first = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--resume", str(run_dir), "--data-dir",
-                              str(tiny_data), "--set", "train.max_steps=100000"], cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                              str(tiny_data), "--set", "train.max_steps=0", "--set", "train.epochs=100000"],
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_checkpoints(run_dir, 2, first)  # the first resume is training
         config_before = (run_dir / "config.toml").read_bytes()
@@ -127,7 +127,7 @@ def test_a_full_disk_stops_with_one_line_and_the_last_checkpoint_loads(tmp_path,
     (tmp_path / "tiny.toml").write_text(TINY)
     with small_filesystem(tmp_path / "small", "200k") as small:
         r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", small / "run", "--set",
-                      "train.max_steps=100000", "--set", "train.checkpoint_every=20", "--set",
+                      "train.epochs=100000", "--set", "train.checkpoint_every=20", "--set",
                       "train.keep_checkpoints=100", cwd=tmp_path, timeout=300)
         assert r.returncode == 1
         said = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if "paratrain: stopped:" in ln]
