@@ -40,6 +40,7 @@ STEPS = ("--set", "train.max_steps=20", "--set", "model.dropout=0.0", "--set", "
          "--set", 'train.dtype="float64"',
          "--set", "train.checkpoint_every=5", "--threads", "1")
 RDZV_TIMEOUT = 20  # seconds a node waits for the other
+ALONE_TIMEOUT = 8  # the same, where the other node never comes
 START_UP = 90  # launcher, torch import, data and model build on a busy 2-core machine
 
 
@@ -102,9 +103,10 @@ def _free_port() -> int:
     return random.randint(30000, 39999)
 
 
-def node_args(nodes: Nodes, node: int, run_dir: Path, port: int, data: Path, *extra) -> list:
+def node_args(nodes: Nodes, node: int, run_dir: Path, port: int, data: Path, *extra,
+              rdzv_timeout: int = RDZV_TIMEOUT) -> list:
     return ["train", REPO / "configs" / "ptb_quick.toml", "--data-dir", data, "--nproc", 1, "--nnodes", 2,
-            "--node-rank", node, "--rdzv-endpoint", f"{nodes.addrs[0]}:{port}", "--rdzv-timeout", RDZV_TIMEOUT,
+            "--node-rank", node, "--rdzv-endpoint", f"{nodes.addrs[0]}:{port}", "--rdzv-timeout", rdzv_timeout,
             "--run-dir", run_dir, *STEPS, *extra]
 
 
@@ -163,14 +165,15 @@ def test_a_node_that_never_starts_ends_the_other_within_the_timeout(nodes, real_
     port = _free_port()
     run_dir = tmp_path / f"node{present}"
     log = tmp_path / "alone.log"
-    p = nodes.start(present, node_args(nodes, present, run_dir, port, real_data), tmp_path, log)
+    p = nodes.start(present, node_args(nodes, present, run_dir, port, real_data, rdzv_timeout=ALONE_TIMEOUT),
+                    tmp_path, log)
     t0 = time.monotonic()
-    [code] = wait([p], START_UP + RDZV_TIMEOUT + 30)
+    [code] = wait([p], START_UP + ALONE_TIMEOUT + 30)
     elapsed = time.monotonic() - t0
     out = log.read_text()
     assert code == 2, f"exit {code} after {elapsed:.0f} s\n{out[-2500:]}"
     where = f"{nodes.addrs[0]}:{port}"
-    want = (f"only 1 of 2 nodes joined the rendezvous at {where}" if present == 0
+    want = (f"only 1 of 2 nodes joined the rendezvous at {where} within {ALONE_TIMEOUT} s" if present == 0
             else f"node 1 could not reach node 0's rendezvous at {where}")
     lines = [ln for ln in out.splitlines() if ln.startswith("paratrain:")]
     assert lines and want in lines[-1], out[-2500:]
