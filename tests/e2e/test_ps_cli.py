@@ -107,8 +107,10 @@ def test_a_killed_parameter_server_is_one_line_naming_it(tiny):
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 1
     said = [ln[ln.index("paratrain:"):] for ln in err.replace("\r", "\n").splitlines() if "paratrain:" in ln]
-    assert said[0] == "paratrain: rank 2 failed first: killed by signal SIGKILL", err[-3000:]
     assert "Traceback" not in err and "eof" not in err, err[-3000:]
+    # whoever notices first says it: the launcher (the server's process died) or rank 0 (its RPC to the
+    # server failed) -- on a busy machine either can come first; the server is named either way, once
     gone = [ln for ln in said if "parameter server 0 (rank 2, shard 0" in ln]
-    assert len(gone) <= 1  # a worker that noticed before the launcher stopped it says so once (rank 0)
+    killed = [ln for ln in said if ln == "paratrain: rank 2 failed first: killed by signal SIGKILL"]
+    assert len(gone) <= 1 and (killed or gone), err[-3000:]
     assert checkpoint.load(checkpoint.latest(run))["step"] > 0

@@ -136,11 +136,12 @@ class ParameterServerStrategy(Strategy):
         self._admitted = False  # bounded staleness: admitted to the current step
 
     # ---- parameters to and from the servers ------------------------------------------------------
-    def _answers(self, futs: list) -> list:
-        """The servers' answers, in shard order. A server that is gone (its process died: the RPC
-        ends with a transport error) stops this worker with one line naming it."""
+    def _answers(self, futs: list, first: int = 0) -> list:
+        """The servers' answers, in shard order (``futs[i]`` is server ``first + i``'s). A server that
+        is gone (its process died: the RPC ends with a transport error) stops this worker with one
+        line naming it."""
         out = []
-        for k, f in enumerate(futs):
+        for k, f in enumerate(futs, start=first):
             try:
                 out.append(f.wait())
             except RuntimeError as e:
@@ -188,7 +189,7 @@ class ParameterServerStrategy(Strategy):
             return
         c = self.clock
         m0 = c.mark()
-        rpc.rpc_sync(self.servers[0], rpc_api.gate_request, args=(self.env.rank,))
+        self._answers([rpc.rpc_async(self.servers[0], rpc_api.gate_request, args=(self.env.rank,))])
         m1 = c.mark()
         self._pull()
         self.record.spans += [("idle", m0, m1), ("comm", m1, c.mark())]
@@ -292,7 +293,8 @@ class ParameterServerStrategy(Strategy):
         taken, self._snapshot_opt = getattr(self, "_snapshot_opt", None), None
         snapshot = taken[0] if taken and taken[1] == self.versions else None  # only right after state_dict()
         for k, srv in enumerate(self.servers):
-            part = snapshot[k] if snapshot else rpc.rpc_sync(srv, rpc_api.optimizer_state, args=(k,))
+            part = snapshot[k] if snapshot else self._answers([rpc.rpc_async(srv, rpc_api.optimizer_state, args=(k,))],
+                                                             first=k)[0]
             for local, st in part.get("state", {}).items():
                 full["state"][self.shards[k][int(local)]] = st
         return full
@@ -305,7 +307,7 @@ class ParameterServerStrategy(Strategy):
         for k, srv in enumerate(self.servers):
             part = {"state": {j: state["state"][i] for j, i in enumerate(self.shards[k]) if i in state["state"]},
                     "param_groups": [dict(group, params=list(range(len(self.shards[k]))))]}
-            rpc.rpc_sync(srv, rpc_api.load_optimizer_state, args=(k, part))
+            self._answers([rpc.rpc_async(srv, rpc_api.load_optimizer_state, args=(k, part))], first=k)
 
     # ---- collectives among the workers (the worker group) --------------------------------------------
     def _group_ok(self) -> bool:
