@@ -32,7 +32,8 @@ config keys (--set section.key=value; values are TOML literals):
   dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
   dist.memory_fraction  dist.expandable_segments
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
-  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr  dist.slow_rank  dist.slow_ms  dist.fault  dist.check_sync_every
+  dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr
+  dist.slow_rank  dist.slow_ms  dist.fault  dist.check_sync_every
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).
 """
@@ -56,8 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--task", metavar="ENTRY",
                    help="task: lstm-lm, gpt, digits-cnn, package.module:factory or path/to/file.py:factory "
                         "(default: the recipe's [task] entry)")
-    t.add_argument("--strategy", choices=list(STRATEGIES), help="how to split the work (default: the recipe's dist.strategy)")
-    t.add_argument("--nproc", type=int, help="worker processes on this node (--nproc 1 without --strategy means single)")
+    t.add_argument("--strategy", choices=list(STRATEGIES),
+                   help="how to split the work (default: the recipe's dist.strategy)")
+    t.add_argument("--nproc", type=int,
+                   help="worker processes on this node (--nproc 1 without --strategy means single)")
     t.add_argument("--run-dir", type=Path, help="new run directory (default runs/<config>-<time>); never overwritten")
     t.add_argument("--resume", type=Path, metavar="DIR", help="continue the run in DIR from its last checkpoint")
     t.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA or the cache)")

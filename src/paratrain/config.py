@@ -19,43 +19,19 @@ minimises). See :func:`paratrain.train.optim.effective_lr_clip`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
-import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .checks import check_at_least, check_choice, key_hint, section_table, update_section
 from .errors import UsageError
-
-
-def check_choice(section: str, key: str, value: Any, allowed: tuple) -> None:
-    """UsageError unless ``value`` is one of ``allowed`` (names the key and the choices)."""
-    if value not in allowed:
-        raise UsageError(
-            f"{section}.{key} = {value!r} is not allowed; use one of {', '.join(map(repr, allowed))}"
-        )
-
-
-def check_at_least(section: str, key: str, value: float, low: float, strict: bool = False) -> None:
-    """UsageError unless ``value`` is finite and >= ``low`` (> with ``strict``)."""
-    if not math.isfinite(value):
-        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a finite number")
-    if value < low or (strict and value == low):
-        op = ">" if strict else ">="
-        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value {op} {low}")
 
 
 def _strategies():
     from . import strategies
 
     return strategies
-
-
-def check_probability(section: str, key: str, value: float) -> None:
-    """UsageError unless ``value`` is in [0, 1) (a dropout probability)."""
-    if not 0 <= value < 1:
-        raise UsageError(f"{section}.{key} = {value!r} is out of range; use a value in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,51 +239,11 @@ SECTIONS = {"train": TrainConfig, "dist": DistConfig}
 TASK_SECTIONS = ("data", "model")
 
 
-def _hint(name: str, candidates: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, candidates, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(candidates)}"
-
-
-def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
-    """Check ``value`` against the field type; ints are accepted for floats."""
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
-    if not ok:
-        raise UsageError(
-            f"{section}.{key} = {value!r} has type {type(value).__name__}; it must be {typ.__name__}"
-        )
-    return value
-
-
-def _table(sec: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise UsageError(f"config section [{sec}] must be a table of key = value lines")
-    return value
-
-
-def _update(sec: str, start: Any, value: dict) -> Any:
-    """``start`` (a dataclass instance, or a dict for a task without a schema) with ``value``'s keys."""
-    if isinstance(start, dict):
-        return {**start, **value}
-    cls = type(start)
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
-    updates = {}
-    for key, v in value.items():
-        if key not in known:
-            raise UsageError(f"unknown config key {sec}.{key}{_hint(key, known)}")
-        updates[key] = _coerce(sec, key, v, hints[key])
-    return replace(start, **updates)
-
-
 def _task(raw: dict, base: Config) -> tuple[TaskConfig, dict]:
     """The ``[task]`` table on top of ``base.task`` and the task's section dataclasses."""
     from . import tasks
 
-    table = dict(_table("task", raw.get("task", {})))
+    table = dict(section_table("task", raw.get("task", {})))
     entry = table.pop("entry", base.task.entry)
     if not isinstance(entry, str) or not entry:
         raise UsageError(f"task.entry = {entry!r} must be a task name, module:factory or path/to/file.py:factory")
@@ -326,13 +262,13 @@ def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
     known = [*SECTIONS, "task", *TASK_SECTIONS, "name", "placement"]
     for sec in raw:
         if sec not in known:
-            raise UsageError(f"unknown config section {sec!r}{_hint(sec, known)}")
+            raise UsageError(f"unknown config section {sec!r}{key_hint(sec, known)}")
     task, schemas = _task(raw, base)
     kwargs: dict[str, Any] = {"task": task}
     same_task = task.entry == base.task.entry
     for sec in TASK_SECTIONS:
         start = getattr(base, sec) if same_task else (schemas[sec]() if sec in schemas else {})
-        kwargs[sec] = _update(sec, start, _table(sec, raw.get(sec, {})))
+        kwargs[sec] = update_section(sec, start, section_table(sec, raw.get(sec, {})))
     for sec, value in raw.items():
         if sec == "placement":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
@@ -344,7 +280,7 @@ def from_dict(raw: dict[str, Any], base: Config | None = None) -> Config:
                 raise UsageError(f"name = {value!r} must be a non-empty string")
             kwargs["name"] = value
         elif sec in SECTIONS:
-            kwargs[sec] = _update(sec, getattr(base, sec), _table(sec, value))
+            kwargs[sec] = update_section(sec, getattr(base, sec), section_table(sec, value))
     return replace(base, **kwargs)
 
 
@@ -370,7 +306,8 @@ def load(path: str | Path | None, overrides: list[str] = (), extra: dict | None 
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise UsageError(f"config file {str(p)!r} does not exist; give the path of a TOML recipe such as configs/ptb_small.toml")
+            raise UsageError(f"config file {str(p)!r} does not exist; "
+                             f"give the path of a TOML recipe such as configs/ptb_small.toml")
         try:
             raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except UnicodeDecodeError:

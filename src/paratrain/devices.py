@@ -149,7 +149,8 @@ def apply_placement(model: nn.Module, plan: Plan, default: str = "cpu", strict: 
             p.data = p.data.to(dev)  # the Parameter object stays (optimizers keep pointing at it)
             if p.grad is not None:
                 p.grad = p.grad.to(dev)
-            rows.append(Placement(f"{name}.{p_name}" if name else p_name, str(dev), p.numel(), p.numel() * p.element_size()))
+            full = f"{name}.{p_name}" if name else p_name
+            rows.append(Placement(full, str(dev), p.numel(), p.numel() * p.element_size()))
         for b_name, b in module.named_buffers(recurse=False):
             module._buffers[b_name] = b.to(dev)
         if own is not None or not name:

@@ -59,8 +59,8 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
             dist[key] = getattr(args, key)
     if getattr(args, "fault", None):
         dist["fault"] = ",".join(args.fault)
-    for key in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "max_restarts", "num_ps", "backup_workers",
-                "max_staleness", "slow_rank", "slow_ms", "check_sync_every"):
+    for key in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout_s", "max_restarts", "num_ps",
+                "backup_workers", "max_staleness", "slow_rank", "slow_ms", "check_sync_every"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
     out: dict = {"dist": dist} if dist else {}
@@ -92,17 +92,20 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     if args.resume is not None:
         run_dir = args.resume
         if not run_dir.is_dir():
-            raise UsageError(f"resume dir {str(run_dir)!r} does not exist; give the run dir of an earlier paratrain train")
+            raise UsageError(f"resume dir {str(run_dir)!r} does not exist; "
+                             f"give the run dir of an earlier paratrain train")
         if args.run_dir is not None and args.run_dir != run_dir:
             raise UsageError("--run-dir and --resume name different folders; --resume continues its own run dir")
         cfg_path = run_dir / "config.toml"
         if not cfg_path.is_file():
-            raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; give a run dir written by paratrain train")
+            raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; "
+                             f"give a run dir written by paratrain train")
         newest = latest(run_dir)  # passes over a damaged newest checkpoint with a warning; raises when none loads
         resume_state, resume_state_name = load_checkpoint(newest, mmap=True), newest.name
     else:
         if args.config is None:
-            raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) or --resume DIR")
+            raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) "
+                             "or --resume DIR")
         cfg_path = Path(args.config)
     cfg = config.load(cfg_path, args.overrides, _flag_overrides(args, _strategy_in(cfg_path)))
     cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, entry=tasks.normalise(cfg.task.entry)))
@@ -129,8 +132,8 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         tmp.write_text(config.to_toml(saved), encoding="utf-8")
         os.replace(tmp, config_path)  # a full disk never leaves a half-written config.toml
     except OSError as e:
-        raise UsageError(f"cannot write to run dir {str(e.filename or run_dir)!r} ({e.strerror}); free space or make it "
-                         f"writable, or choose another --run-dir") from None
+        raise UsageError(f"cannot write to run dir {str(e.filename or run_dir)!r} ({e.strerror}); "
+                         f"free space or make it writable, or choose another --run-dir") from None
     return PreparedRun(cfg, run_dir, data_dir, args.resume is not None, lock=lock)
 
 
@@ -179,7 +182,8 @@ def _completed(run_dir: Path, step: int) -> str:
     if summary:
         keys = [k for k in summary if k.startswith(("valid_", "test_")) and isinstance(summary[k], (int, float))]
         numbers = ": " + ", ".join(f"{k} {summary[k]:.4g}" for k in keys)
-    return f"run dir {run_dir} is complete (step {step}){numbers}; nothing to do (raise train.max_steps or train.epochs to train on)"
+    return (f"run dir {run_dir} is complete (step {step}){numbers}; nothing to do "
+            f"(raise train.max_steps or train.epochs to train on)")
 
 
 _LAYOUT_FREE = {"data.eval_batch_size", "data.eval_fraction"}  # keys that do not move the training data position

@@ -183,7 +183,8 @@ def diagnose(single: dict, ranks: Sequence[dict], accumulation: int) -> str:
         m = ranks[0]["merged"][0]
         c = _uniform_ratio({k: m[k] for k in s1}, mean_local)
         if c is not None and abs(c - w) < 1e-3 and w > 1:
-            return f"gradients are summed over the {w} ranks instead of averaged (merged = {w} x the mean local gradient)"
+            return (f"gradients are summed over the {w} ranks instead of averaged "
+                    f"(merged = {w} x the mean local gradient)")
     if w > 1 and all(all(rel_diff(lc[k], locals_[0][k]) < 1e-12 for k in s1) for lc in locals_[1:]):
         return (f"shards overlap: all {w} ranks computed the same local gradient, so they trained on the same "
                 f"samples (a sampler or stream without rank/world_size)")
@@ -212,7 +213,8 @@ def add_parser(sub) -> None:
     v.add_argument("config", help="TOML recipe")
     v.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
     v.add_argument("--strategy", default=DEFAULT, choices=choices, help=f"a synchronous strategy (default {DEFAULT})")
-    v.add_argument("--nproc", type=int, default=2, help="replicas: processes (towers for replicate; workers for ps-sync)")
+    v.add_argument("--nproc", type=int, default=2,
+                   help="replicas: processes (towers for replicate; workers for ps-sync)")
     v.add_argument("--steps", type=int, default=3, help="optimizer steps compared (default 3)")
     v.add_argument("--num-ps", type=int, default=1, help="parameter-server strategies: servers")
     v.add_argument("--inject-bug", choices=BUGS, help="break the N-way run on purpose to see the diagnosis")

@@ -38,7 +38,8 @@ def run_record(o: RunOutcome) -> dict[str, Any]:
                 "units_per_s": o.summary.get(f"{unit}_per_s_after_warmup", math.nan),
                 "units_per_step": o.summary.get("units_per_step"),
                 "threads_per_process": o.summary.get("threads_per_process"),
-                "train_step_ms": measured, "breakdown_ms": ranks["mean"], "rank0_timing_ms": o.ranks[0], "per_rank_ms": ranks["per_rank"],
+                "train_step_ms": measured, "breakdown_ms": ranks["mean"], "rank0_timing_ms": o.ranks[0],
+                "per_rank_ms": ranks["per_rank"],
                 "compute_skew": ranks["compute_skew"], "slowest_rank": ranks["slowest_rank"],
                 "breakdown_coverage": parts / measured if finite(measured) and measured > 0 else math.nan,
                 "valid_loss": o.summary.get("valid_loss"), "valid_ppl": o.summary.get("valid_ppl")})
@@ -111,15 +112,16 @@ def markdown(results: dict) -> str:
              "wall time per step (logging included); skew = (max - min) / mean of the ranks' compute.", ""]
     if any(r.get("n", 0) > m["cpu_cores"] for rows in results["scaling"].values() for r in rows):
         lines += [f"N above {m['cpu_cores']} is oversubscribed: more processes than cores.", ""]
-    head = (f"| strategy | N | global batch | per-replica | {unit}/s (min-max) | speedup | efficiency | step ms | data | "
-            "compute | comm | idle | optimizer | other | coverage | skew |")
+    head = (f"| strategy | N | global batch | per-replica | {unit}/s (min-max) | speedup | efficiency | step ms "
+            "| data | compute | comm | idle | optimizer | other | coverage | skew |")
     for scaling, rows in results["scaling"].items():
         lines += [f"## {scaling} scaling", "", head, "|" + "---|" * 16]
         for r in rows:
             b = r.get("breakdown_ms", {})
             lines.append(
                 f"| {r['strategy']} | {r['n']} | {r['global_batch']} | {r['per_replica_batch']} | "
-                f"{_fmt(r.get('units_per_s'), 0)} ({_fmt(r.get('units_per_s_min'), 0)}-{_fmt(r.get('units_per_s_max'), 0)}) | "
+                f"{_fmt(r.get('units_per_s'), 0)} "
+                f"({_fmt(r.get('units_per_s_min'), 0)}-{_fmt(r.get('units_per_s_max'), 0)}) | "
                 f"{_fmt(r.get('speedup'), 2)} | {_fmt(r.get('efficiency'), 2)} | {_fmt(r.get('train_step_ms'))} | "
                 + " | ".join(_fmt(b.get(k)) for k in PARTS)
                 + f" | {_fmt(r.get('breakdown_coverage'), 3)} | {_fmt(r.get('compute_skew'), 3)} |")

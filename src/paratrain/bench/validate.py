@@ -54,7 +54,8 @@ def validate(points: dict[int, dict], workloads: dict[int, Workload], link: Link
     ``workloads``: {threads: Workload measured at that thread count}. Pure."""
     out: dict[str, Any] = {"link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
                                     "gamma_s_per_byte": link.gamma_s_per_byte,
-                                    "bandwidth_bytes_per_s": 1 / link.beta_s_per_byte if link.beta_s_per_byte else None},
+                                    "bandwidth_bytes_per_s": (1 / link.beta_s_per_byte if link.beta_s_per_byte
+                                                              else None)},
                            "cores": cores, "bucket_mb": bucket_mb, "points": {}}
     for n, rec in sorted(points.items()):
         threads, scale = cpu_share(n, cores)
@@ -64,7 +65,8 @@ def validate(points: dict[int, dict], workloads: dict[int, Workload], link: Link
                  "measured_step_ms": rec.get("train_step_ms", math.nan), "threads_per_process": threads,
                  "compute_scale": scale}
         m = entry["measured_step_ms"]
-        entry["step_time_rel_error"] = relative_error(entry["predicted_step_ms"], m) if m and math.isfinite(m) else math.nan
+        known = m and math.isfinite(m)
+        entry["step_time_rel_error"] = relative_error(entry["predicted_step_ms"], m) if known else math.nan
         if scale > 1:
             entry["note"] = f"oversubscribed: {n} processes x {threads} thread(s) on {cores} cores"
         out["points"][str(n)] = entry

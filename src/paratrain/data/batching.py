@@ -51,7 +51,8 @@ class LMBatch:
         if self.inputs.device == device:
             return self
         pin = non_blocking and device.type == "cuda"  # pinned host memory makes the copy truly asynchronous
-        mv = lambda t: None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)  # noqa: E731
+        def mv(t):
+            return None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
         return LMBatch(mv(self.inputs), mv(self.targets), mv(self.mask), self.hidden_key, self.num_tokens)
 
 

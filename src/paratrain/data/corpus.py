@@ -47,14 +47,20 @@ _WT2_URL = "https://raw.githubusercontent.com/pytorch/examples/main/word_languag
 
 CORPORA: dict[str, CorpusSpec] = {
     "ptb": CorpusSpec("ptb", {
-        "train": CorpusFile("ptb.train.txt", "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf", _PTB_URL + "ptb.train.txt"),
-        "valid": CorpusFile("ptb.valid.txt", "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2", _PTB_URL + "ptb.valid.txt"),
-        "test": CorpusFile("ptb.test.txt", "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0", _PTB_URL + "ptb.test.txt"),
+        "train": CorpusFile("ptb.train.txt", "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+                            _PTB_URL + "ptb.train.txt"),
+        "valid": CorpusFile("ptb.valid.txt", "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+                            _PTB_URL + "ptb.valid.txt"),
+        "test": CorpusFile("ptb.test.txt", "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+                           _PTB_URL + "ptb.test.txt"),
     }),
     "wikitext-2": CorpusSpec("wikitext-2", {
-        "train": CorpusFile("train.txt", "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f", _WT2_URL + "train.txt"),
-        "valid": CorpusFile("valid.txt", "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8", _WT2_URL + "valid.txt"),
-        "test": CorpusFile("test.txt", "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0", _WT2_URL + "test.txt"),
+        "train": CorpusFile("train.txt", "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f",
+                            _WT2_URL + "train.txt"),
+        "valid": CorpusFile("valid.txt", "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8",
+                            _WT2_URL + "valid.txt"),
+        "test": CorpusFile("test.txt", "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0",
+                           _WT2_URL + "test.txt"),
     }),
 }
 
@@ -191,7 +197,8 @@ def _read_lines(path: Path) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"data file {path} is not UTF-8 text (byte {e.start}); put the plain-text corpus file there") from None
+        raise DataError(f"data file {path} is not UTF-8 text (byte {e.start}); "
+                        f"put the plain-text corpus file there") from None
     lines = text.splitlines()
     if not any(line.split() for line in lines):
         raise DataError(f"data file {path} has no tokens; put the corpus file there")

@@ -70,7 +70,8 @@ class ShardedIterable:
     """Each item (a global batch) of ``source`` cut to this rank's block along ``dim``."""
 
     def __init__(self, source: Iterable, rank: int, world_size: int, dim: int = 0, allow_uneven: bool = False) -> None:
-        self.source, self.rank, self.world_size, self.dim, self.allow_uneven = source, rank, world_size, dim, allow_uneven
+        self.source, self.rank, self.world_size = source, rank, world_size
+        self.dim, self.allow_uneven = dim, allow_uneven
 
     def __iter__(self) -> Iterator[Any]:
         for batch in self.source:

@@ -12,7 +12,6 @@ pulls before its first forward (:meth:`begin_step`).
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Iterable
 
@@ -22,33 +21,16 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ..errors import UsageError
-from ..strategies.base import Strategy, _StepRecord, require_optimizer
+from ..strategies.base import Strategy, StepRecord, require_optimizer
 from ..strategies.wrapping import base_state_dict
 from . import rpc_api
+from .calls import ServerCalls
 from .layout import PSLayout
+from .server import staleness_summary  # noqa: F401 (also a public name here)
 from .sharding import shard_by_bytes
 
 
-def staleness_summary(hist: dict[int, int]) -> dict[str, float]:
-    """mean, p50, p99, max of a staleness histogram {staleness: count}."""
-    n = sum(hist.values())
-    if not n:
-        return {"staleness_mean": 0.0, "staleness_p50": 0.0, "staleness_p99": 0.0, "staleness_max": 0.0}
-    keys = sorted(hist)
-
-    def q(f: float) -> float:  # nearest-rank percentile
-        rank, seen = max(0, math.ceil(f * n) - 1), 0
-        for k in keys:
-            seen += hist[k]
-            if seen > rank:
-                return float(k)
-        return float(keys[-1])
-
-    return {"staleness_mean": sum(k * c for k, c in hist.items()) / n, "staleness_p50": q(0.5),
-            "staleness_p99": q(0.99), "staleness_max": float(keys[-1])}
-
-
-class ParameterServerStrategy(Strategy):
+class ParameterServerStrategy(ServerCalls, Strategy):
     """Options: ``layout`` (PSLayout), ``worker_group`` (c10d group of the workers),
     ``backup_workers``, ``max_staleness`` (-1 = unbounded), ``staleness_lr``."""
 
@@ -128,7 +110,7 @@ class ParameterServerStrategy(Strategy):
             defaults = dict(self.optimizer.defaults)
             opt_cls = type(self.optimizer).__mro__[2]  # the user's optimizer class (behind the distributed one)
             futs = [rpc.rpc_async(srv, rpc_api.init_shard,
-                                  args=(k, [self.params[i].detach().cpu() for i in self.shards[k]], opt_cls, defaults))
+                                  args=(k, self._shard_tensors(k), opt_cls, defaults))
                     for k, srv in enumerate(self.servers)]
             torch.futures.wait_all(futs)
         self._pull()
@@ -136,33 +118,6 @@ class ParameterServerStrategy(Strategy):
         self._admitted = False  # bounded staleness: admitted to the current step
 
     # ---- parameters to and from the servers ------------------------------------------------------
-    def _answers(self, futs: list, first: int = 0) -> list:
-        """The servers' answers, in shard order (``futs[i]`` is server ``first + i``'s). A server that
-        is gone (its process died: the RPC ends with a transport error) stops this worker with one
-        line naming it."""
-        out = []
-        for k, f in enumerate(futs, start=first):
-            try:
-                out.append(f.wait())
-            except RuntimeError as e:
-                if not self._server_gone(k):
-                    raise
-                from ..errors import TrainingStopped
-
-                rank = self.layout.global_rank("server", k)
-                raise TrainingStopped(f"parameter server {k} (rank {rank}, shard {k}: {len(self.shards[k])} parameter "
-                                      f"tensors) is gone; this worker stops: resume from the last checkpoint with "
-                                      f"--resume (or --max-restarts N restarts the job)", every_rank=True) from None
-        return out
-
-    def _server_gone(self, k: int) -> bool:
-        """True when server ``k`` no longer answers a trivial RPC within 5 s."""
-        try:
-            rpc.rpc_async(self.servers[k], rpc_api.heartbeat, args=(k, self.env.rank), timeout=5).wait()
-            return False
-        except RuntimeError:
-            return True
-
     def _load(self, answers: list[tuple[int, list[torch.Tensor]]]) -> None:
         for a in answers:  # a server that failed the step answers with the error
             if isinstance(a, BaseException):
@@ -216,9 +171,10 @@ class ParameterServerStrategy(Strategy):
         average, clip, update), load the parameters they answer with. With ``skip_nonfinite`` a
         NaN/Inf gradient is not used: ps-async drops it; ps-sync pushes a vote to drop the
         step, and the servers drop that whole version (no part of it is applied; every worker
-        learns it from the answer, so all of them count the step as skipped). Called by every worker independently (no collective among workers)."""
+        learns it from the answer, so all of them count the step as skipped). Called by every
+        worker independently (no collective among workers)."""
         c = self.clock
-        rec, self.record = self.record, _StepRecord()
+        rec, self.record = self.record, StepRecord()
         out = None
         if closure is not None:
             with torch.enable_grad():
@@ -279,7 +235,7 @@ class ParameterServerStrategy(Strategy):
         """Every worker calls it; rank 0 sends the parameters to the servers, then all pull."""
         out = self.module.load_state_dict(state, strict=strict)
         if self.env.rank == 0:
-            futs = [rpc.rpc_async(srv, rpc_api.set_params, args=(k, [self.params[i].detach().cpu() for i in self.shards[k]]))
+            futs = [rpc.rpc_async(srv, rpc_api.set_params, args=(k, self._shard_tensors(k)))
                     for k, srv in enumerate(self.servers)]
             torch.futures.wait_all(futs)
         self.barrier()
@@ -386,37 +342,9 @@ class ParameterServerStrategy(Strategy):
         super().arm_timeouts(timeout_s)
         self._start_heartbeats(timeout_s)
 
-    def _start_heartbeats(self, timeout_s: float) -> None:
-        """A daemon thread tells every server this process is alive every min(timeout_s / 4, 5 s):
-        liveness does not depend on pushes (a long evaluation or checkpoint on rank 0 is not death)."""
-        import threading
-
-        if getattr(self, "_beating", None) is not None:
-            return
-        every = max(0.5, min(timeout_s / 4, 5.0))
-        self._beating = threading.Event()
-
-        def beat() -> None:
-            while not self._beating.wait(every):
-                try:
-                    for k, srv in enumerate(self.servers):
-                        rpc.rpc_async(srv, rpc_api.heartbeat, args=(k, self.env.rank))
-                except Exception:  # RPC is shutting down: the worker is leaving
-                    return
-
-        threading.Thread(target=beat, name="paratrain-ps-heartbeat", daemon=True).start()
-
     def teardown(self) -> None:
         self.release()
 
     def release(self) -> None:
         """Tell every server this worker is done (they stop once all are done or dead). Waits for no worker."""
-        if getattr(self, "_beating", None) is not None:
-            self._beating.set()
-        futs = [rpc.rpc_async(srv, rpc_api.worker_done, args=(k, self.env.rank))
-                for k, srv in enumerate(getattr(self, "servers", []))]
-        for f in futs:
-            try:
-                f.wait()
-            except RuntimeError:  # the last worker's answer can race the server's exit: nothing is outstanding
-                pass
+        self._leave()

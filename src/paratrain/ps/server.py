@@ -16,12 +16,32 @@ that call it are in :mod:`paratrain.ps.rpc_api`.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable
 
 import torch
 from torch.futures import Future
+
+
+def staleness_summary(hist: dict[int, int]) -> dict[str, float]:
+    """mean, p50, p99, max of a staleness histogram {staleness: count}."""
+    n = sum(hist.values())
+    if not n:
+        return {"staleness_mean": 0.0, "staleness_p50": 0.0, "staleness_p99": 0.0, "staleness_max": 0.0}
+    keys = sorted(hist)
+
+    def q(f: float) -> float:  # nearest-rank percentile
+        rank, seen = max(0, math.ceil(f * n) - 1), 0
+        for k in keys:
+            seen += hist[k]
+            if seen > rank:
+                return float(k)
+        return float(keys[-1])
+
+    return {"staleness_mean": sum(k * c for k, c in hist.items()) / n, "staleness_p50": q(0.5),
+            "staleness_p99": q(0.99), "staleness_max": float(keys[-1])}
 
 
 class ShardServer:

@@ -5,11 +5,12 @@ Config validation, the command line, ``paratrain launch``, ``verify`` and
 owns from these classes (see :class:`~paratrain.strategies.base.Strategy`).
 """
 from .allreduce import AllReduce
-from .base import NoSyncMixin, StepResult, Strategy
+from .base import Strategy
 from .ps_async import PSAsync
 from .ps_sync import PSSync
 from .replicate import Replicate
 from .single import SingleDevice
+from .step import NoSyncMixin, StepResult
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
@@ -49,4 +50,5 @@ def owners(key: str) -> list[str]:
     return [n for n, cls in STRATEGIES.items() if key in cls.dist_keys]
 
 
-__all__ = ["STRATEGIES", "REFERENCE", "DEFAULT", "default_for", "modelled", "get_strategy", "owners", "Strategy", "StepResult", "NoSyncMixin"]
+__all__ = ["STRATEGIES", "REFERENCE", "DEFAULT", "default_for", "modelled", "get_strategy", "owners", "Strategy",
+           "StepResult", "NoSyncMixin"]

@@ -17,7 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UsageError
-from .base import NoSyncMixin, Strategy
+from .base import Strategy
+from .step import NoSyncMixin
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _DDP_ARGS = inspect.signature(DDP.__init__).parameters
@@ -37,7 +38,8 @@ class AllReduce(NoSyncMixin, Strategy):
     def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
         if not dist.is_initialized():
             if self.env.world_size > 1:
-                raise UsageError("strategy 'allreduce' needs a process group; start it with paratrain launch/train --nproc N")
+                raise UsageError("strategy 'allreduce' needs a process group; "
+                                 "start it with paratrain launch/train --nproc N")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
         ids = [self.device] if self.device.type == "cuda" else None
@@ -64,7 +66,8 @@ class AllReduce(NoSyncMixin, Strategy):
     def _groups(self) -> list:
         return [self._bn_group] if self._bn_group_made else []
 
-    def _timed_allreduce(self, state, bucket):  # no annotations: DDP checks them, and this module has string annotations
+    # no annotations: DDP checks them, and this module has string annotations
+    def _timed_allreduce(self, state, bucket):
         """DDP's default all-reduce-mean hook (``dist.GradBucket`` -> future of the averaged
         bucket), marking when each bucket is ready. The last bucket's mark ends backward
         compute; the rest of ``backward()`` is exposed communication."""

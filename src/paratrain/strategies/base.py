@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
@@ -43,47 +42,13 @@ from torch import nn
 from ..bench.timing import StepClock
 from ..env import DistEnv
 from ..errors import UsageError
-from .wrapping import ReplicaModule, base_load_state_dict, base_state_dict, distribute_optimizer
-
-
-@dataclass
-class StepResult:
-    """What :meth:`Strategy.train_step` returns for one optimizer step of this rank.
-
-    loss: sum of the values ``loss_fn`` returned for this rank's micro-batches
-        (detached, 0-dim, the loss's dtype and device).
-    grad_norm: L2 norm of the merged gradient before clipping (0-dim), or None when
-        the step computed none (no clipping and no non-finite guard). Parameter
-        server: the norm of this worker's own gradient (the merge happens on the servers).
-    spans: labelled ``(label, start, end)`` marks of :attr:`Strategy.clock`
-        (labels in :data:`paratrain.bench.timing.CATEGORIES`).
-    collective: ``(start, end)`` marks of the gradient merge that waits for the
-        other replicas, or None; the loop uses it to split idle time off.
-    skipped: the merged gradient was not finite (NaN/Inf): no parameter changed.
-    """
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor | None
-    spans: list = field(default_factory=list)
-    collective: tuple | None = None
-    skipped: bool = False
-
-
-@dataclass
-class _StepRecord:
-    """What the strategy saw during one optimizer step (reset by every ``optimizer.step()``)."""
-
-    norm: torch.Tensor | None = None  # from clip_grad_norm_ or the non-finite guard
-    spans: list = field(default_factory=list)
-    collective: tuple | None = None
-    skipped: bool = False
-
-
-class NoSyncMixin:
-    """Ability: a context in which backward does not communicate (gradient accumulation)."""
-
-    def no_sync(self) -> ContextManager:  # pragma: no cover - interface
-        raise NotImplementedError
+from .step import StepRecord, StepResult
+from .wrapping import (
+    ReplicaModule,
+    base_load_state_dict,
+    base_state_dict,
+    distribute_optimizer,
+)
 
 
 class Strategy(ABC):
@@ -157,8 +122,8 @@ class Strategy(ABC):
         self.skip_nonfinite = bool(options.get("skip_nonfinite", False))
         self._clock: StepClock | None = None
         self._grads_ready = None  # mark set by a communication hook when the last gradient bucket is ready
-        self.record = _StepRecord()  # what clip_grad_norm_ and step() see during the current step
-        self.last_step = _StepRecord()  # the record of the last finished optimizer.step()
+        self.record = StepRecord()  # what clip_grad_norm_ and step() see during the current step
+        self.last_step = StepRecord()  # the record of the last finished optimizer.step()
 
     @property
     def clock(self) -> StepClock:
@@ -330,7 +295,7 @@ class Strategy(ABC):
         optimizer's own step. Returns what the optimizer's step returns."""
         c = self.clock
         t0 = c.mark()
-        record, self.record = self.record, _StepRecord()  # this step's; the next one starts fresh
+        record, self.record = self.record, StepRecord()  # this step's; the next one starts fresh
         out = None
         if closure is not None:
             with torch.enable_grad():

@@ -57,7 +57,8 @@ def _import(entry: str, where: str):
             sys.path.insert(0, os.getcwd())  # as python -m does
             return _import(entry, where)
         raise UsageError(f"task {entry!r}: cannot import module {where!r} ({_first_line(e)}); "
-                         f"use a built-in task ({', '.join(BUILTIN)}), module:factory or path/to/file.py:factory") from None
+                         f"use a built-in task ({', '.join(BUILTIN)}), module:factory or "
+                         f"path/to/file.py:factory") from None
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"task {entry!r}: importing {where} raised {_first_line(e)}") from None
 

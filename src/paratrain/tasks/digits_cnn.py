@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import check_at_least, check_probability
+from ..checks import check_at_least, check_probability
 from ..data.sharding import shard_range
 from ..errors import UsageError
 from ..models.cnn import DigitsCNN

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..config import check_at_least, check_choice
+from ..checks import check_at_least, check_choice
 from ..data import (BPTTTrainStream, SentenceTrainStream, bptt_eval_batches, ensure_corpus, load_corpus,
                     sentence_eval_batches)
 from ..errors import UsageError

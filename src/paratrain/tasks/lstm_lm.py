@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import check_at_least, check_probability
+from ..checks import check_at_least, check_probability
 from ..data.batching import LMBatch
 from ..errors import UsageError
 from ..models.lstm_lm import LSTMLM

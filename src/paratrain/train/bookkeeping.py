@@ -120,7 +120,8 @@ class Bookkeeper:
             f"{unit}_per_s": units / max(pos.train_time_s, 1e-9),
             f"{unit}_per_s_after_warmup": (self._measured_units / self._measured_time_s
                                            if self._measured_time_s > 0 else math.nan),
-            "unit": unit, "units_per_step": pos.units / pos.step if pos.step else math.nan, "wall_time_s": wall_s, "device": str(env.device),
+            "unit": unit, "units_per_step": pos.units / pos.step if pos.step else math.nan, "wall_time_s": wall_s,
+            "device": str(env.device),
             "backend": env.backend if env.world_size > 1 else "-", "threads_per_process": torch.get_num_threads(),
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
         }

@@ -114,8 +114,8 @@ def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
             import shutil
 
             full = shutil.disk_usage(run_dir).free < 1 << 20
-            raise OSError(errno.ENOSPC if full else errno.EIO,
-                          "No space left on device" if full else str(e).strip().splitlines()[0][:120], str(path)) from None
+            cause = "No space left on device" if full else str(e).strip().splitlines()[0][:120]
+            raise OSError(errno.ENOSPC if full else errno.EIO, cause, str(path)) from None
         digest = sha256_of(Path(tmp))
         _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
         checksum_path(path).unlink(missing_ok=True)  # a stale sidecar must never describe the new file
@@ -195,6 +195,7 @@ def load(path: Path, mmap: bool = False) -> dict:
         raise UsageError(f"checkpoint {str(path)!r} is not a paratrain checkpoint (no 'model' key)")
     if state.get("format", FORMAT) > FORMAT:
         raise UsageError(
-            f"checkpoint {str(path)!r} has format {state['format']}, newer than this paratrain reads ({FORMAT}); upgrade paratrain"
+            f"checkpoint {str(path)!r} has format {state['format']}, newer than this paratrain reads ({FORMAT}); "
+            f"upgrade paratrain"
         )
     return state

@@ -36,7 +36,8 @@ def local_sums(task, module: nn.Module, batches, device: torch.device) -> torch.
     return acc
 
 
-def evaluate(task, strategy, split: str, reduce: Callable[[torch.Tensor, str], torch.Tensor] | None) -> dict[str, float]:
+def evaluate(task, strategy, split: str,
+             reduce: Callable[[torch.Tensor, str], torch.Tensor] | None) -> dict[str, float]:
     """Metrics of ``split`` (``"valid"`` or ``"test"``). ``reduce(tensor, op)`` all-reduces over the
     ranks that evaluate together (None: this rank alone). Collective when ``reduce`` is given."""
     share = strategy.evaluation_share()
@@ -45,7 +46,8 @@ def evaluate(task, strategy, split: str, reduce: Callable[[torch.Tensor, str], t
     if share is not None:
         acc = local_sums(task, strategy.module, task.eval_batches(split, share), strategy.device)
     if reduce is not None:  # ranks without batches add zeros of the agreed length
-        n = reduce(torch.tensor([0 if acc is None else acc.numel()], device=strategy.device, dtype=torch.float64), "max")
+        size = torch.tensor([0 if acc is None else acc.numel()], device=strategy.device, dtype=torch.float64)
+        n = reduce(size, "max")
         if acc is None:
             acc = torch.zeros(int(n.item()), dtype=torch.float64, device=strategy.device)
         acc = reduce(acc.to(strategy.device), "sum")
