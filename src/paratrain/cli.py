@@ -191,9 +191,9 @@ _RUN_DIR: Path | None = None  # the run dir of this paratrain train, once it exi
 
 
 def _checkpoint_hint() -> str:
-    from .launch import _last_checkpoint
+    from .launch import resume_hint
 
-    return _last_checkpoint(_RUN_DIR)
+    return resume_hint(_RUN_DIR)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -129,7 +129,6 @@ def run(cmd: list[str], threads_per_process: int | None = None, run_dir=None) ->
             os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
             os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
     os.environ["OMP_NUM_THREADS"] = str(threads_per_process or os.environ.get("OMP_NUM_THREADS") or 1)
-    os.environ.setdefault("PARATRAIN_LAUNCHER_PID", str(os.getpid()))
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # workers: no c10d socket warnings with C++ frames
     # the agent's own log (worker exit codes, SIGTERMs it sent, exit-barrier traces): the lines below say it once
     for name in [n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic",
@@ -154,13 +153,13 @@ def _report(e: BaseException, args, run_dir) -> int:
     if isinstance(e, SignalException):
         code = 128 + int(e.sigval)
         print(f"paratrain: {signal.Signals(e.sigval).name} received: stopped every worker (exit {code})"
-              f"{_last_checkpoint(run_dir)}", file=sys.stderr)
+              f"{resume_hint(run_dir)}", file=sys.stderr)
         return code
     print(f"paratrain: {_rendezvous_failure(args, e)}", file=sys.stderr)  # the nodes never formed a job
     return 2
 
 
-def _last_checkpoint(run_dir) -> str:
+def resume_hint(run_dir) -> str:
     """'; resume from ...' naming the newest checkpoint of ``run_dir`` ('' when no run dir)."""
     if run_dir is None:
         return ""

@@ -86,7 +86,7 @@ def _strategy_in(path: Path | str | None) -> str | None:
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
     """Validate flags, config, task and data; create (or reopen) the run directory and write config.toml."""
-    from .train.checkpoint import latest, load as load_checkpoint
+    from .train.checkpoint import list_checkpoints, newest_loadable
 
     resume_state = None
     if args.resume is not None:
@@ -100,8 +100,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
         if not cfg_path.is_file():
             raise UsageError(f"resume dir {str(run_dir)!r} has no config.toml; "
                              f"give a run dir written by paratrain train")
-        newest = latest(run_dir)  # passes over a damaged newest checkpoint with a warning; raises when none loads
-        resume_state, resume_state_name = load_checkpoint(newest, mmap=True), newest.name
+        # passes over a damaged newest checkpoint with a warning; raises when none loads
+        newest, resume_state = newest_loadable(run_dir)
+        listed = list_checkpoints(run_dir)
     else:
         if args.config is None:
             raise UsageError("no config given; use paratrain train CONFIG (e.g. configs/ptb_small.toml) "
@@ -112,8 +113,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     cfg.check_world()
     task = build_task(cfg, args.data_dir, download=True)
     if resume_state is not None:
-        _check_checkpoint_fits(task, resume_state, args.resume / resume_state_name, config.load(cfg_path), cfg)
-        _check_same_data_layout(config.load(cfg_path), cfg)
+        old = config.load(cfg_path)
+        _check_checkpoint_fits(task, resume_state, newest, old, cfg)
+        _check_same_data_layout(old, cfg)
     _check_rdzv_port(cfg)
     _check_strict_placement(cfg)
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
@@ -123,7 +125,7 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     try:
         run_dir = args.resume if args.resume is not None else _new_run_dir(args.run_dir, cfg.name)
         lock = hold(run_dir)  # one run at a time; released when this process ends
-        if resume_state is not None and latest(run_dir, warn=lambda m: None).name != resume_state_name:
+        if resume_state is not None and list_checkpoints(run_dir) != listed:  # another run saved meanwhile
             raise UsageError(f"run dir {str(run_dir)!r} changed while this run started; try again")
         # faults are for the attempt they are given to: never written into the run dir (paratrain.faults)
         saved = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, fault=""))

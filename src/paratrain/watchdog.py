@@ -17,9 +17,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import threading
 import time
 
+_HOST = socket.gethostname()  # posted with every heartbeat: a gone pid is checked on the same host only
 PHASES = {"before the step": 0, "gradient all-reduce": 1, "logging all-reduce": 2, "evaluation": 3,
           "checkpoint": 3, "start": -1}
 
@@ -66,10 +68,8 @@ class Watchdog:
         self.step, self.op = step, op
 
     def _post(self) -> None:
-        import socket
-
         self.store.set(str(self.rank), json.dumps({"step": self.step, "op": self.op, "t": time.time(),
-                                                   "pid": os.getpid(), "host": socket.gethostname()}))
+                                                   "pid": os.getpid(), "host": _HOST}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -95,15 +95,13 @@ class Watchdog:
         one), else a backend failure although every rank arrived. None when no peer is gone or late
         and ``error`` is not one of torch's distributed error types (then it is not a communication
         failure: the caller re-raises it). Waits up to ~3 heartbeat intervals to tell gone from late."""
-        import socket
-
         import psutil
 
         where = f"the {self.op} of step {self.step}"
         first = str(error).strip().splitlines()[-1][:160] if str(error).strip() else type(error).__name__
         if self.store is None:
             return f"{where} failed ({first})" if is_backend_error(error) else None
-        me, host = (self.step, PHASES.get(self.op, 0)), socket.gethostname()
+        me, host = (self.step, PHASES.get(self.op, 0)), _HOST
         before = self.positions()
         time.sleep(3 * self.interval_s)  # a live peer posts again meanwhile; a dead one cannot
         now, after = time.time(), self.positions()

@@ -50,7 +50,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     from .env import shutdown
     from .strategies import STRATEGIES
     from .train import Trainer
-    from .train.checkpoint import latest, should_resume
+    from .train.checkpoint import newest_loadable, should_resume
 
     cfg = with_faults(config.load(run_dir / "config.toml"))
     env, options = STRATEGIES[cfg.dist.strategy].init_process(process_settings(cfg, **settings))
@@ -63,7 +63,7 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
         if cfg.dist.nnodes > 1 and trainer.strategy.lockstep and env.world_size > 1:
             trainer.resume_from_rank0(env.is_main and should_resume(run_dir, resume))  # no shared filesystem
         elif should_resume(run_dir, resume):
-            trainer.restore(latest(run_dir, warn=lambda m: None))  # the launcher warned
+            trainer.restore(*newest_loadable(run_dir, warn=lambda m: None, mmap=False))  # the launcher warned
         else:
             trainer.say_fresh_restart()
         summary = run(trainer) if run is not None else trainer.fit()

@@ -24,7 +24,7 @@ class ServerCalls:
         for k, f in enumerate(futs, start=first):
             try:
                 out.append(f.wait())
-            except RuntimeError as e:
+            except RuntimeError:
                 if not self._server_gone(k):
                     raise
                 from ..errors import TrainingStopped

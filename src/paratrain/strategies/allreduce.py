@@ -99,6 +99,13 @@ class AllReduce(NoSyncMixin, Strategy):
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.env.world_size < 2:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)  # rank src's object reaches each rank once
+        return box[0]
+
     def teardown(self) -> None:
         """Wait for every rank, then drop the DDP reducer before the group goes away
         (a reducer outliving its gloo group can abort the process at exit)."""

@@ -335,6 +335,10 @@ class Strategy(ABC):
         """Every rank's ``obj`` (picklable), in rank order. Default: this process alone."""
         return [obj]
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank. Default: through :meth:`all_gather_object`."""
+        return self.all_gather_object(obj)[src]
+
     # ---- what differs between strategies, as methods --------------------------------------------------
     def evaluation_share(self) -> tuple[int, int] | None:
         """(index, count) of this rank's share of evaluation work, or None when it evaluates nothing.

@@ -141,9 +141,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def latest(run_dir: Path, warn=None) -> Path:
-    """The newest checkpoint that loads and matches its checksum. A damaged newer one (truncated,
-    checksum mismatch) is passed over with ``warn(line)`` (default: a line on stderr). UsageError if
-    there is none, or none loads (the newest one's error)."""
+    """The newest checkpoint that loads and matches its checksum (see :func:`newest_loadable`)."""
+    return newest_loadable(run_dir, warn)[0]
+
+
+def newest_loadable(run_dir: Path, warn=None, mmap: bool = True) -> tuple[Path, dict]:
+    """(path, contents) of the newest checkpoint that loads and matches its checksum. A damaged
+    newer one (truncated, checksum mismatch) is passed over with ``warn(line)`` (default: a line on
+    stderr). UsageError if there is none, or none loads (the newest one's error)."""
     import sys
 
     found = list_checkpoints(run_dir)
@@ -154,14 +159,14 @@ def latest(run_dir: Path, warn=None) -> Path:
     first_error = None
     for path in reversed(found):
         try:
-            load(path, mmap=True)
+            state = load(path, mmap=mmap)
         except UsageError as e:
             first_error = first_error or e
             continue
         if first_error is not None:
             line = f"paratrain: warning: {first_error}; resuming from {path.name}, the newest checkpoint that loads"
             (warn or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
-        return path
+        return path, state
     raise first_error
 
 

@@ -180,13 +180,13 @@ class Trainer:
         without a shared filesystem hold no checkpoint of their own (only rank 0 writes them), and
         rank 0 alone decides whether there is one to resume (``wanted``: ``should_resume`` there).
         Every rank must call it."""
-        from .checkpoint import latest, load
+        from .checkpoint import newest_loadable
 
         mine = None
         if self.env.is_main and wanted:
-            path = latest(self.run_dir, warn=lambda m: None)  # the launcher warned
-            mine = (path.name, load(path))
-        name, state = self.strategy.all_gather_object(mine)[0] or (None, None)
+            path, state = newest_loadable(self.run_dir, warn=lambda m: None, mmap=False)  # the launcher warned
+            mine = (path.name, state)
+        name, state = self.strategy.broadcast_object(mine) or (None, None)
         if state is not None:
             self.restore(self.run_dir / name, state)
         else:
@@ -227,7 +227,7 @@ class Trainer:
 
     def run_epoch(self, bar) -> bool:
         """Train from the current position to the end of the epoch or of training. True if the epoch ended."""
-        pos, t, s = self.pos, self.cfg.train, self.strategy
+        pos, s = self.pos, self.strategy
         if pos.batch_index == 0:
             tasks.optional(self.task, "start_epoch")(pos.epoch)
         source = batch_source(self.task.train_steps(pos.epoch, pos.batch_index), s.device)  # GPU: prefetched
