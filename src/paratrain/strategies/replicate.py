@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import UsageError
 from .single import SingleDevice
 from .sync_batchnorm import TowerReducer
-from .towers import CPUTowers, TowerGroup
+from .towers import CPUTowers, SeededDataParallel, TowerGroup
 
 
 class Replicate(SingleDevice):
@@ -73,7 +73,7 @@ class Replicate(SingleDevice):
             return module
         if self.device.type == "cuda":
             ids = [d.index for d in self.devices]
-            return nn.DataParallel(module, device_ids=ids, output_device=ids[0], dim=batch_dim)
+            return SeededDataParallel(module, device_ids=ids, output_device=ids[0], dim=batch_dim)
         return CPUTowers(module, len(self.devices), batch_dim, torch.get_num_threads(), self.group)
 
     def describe(self) -> list[str]:
