@@ -173,6 +173,32 @@ def _restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     return {"store": dist.PrefixStore(f"paratrain/attempt{attempt}", store), "rank": rank, "world_size": world_size}
 
 
+def rpc_init_method(settings: ProcessSettings, rank: int, world_size: int) -> str:
+    """The RPC rendezvous: ``settings.rpc_init_method``, except after torchrun restarted the worker
+    group, where env:// would find the dead attempt's addresses in the agent's store (see
+    :func:`_restart_store`): then a registered ``paratrain-attempt://`` handler hands RPC that store
+    under this attempt's prefix."""
+    if settings.rpc_init_method != "env://":
+        return settings.rpc_init_method
+    timeout = datetime.timedelta(seconds=startup_timeout(settings))
+    found = _restart_store(rank, world_size, timeout)
+    if not found:
+        return "env://"
+    store = dist.PrefixStore("rpc", found["store"])
+
+    def handler(url: str, **kwargs):
+        yield store, rank, world_size
+
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    scheme = f"paratrain-attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+    try:
+        register_rendezvous_handler(scheme, handler)
+    except RuntimeError:  # registered earlier in this process
+        pass
+    return f"{scheme}://"
+
+
 def shutdown() -> None:
     """Stop RPC (a parameter-server job) and leave the process group; safe when neither was started."""
     from .ps.runtime import shutdown_rpc

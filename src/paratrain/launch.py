@@ -35,6 +35,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 
@@ -134,22 +135,26 @@ def run(cmd: list[str], threads_per_process: int | None = None, run_dir=None) ->
     for name in [n for n in logging.root.manager.loggerDict if n.startswith(("torch.distributed.elastic",
                                                                             "torch.distributed.run"))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    try:
-        torchrun(args)
-    except (ChildFailedError, SignalException, DistError, RendezvousError):
-        if sys.stderr.isatty():  # a worker's progress bar may have been cut mid-line
-            sys.stderr.write("\n")
-        return _report(sys.exc_info()[1], args, run_dir)
+    with tempfile.TemporaryDirectory(prefix="paratrain-positions-") as positions:
+        os.environ["PARATRAIN_POSITIONS"] = positions  # the workers' watchdogs write their step there
+        try:
+            torchrun(args)
+        except (ChildFailedError, SignalException, DistError, RendezvousError):
+            if sys.stderr.isatty():  # a worker's progress bar may have been cut mid-line
+                sys.stderr.write("\n")
+            return _report(sys.exc_info()[1], args, run_dir, positions)
+        finally:
+            os.environ.pop("PARATRAIN_POSITIONS", None)
     return 0
 
 
-def _report(e: BaseException, args, run_dir) -> int:
+def _report(e: BaseException, args, run_dir, positions: str) -> int:
     """One line per cause for how the job ended (see :func:`run`); returns the exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if isinstance(e, ChildFailedError):
-        return _report_failures(e.failures)
+        return _report_failures(e.failures, positions)
     if isinstance(e, SignalException):
         code = 128 + int(e.sigval)
         print(f"paratrain: {signal.Signals(e.sigval).name} received: stopped every worker (exit {code})"
@@ -169,11 +174,15 @@ def resume_hint(run_dir) -> str:
     return f"; resume from {found[-1]} with --resume {run_dir}" if found else "; no checkpoint had been written yet"
 
 
-def _report_failures(failures: dict) -> int:
-    """One line for the rank that failed first, one for the ranks stopped because of it."""
+def _report_failures(failures: dict, positions: str) -> int:
+    """One line for the rank that failed first (with the step its watchdog last reported), one
+    for the ranks stopped because of it."""
+    from .watchdog import last_position
+
     order = sorted(failures.items(), key=lambda kv: (_stopped(kv[1]), kv[1].timestamp, kv[0]))
     rank, first = order[0]
-    print(f"paratrain: rank {rank} failed first: {_first_line(first)}", file=sys.stderr)
+    print(f"paratrain: rank {rank} failed first: {_first_line(first)}{last_position(positions, rank)}",
+          file=sys.stderr)
     others = [r for r, f in order[1:]]
     if others:
         print(f"paratrain: stopped the other ranks because of it ({', '.join(map(str, sorted(others)))})",

@@ -11,13 +11,20 @@ peer whose heartbeats stopped: connection lost), e.g. ``rank 1 exited at step 50
 (gradient all-reduce; process 4242 is gone)``, else the ranks that are late (alive,
 behind this one), e.g. ``rank 1 did not arrive at the gradient all-reduce of step 20
 within timeout_s=30 (rank 1 is at step 20, before the step, alive)``.
+
+:meth:`Watchdog.at` also stores the position in a 16-byte memory-mapped file,
+``$PARATRAIN_POSITIONS/rank{r}.pos``, when the launcher set that variable (every strategy, also
+without a store): the page outlives a killed process, so the launcher can say at which step a
+worker of its node died (:func:`last_position`) at the cost of one ``struct.pack_into`` per call.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import mmap
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -35,6 +42,38 @@ def is_backend_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError)
 
 
+_OPS = list(PHASES)
+
+
+def _position_map(rank: int) -> mmap.mmap | None:
+    """The shared page :meth:`Watchdog.at` writes (step, op index) into; None without a launcher."""
+    folder = os.environ.get("PARATRAIN_POSITIONS")
+    if not folder or not os.path.isdir(folder):
+        return None
+    try:
+        fd = os.open(os.path.join(folder, f"rank{rank}.pos"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, 16)
+            m = mmap.mmap(fd, 16)
+        finally:
+            os.close(fd)
+        struct.pack_into("<qq", m, 0, 0, _OPS.index("start"))
+        return m
+    except OSError:
+        return None
+
+
+def last_position(folder: str, rank: int) -> str:
+    """' at step 50 (gradient all-reduce)': where rank ``rank`` of this node last was by its watchdog's
+    page under ``folder``; '' when it wrote none (a parameter server, a user's own loop)."""
+    try:
+        with open(os.path.join(folder, f"rank{rank}.pos"), "rb") as f:
+            step, op = struct.unpack("<qq", f.read(16))
+        return f" at step {step} ({_OPS[op]})"
+    except (OSError, struct.error, IndexError):
+        return ""
+
+
 class Watchdog:
     """Heartbeats of this rank in the job's store and the diagnosis of a failed collective.
 
@@ -48,6 +87,7 @@ class Watchdog:
         self.step, self.op = 0, "start"
         self.store = None
         self._stop = threading.Event()
+        self.position = _position_map(rank)
         if world_size < 2 or "MASTER_ADDR" not in os.environ:
             return
         import torch.distributed as dist
@@ -66,6 +106,8 @@ class Watchdog:
     def at(self, step: int, op: str) -> None:
         """This rank is at ``op`` of step ``step`` (0-based); ``op`` is a key of :data:`PHASES`."""
         self.step, self.op = step, op
+        if self.position is not None:
+            struct.pack_into("<qq", self.position, 0, step, _OPS.index(op))
 
     def _post(self) -> None:
         self.store.set(str(self.rank), json.dumps({"step": self.step, "op": self.op, "t": time.time(),

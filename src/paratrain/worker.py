@@ -60,8 +60,8 @@ def train_worker(run_dir: Path, resume: bool = False, data_dir: str | None = Non
     trainer, clean = None, False
     try:
         trainer = Trainer(cfg, env, run_dir, data_dir, verbose=verbose, strategy_options=options)
-        if cfg.dist.nnodes > 1 and trainer.strategy.lockstep and env.world_size > 1:
-            trainer.resume_from_rank0(env.is_main and should_resume(run_dir, resume))  # no shared filesystem
+        if cfg.dist.nnodes > 1 and env.world_size > 1:  # no shared filesystem: rank 0's checkpoint for all
+            trainer.resume_from_rank0(env.is_main and should_resume(run_dir, resume))
         elif should_resume(run_dir, resume):
             trainer.restore(*newest_loadable(run_dir, warn=lambda m: None, mmap=False))  # the launcher warned
         else:

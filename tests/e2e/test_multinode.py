@@ -10,7 +10,8 @@ What is checked: 2 nodes x 1 worker on ptb_quick for 20 steps equal `single` at 
 batch, whichever node starts first, with node 0 (by --node-rank)
 holding rank 0; a node that never starts ends the other within --rdzv-timeout with one line, and
 nothing survives; a worker killed on node 1 under --max-restarts 1 resumes from rank 0's checkpoint
-(node 1 has none of its own) and ends equal to the uninterrupted run.
+(node 1 has none of its own) and ends equal to the uninterrupted run, under allreduce and under
+ps-sync (a worker and a parameter server per node).
 
 The comparison runs in float64 (tolerance 1e-10). In float32 the two nodes are bitwise equal to
 the same job on one node (`--nproc 2`), and differ from `single` by float32 rounding that lr 20
@@ -183,9 +184,14 @@ def test_a_node_that_never_starts_ends_the_other_within_the_timeout(nodes, real_
 
 
 @pytest.mark.slow
-def test_worker_killed_on_node_1_resumes_from_rank_0s_checkpoint(nodes, real_data, single_20, tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+def test_worker_killed_on_node_1_resumes_from_rank_0s_checkpoint(nodes, real_data, single_20, tmp_path, strategy):
+    """ps-sync: each node runs its worker and a parameter server; node 0 learns of the death from the
+    stopped heartbeats (train.timeout_s stays 600 s); the restarted servers get rank 0's checkpoint
+    from rank 0 (through set_params), the worker on node 1 over the worker group."""
     port = _free_port()
-    kill = ("--fault", "kill:rank=1:step=12", "--max-restarts", 1)
+    kill = ("--fault", "kill:rank=1:step=12", "--max-restarts", 1, "--strategy", strategy,
+            *(("--num-ps", 1) if strategy == "ps-sync" else ()))
     procs = [nodes.start(n, node_args(nodes, n, tmp_path / f"node{n}", port, real_data, *kill), tmp_path,
                          tmp_path / f"node{n}.log") for n in (0, 1)]
     codes = wait(procs, START_UP * 2 + 300)
@@ -193,11 +199,14 @@ def test_worker_killed_on_node_1_resumes_from_rank_0s_checkpoint(nodes, real_dat
     assert codes == [0, 0], f"{codes}\n--- node 0\n{logs[0][-3000:]}\n--- node 1\n{logs[1][-3000:]}"
     assert "fault injection: SIGKILL after 12 steps" in logs[1]
     assert "restart 1 of 1: resuming from step 10 (checkpoint-00000010.pt)" in logs[0]
+    if strategy == "ps-sync":
+        assert "connection to worker(s) [1] lost (no heartbeat for 20 s)" in logs[0], logs[0][-3000:]
     resumed = [r for r in records(tmp_path / "node0", "resume")]
     assert len(resumed) == 1 and resumed[0]["step"] == 10
     assert not list((tmp_path / "node1").glob("checkpoint-*"))  # node 1 resumed from what rank 0 sent
     diff = max_rel_diff(final_model(tmp_path / "node0"), single_20)
-    print(f"two nodes with a kill and a restart vs single, 20 steps, float64: max relative difference {diff:.2e}")
+    print(f"two nodes ({strategy}) with a kill and a restart vs single, 20 steps, float64: "
+          f"max relative difference {diff:.2e}")
     assert diff < 1e-10
 
 
@@ -216,4 +225,4 @@ def test_a_dead_node_is_reported_as_dead_by_the_survivor(nodes, real_data, tmp_p
     assert len(said) == 1 and ("connection to rank 1 lost" in said[0] or "rank 1 exited" in said[0]), logs[0][-3000:]
     assert "the gradient all-reduce of step 12 cannot complete" in said[0]
     assert "did not arrive" not in logs[0] and "Traceback" not in logs[0]
-    assert "paratrain: rank 1 failed first: killed by signal SIGKILL" in logs[1]
+    assert "paratrain: rank 1 failed first: killed by signal SIGKILL at step 12 (before the step)" in logs[1]

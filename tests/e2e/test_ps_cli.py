@@ -33,7 +33,7 @@ def test_ps_sync_dead_worker_ends_the_run_naming_it(tiny):
                     "--data-dir", data, "--set", "train.max_steps=40", "--set", "train.timeout_s=20",
                     "--fault", "kill:rank=1:step=5", cwd=tmp)
     assert res.returncode == 1
-    assert "paratrain: rank 1 failed first: killed by signal SIGKILL" in res.stderr
+    assert "paratrain: rank 1 failed first: killed by signal SIGKILL at step 5 (before the step)" in res.stderr
 
 
 def test_ps_sync_with_backup_worker_survives_a_dead_worker(tiny):

@@ -82,7 +82,8 @@ def test_a_dead_peer_is_reported_as_dead_seconds_after_its_death(tmp_path, tiny_
     # one node: the launcher sees the death first and stops rank 0 (the cross-node case, where the
     # survivor diagnoses it from heartbeats, is in test_multinode.py)
     said = said_lines(r.stderr)
-    assert said[0] == "paratrain: rank 1 failed first: killed by signal SIGKILL", r.stderr[-2000:]
+    assert said[0] == "paratrain: rank 1 failed first: killed by signal SIGKILL at step 20 (before the step)", \
+        r.stderr[-2000:]
     assert "did not arrive" not in r.stderr and "Traceback" not in r.stderr
     time.sleep(1)
     assert survivors(str(run)) == []

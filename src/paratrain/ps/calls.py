@@ -50,7 +50,9 @@ class ServerCalls:
 
         if getattr(self, "_beating", None) is not None:
             return
-        every = max(0.5, min(timeout_s / 4, 5.0))
+        from .server import heartbeat_interval
+
+        every = heartbeat_interval(timeout_s)
         self._beating = threading.Event()
 
         def beat() -> None:

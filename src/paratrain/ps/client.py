@@ -37,6 +37,7 @@ class ParameterServerStrategy(ServerCalls, Strategy):
     mode = "sync"
     cost_model = "ps"
     merged_before_step = False  # the servers merge the pushed gradients in optimizer.step()
+    supports_fp16 = False  # each worker would scale and skip on its own; bf16 needs no scaler
     dist_keys = ("num_ps",)
     launch_env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # TensorPipe warns per closed connection at the local RPC shutdown
 

@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..env import DistEnv, ProcessSettings, default_threads, join_process_group, resolve_device_backend, startup_timeout
+from ..env import (
+    DistEnv,
+    ProcessSettings,
+    default_threads,
+    join_process_group,
+    resolve_device_backend,
+    rpc_init_method,
+    startup_timeout,
+)
 from ..errors import UsageError
 from .layout import PSLayout
 
@@ -48,7 +56,7 @@ def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
     # timeout only bounds what has no such answer, start-up included
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=max(16, 4 * layout.num_workers),
                                            rpc_timeout=max(settings.timeout_s + 30, startup_timeout(settings)),
-                                           init_method=settings.rpc_init_method)
+                                           init_method=rpc_init_method(settings, rank, layout.world_size))
     with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(layout.name(role, index), rank=rank, world_size=layout.world_size, rpc_backend_options=opts)

@@ -8,7 +8,8 @@ that call it are in :mod:`paratrain.ps.rpc_api`.
   (the servers all-reduce their squared norms), applied, and the version is
   bumped; every waiting worker then gets the new parameters. A gradient for an
   older version is dropped (counted). A step that waits longer than
-  ``timeout_s`` fails every waiting worker with an error naming the missing ones.
+  ``timeout_s`` fails every waiting worker with an error naming the missing ones; so does a
+  step that waits for a worker whose heartbeats stopped (4 intervals: connection lost).
 * **async** (``ps-async``): every push is applied on arrival under the shard
   lock; staleness = version at apply time - version the worker pulled, recorded
   for every update; optional staleness-aware lr (lr / staleness; Zhang et al.
@@ -23,6 +24,11 @@ from typing import Callable
 
 import torch
 from torch.futures import Future
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between a PS worker's heartbeats to its servers: min(timeout_s / 4, 5 s), at least 0.5 s."""
+    return max(0.5, min(timeout_s / 4, 5.0))
 
 
 def staleness_summary(hist: dict[int, int]) -> dict[str, float]:
@@ -52,6 +58,10 @@ class ShardServer:
                  norm_allreduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.shard_id, self.W, self.mode = shard_id, num_workers, mode
         self.backup, self.staleness_lr, self.timeout_s = backup_workers, staleness_lr, timeout_s
+        # a worker whose heartbeats stopped for 4 intervals is gone (its process died, or the network
+        # to it): a sync step that waits for it fails then, not after timeout_s (another node's death is
+        # seen by no launcher here)
+        self.lost_after_s = min(timeout_s, 4 * heartbeat_interval(timeout_s))
         self.norm_allreduce = norm_allreduce or (lambda t: t)
         self.lock = threading.Lock()
         self.ready = threading.Event()
@@ -168,9 +178,13 @@ class ShardServer:
                     if self.mode == "async" or self.backup > 0:
                         self.dead.add(w)
                         newly_dead.append(w)
-            if self.waiters and now - self.step_started > self.timeout_s and len(self.pending) < self.required():
-                missing = sorted(self.alive() - set(self.pending))
+            missing = sorted(self.alive() - set(self.pending))
+            lost = [w for w in missing if w in self.last_seen and now - self.last_seen[w] > self.lost_after_s]
+            late = now - self.step_started > self.timeout_s
+            if self.waiters and len(self.pending) < self.required() and (lost or late):
                 err = RuntimeError(
+                    f"ps-sync step {self.version + 1}: connection to worker(s) {lost} lost (no heartbeat for "
+                    f"{self.lost_after_s:g} s); got workers {sorted(self.pending)}" if lost else
                     f"ps-sync step {self.version + 1}: no gradient from worker(s) {missing} within "
                     f"timeout_s={self.timeout_s:g} s (hung or dead); got workers {sorted(self.pending)}")
                 failures = [(f, err) for f in self.waiters]
