@@ -127,7 +127,7 @@ def init(strategy: str | None = None, **options: Any) -> DistEnv:
 
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, batch_dim: int = 0,
-          sync_batchnorm: bool = False, skip_nonfinite: bool = False):
+          sync_batchnorm: bool = False, skip_nonfinite: bool = False, precision: str = "fp32"):
     """Wrap ``model`` (and ``optimizer``) for the session's strategy; returns ``model`` or
     ``(model, optimizer)``.
 
@@ -136,12 +136,16 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, b
     ``sync_batchnorm``: BatchNorm statistics over every replica. ``skip_nonfinite``:
     ``optimizer.step()`` drops a NaN/Inf merged gradient instead of applying it. One model per
     process (put several in one ``nn.Module``). The parameter server needs an optimizer.
+    ``precision``: ``fp32``, ``bf16`` or ``fp16`` (the wrapped model's forward under
+    ``torch.autocast``, float32 outputs and master weights; fp16 needs :func:`backward` for the
+    loss scale and :func:`clip_grad_norm_` for clipping the unscaled gradient).
     """
     s = _current()
     if s.models:
         raise UsageError("pt.setup was called already; paratrain wraps one model per process (put several "
                          "models in one nn.Module)")
     s.strategy.skip_nonfinite = skip_nonfinite
+    s.strategy.set_precision(precision)
     wrapped, opt = s.strategy.setup(model, optimizer, batch_dim=batch_dim, sync_batchnorm=sync_batchnorm)
     s.strategy.arm_timeouts(s.config.train.timeout_s)  # set-up is over: collectives time out after timeout_s
     s.models.append(wrapped)
@@ -159,6 +163,12 @@ def shard(data: Any, *, dim: int | None = None, seed: int = 0, allow_uneven: boo
 
     env = _current().env
     return shard_data(data, env.rank, env.world_size, dim=dim, seed=seed, allow_uneven=allow_uneven)
+
+
+def backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with the session's fp16 loss scale (``torch.amp.GradScaler``) applied; the
+    same as ``loss.backward()`` for fp32 and bf16. Every rank calls it once per micro-batch."""
+    _current().strategy.backward(loss)
 
 
 def no_sync() -> ContextManager:

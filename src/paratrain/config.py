@@ -66,7 +66,8 @@ class TrainConfig:
     decay_start_epoch: int = 4  # step schedule: lr *= decay ** max(epoch - decay_start_epoch, 0)
     plateau_patience: int = 0
     accumulation: int = 1  # micro-steps per optimizer step (no_sync on all but the last)
-    dtype: str = "float32"  # float32 | float64
+    dtype: str = "float32"  # float32 | float64: the parameters (master weights) and the data
+    precision: str = "fp32"  # fp32 | bf16 | fp16: forward and loss under torch.autocast (fp16 adds a GradScaler)
     timeout_s: float = 600.0  # process-group timeout for every collective
     checkpoint_every: int = 0  # steps; 0 = only at epoch end
     keep_checkpoints: int = 3  # newest checkpoints kept in the run dir
@@ -87,6 +88,10 @@ class TrainConfig:
         check_choice("train", "convention", self.convention, ("sum_over_time", "mean_over_tokens"))
         check_choice("train", "schedule", self.schedule, ("step", "plateau", "constant"))
         check_choice("train", "dtype", self.dtype, ("float32", "float64"))
+        check_choice("train", "precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise UsageError(f"train.precision = {self.precision!r} keeps float32 master weights; set "
+                             f"train.dtype = \"float32\" (or train.precision = \"fp32\" for {self.dtype})")
         check_choice("train", "on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         check_at_least("train", "lr", self.lr, 0, strict=True)
         for key in ("momentum", "weight_decay", "clip"):
@@ -218,6 +223,17 @@ class Config:
     def model_value(self, key: str, default: Any = None) -> Any:
         """``[model] key`` of any task (dataclass or table)."""
         return self.model.get(key, default) if isinstance(self.model, dict) else getattr(self.model, key, default)
+
+    def __post_init__(self) -> None:
+        from .strategies import STRATEGIES
+
+        if (self.model_value("activation_checkpointing", False) and self.model_value("dropout", 0.0)
+                and self.dist.strategy == "replicate" and self.dist.towers > 1 and "cuda" not in self.dist.devices):
+            raise UsageError("model.activation_checkpointing with dropout on CPU towers: the backward's recomputation "
+                             "would not draw from the tower's generator; set model.dropout = 0 or use allreduce")
+        if self.train.precision == "fp16" and not STRATEGIES[self.dist.strategy].supports_fp16:
+            raise UsageError(f"train.precision = \"fp16\" needs a loss scaler that every replica agrees on, which "
+                             f"strategy {self.dist.strategy!r} does not have; use train.precision = \"bf16\"")
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""

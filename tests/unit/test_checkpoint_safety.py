@@ -111,7 +111,8 @@ def test_a_step_is_saved_once(tmp_path):
     from paratrain.train.checkpointing import Checkpointer, Position
 
     model = torch.nn.Linear(2, 2)
-    strategy = SimpleNamespace(module=model, state_dict=model.state_dict, optimizer_state_dict=lambda: {})
+    strategy = SimpleNamespace(module=model, state_dict=model.state_dict, optimizer_state_dict=lambda: {},
+                               precision_state_dict=lambda: {})
     task = SimpleNamespace(state_dict=lambda gather: {})
     schedule = SimpleNamespace(state_dict=lambda: {})
     saver = Checkpointer(tmp_path, strategy, task, schedule, keep=3, is_main=True)

@@ -90,6 +90,10 @@ class LSTMLM(nn.Module):
             nn.init.uniform_(p, -init_range, init_range)
         nn.init.zeros_(self.decoder.bias)
 
+    def checkpoint_blocks(self) -> list[nn.Module]:
+        """Blocks for activation checkpointing: the LSTM (each layer when ``layerwise``)."""
+        return list(self.rnn.layers) if self.layerwise else [self.rnn]
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads a state dict of either LSTM layout (see :func:`convert_state_dict`)."""
         return super().load_state_dict(convert_state_dict(state_dict, self.layerwise), strict, assign)

@@ -39,6 +39,7 @@ class StepRecord:
     spans: list = field(default_factory=list)
     collective: tuple | None = None
     skipped: bool = False
+    unscaled: bool = False  # fp16: GradScaler.unscale_ has run on this step's gradient
 
 
 class NoSyncMixin:

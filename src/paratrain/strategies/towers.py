@@ -267,12 +267,14 @@ class CPUTowers(nn.Module):
         k = self.threads_forward
         for g, seed in zip(self.generators, tower_seeds(self.n)):
             g.manual_seed(seed)
+        # autocast is thread-local: the tower threads take the caller's (as DataParallel's parallel_apply does)
+        amp = {"device_type": "cpu", "dtype": torch.get_autocast_dtype("cpu"), "enabled": torch.is_autocast_enabled("cpu")}
 
         def tower(t: int) -> Callable[[], Any]:
             def call() -> Any:
                 torch.set_num_threads(k)
                 a, kw = parts[t]
-                with TowerRandom(self.generators[t]):
+                with TowerRandom(self.generators[t]), torch.autocast(**amp):
                     return self.towers[t](*a, **kw)
             return call
 

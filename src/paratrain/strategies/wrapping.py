@@ -24,6 +24,18 @@ import torch
 from torch import nn
 
 
+def to_float32(obj: Any) -> Any:
+    """bf16/fp16 tensors in ``obj`` (tensors, tuples, lists, dicts) as float32; the rest unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in (torch.bfloat16, torch.float16) else obj
+    if isinstance(obj, (tuple, list)):
+        items = [to_float32(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: to_float32(v) for k, v in obj.items()}
+    return obj
+
+
 class ReplicaModule(nn.Module):
     """The user-facing model of a strategy (see the module docstring).
 
@@ -37,10 +49,16 @@ class ReplicaModule(nn.Module):
         object.__setattr__(self, "_strategy", strategy)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
-            self._strategy.begin_step()
-            return self._engine(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        """Training (grad enabled): the engine's forward (towers, DDP, ...); otherwise the plain module's.
+        Under the strategy's mixed precision (``autocast``), with bf16/fp16 outputs returned as float32."""
+        s = self._strategy
+        with s.autocast():
+            if self.training and torch.is_grad_enabled():
+                s.begin_step()
+                out = self._engine(*args, **kwargs)
+            else:
+                out = self.module(*args, **kwargs)
+        return out if s.precision == "fp32" else to_float32(out)
 
     def __getattr__(self, name: str) -> Any:
         try:

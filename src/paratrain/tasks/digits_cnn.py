@@ -54,6 +54,7 @@ class DigitsModelConfig:
     channels3: int = 64
     dropout: float = 0.0
     sync_batchnorm: bool = False  # batch statistics over every replica (see the module docstring)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def __post_init__(self) -> None:
         for key in ("channels1", "channels2", "channels3"):

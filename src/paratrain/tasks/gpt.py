@@ -34,6 +34,7 @@ class GPTConfig:
     d_model: int = 128
     dropout: float = 0.0
     sync_batchnorm: bool = False  # no BatchNorm in this model; accepted so every task takes the key
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def __post_init__(self) -> None:
         for key in ("n_layer", "n_head", "d_model"):

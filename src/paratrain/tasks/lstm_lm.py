@@ -36,6 +36,7 @@ class LSTMConfig:
     init_range: float = 0.1
     layerwise: bool = False  # one module per LSTM layer (rnn.layers.N), for placement plans
     sync_batchnorm: bool = False  # no BatchNorm in this model; accepted so every task takes the key
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def __post_init__(self) -> None:
         for key in ("embed_dim", "hidden_dim", "num_layers"):

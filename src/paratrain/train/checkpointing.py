@@ -53,7 +53,8 @@ class Checkpointer:
         self.last_saved = pos.step
         state = {"model": self.strategy.state_dict(), "optimizer": self.strategy.optimizer_state_dict(),
                  "schedule": self.schedule.state_dict(), "epoch": pos.epoch, "batch_index": pos.batch_index,
-                 "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s}
+                 "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s,
+                 "precision": self.strategy.precision_state_dict()}
         return checkpoint.save(self.run_dir, state, pos.step, keep=self.keep)
 
     def restore(self, path: Path, state: dict | None = None) -> Position:
@@ -67,6 +68,7 @@ class Checkpointer:
                              f"resume with the config it was written with") from None
         self.strategy.load_optimizer_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
+        self.strategy.load_precision_state_dict(state.get("precision", {}))
         legacy = {"hidden": state["hidden"]} if state.get("hidden") else {}  # format of paratrain <= 0.1 runs
         self.task.load_state_dict(state.get("task", legacy))
         return Position(state["step"], state["epoch"], state["batch_index"],

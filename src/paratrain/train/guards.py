@@ -45,9 +45,12 @@ class StepGuards:
         poison = inject(self.faults, self.env.rank, step) if self.faults else False
         return spans, poison
 
-    def nonfinite(self, step: int, local_loss: torch.Tensor) -> None:
+    def nonfinite(self, step: int, local_loss: torch.Tensor, loss_scale: float | None = None) -> None:
         """The merged gradient of step ``step`` (0-based) was NaN/Inf and no update was made: name the
-        ranks whose loss was not finite, count, log; stop the run when ``on_nonfinite = "stop"``."""
+        ranks whose loss was not finite, count, log; stop the run when ``on_nonfinite = "stop"``.
+        ``loss_scale``: fp16's loss scale after the skip (GradScaler lowered it): with finite losses
+        this is an fp16 overflow, which a lower scale cures, so ``stop`` does not apply to it (the
+        limit of skipped steps in a row does)."""
         flags = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.env.device)
         flags[self.env.rank] = float(not bool(torch.isfinite(local_loss)))
         if self.reduce is not None:
@@ -56,8 +59,12 @@ class StepGuards:
         self.nonfinite_steps += 1
         self.in_a_row += 1
         what = f"non-finite loss on rank(s) {ranks}" if ranks else "non-finite gradient (losses finite)"
-        self.book.write("nonfinite", step, ranks=ranks, action=self.on_nonfinite, count=self.nonfinite_steps)
-        if self.on_nonfinite == "stop":
+        overflow = loss_scale is not None and not ranks
+        if overflow:
+            what = f"fp16 gradient overflow (loss scale now {loss_scale:g})"
+        self.book.write("nonfinite", step, ranks=ranks, action=self.on_nonfinite, count=self.nonfinite_steps,
+                        **({"loss_scale": loss_scale} if loss_scale is not None else {}))
+        if self.on_nonfinite == "stop" and not overflow:
             raise TrainingStopped(f"{what} at step {step}; the parameters are unchanged since the last step "
                                   f"(use --on-nonfinite skip to skip such steps)", every_rank=self.reduce is not None)
         if self.in_a_row >= self.max_in_a_row:

@@ -30,6 +30,7 @@ from ..consistency import check_ranks, check_sync, config_text
 from ..data import batch_source
 from ..devices import Placement, apply_memory_controls, apply_placement, format_placement_log
 from ..env import DistEnv
+from ..errors import UsageError
 from ..faults import poisoned
 from ..strategies import STRATEGIES
 from ..watchdog import Watchdog
@@ -79,7 +80,7 @@ class Trainer:
         t = cfg.train
         cls = STRATEGIES[cfg.dist.strategy]
         options = {**cls.options(cfg), **(strategy_options or {}), "timing": True, "skip_nonfinite": True,
-                   "placed": bool(cfg.placement)}
+                   "placed": bool(cfg.placement), "precision": t.precision}
         self.strategy = cls(env, **options)
         self.task_env = tasks.TaskEnv(rank=env.rank, world_size=env.world_size, accumulation=t.accumulation,
                                       global_batch=t.batch_size, seed=t.seed, device=self.strategy.device,
@@ -90,6 +91,8 @@ class Trainer:
         self.placement: list[Placement] = []
         if cfg.placement:  # model parallel: modules on the plan's devices, activations follow
             self.placement = apply_placement(model, dict(cfg.placement), str(env.device), cfg.dist.strict_placement)
+        if cfg.model_value("activation_checkpointing", False):
+            self._checkpoint_activations(model)
         T = tasks.optional(self.task, "sequence_length")
         lr, self.clip = effective_lr_clip(t, T)
         optimizer = build_optimizer(model.parameters(), t, lr, effective_weight_decay(t, T) if T else None)
@@ -135,6 +138,17 @@ class Trainer:
         t = self.cfg.train
         full = t.epochs * self.steps_per_epoch
         return min(full, t.max_steps) if t.max_steps else full
+
+    def _checkpoint_activations(self, model: torch.nn.Module) -> None:
+        """``model.activation_checkpointing``: checkpoint each block (:mod:`paratrain.models.checkpointing`)."""
+        from ..models import checkpointing
+
+        try:
+            names = checkpointing.enable(model)
+        except ValueError as e:
+            raise UsageError(f"model.activation_checkpointing: {e}") from None
+        self.say(f"activation checkpointing: {len(names)} block(s) ({', '.join(names[:4])}"
+                 f"{', ...' if len(names) > 4 else ''})")
 
     def dropout_seed(self, step: int) -> int:
         """Seed of step ``step``'s random numbers (dropout masks): a function of (seed, rank, step)
@@ -249,7 +263,7 @@ class Trainer:
                 # 3-6. forward/backward per micro-batch, merge, clip, update (the strategy's one implementation)
                 res = s.train_step(step.micro_batches, self._loss_fn(step.global_count, poison), self.clip)
                 if res.skipped:
-                    self.guards.nonfinite(pos.step, res.loss)
+                    self.guards.nonfinite(pos.step, res.loss, s.scaler.get_scale() if s.scaler is not None else None)
                 else:
                     self.guards.finite(pos.step, res.loss)
                 pos.step, pos.batch_index, pos.units = pos.step + 1, pos.batch_index + 1, pos.units + step.global_count
