@@ -109,7 +109,7 @@ def test_clipping_sees_the_unscaled_gradient():
         s = STRATEGIES["single"](DistEnv(), precision=p)
         torch.manual_seed(0)
         m = nn.Linear(8, 8)
-        model, opt = s.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))
+        model, _ = s.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))
         s.backward(model(torch.ones(2, 8)).pow(2).mean())  # small enough for fp16 at scale 2**16
         norms[p] = float(s.clip_grad_norm_(1.0))
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2)  # not 65536 times larger

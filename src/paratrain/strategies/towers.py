@@ -268,7 +268,8 @@ class CPUTowers(nn.Module):
         for g, seed in zip(self.generators, tower_seeds(self.n)):
             g.manual_seed(seed)
         # autocast is thread-local: the tower threads take the caller's (as DataParallel's parallel_apply does)
-        amp = {"device_type": "cpu", "dtype": torch.get_autocast_dtype("cpu"), "enabled": torch.is_autocast_enabled("cpu")}
+        amp = {"device_type": "cpu", "dtype": torch.get_autocast_dtype("cpu"),
+               "enabled": torch.is_autocast_enabled("cpu")}
 
         def tower(t: int) -> Callable[[], Any]:
             def call() -> Any:
