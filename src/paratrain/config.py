@@ -227,13 +227,7 @@ class Config:
     def __post_init__(self) -> None:
         from .strategies import STRATEGIES
 
-        if (self.model_value("activation_checkpointing", False) and self.model_value("dropout", 0.0)
-                and self.dist.strategy == "replicate" and self.dist.towers > 1 and "cuda" not in self.dist.devices):
-            raise UsageError("model.activation_checkpointing with dropout on CPU towers: the backward's recomputation "
-                             "would not draw from the tower's generator; set model.dropout = 0 or use allreduce")
-        if self.train.precision == "fp16" and not STRATEGIES[self.dist.strategy].supports_fp16:
-            raise UsageError(f"train.precision = \"fp16\" needs a loss scaler that every replica agrees on, which "
-                             f"strategy {self.dist.strategy!r} does not have; use train.precision = \"bf16\"")
+        STRATEGIES[self.dist.strategy].check_config(self)
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""

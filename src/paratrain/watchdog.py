@@ -43,6 +43,7 @@ def is_backend_error(e: BaseException) -> bool:
 
 
 _OPS = list(PHASES)
+_OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 
 
 def _position_map(rank: int) -> mmap.mmap | None:
@@ -57,7 +58,7 @@ def _position_map(rank: int) -> mmap.mmap | None:
             m = mmap.mmap(fd, 16)
         finally:
             os.close(fd)
-        struct.pack_into("<qq", m, 0, 0, _OPS.index("start"))
+        struct.pack_into("<qq", m, 0, 0, _OP_INDEX["start"])
         return m
     except OSError:
         return None
@@ -107,7 +108,7 @@ class Watchdog:
         """This rank is at ``op`` of step ``step`` (0-based); ``op`` is a key of :data:`PHASES`."""
         self.step, self.op = step, op
         if self.position is not None:
-            struct.pack_into("<qq", self.position, 0, step, _OPS.index(op))
+            struct.pack_into("<qq", self.position, 0, step, _OP_INDEX[op])
 
     def _post(self) -> None:
         self.store.set(str(self.rank), json.dumps({"step": self.step, "op": self.op, "t": time.time(),

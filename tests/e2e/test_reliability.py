@@ -55,13 +55,19 @@ def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path, tiny_data):
     assert records(tmp_path / "killed", "summary")[-1]["steps"] == 120
 
 
-def test_hung_worker_is_named_and_nothing_survives(tmp_path, tiny_data):
+def run_with_fault(tmp_path, tiny_data, name: str, fault: str, timeout_s: int, deadline: int):
+    """``paratrain train`` of TINY for 120 steps with ``fault``; returns (result, seconds taken, run dir)."""
     (tmp_path / "tiny.toml").write_text(TINY)
-    run = tmp_path / "hang"
+    run = tmp_path / name
     t0 = time.monotonic()
-    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", run, "--set", "train.timeout_s=10",
-                  "--set", "train.max_steps=120", "--fault", "hang:rank=1:step=20", cwd=tmp_path, timeout=120)
-    elapsed = time.monotonic() - t0
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", run,
+                  "--set", f"train.timeout_s={timeout_s}", "--set", "train.max_steps=120", "--fault", fault,
+                  cwd=tmp_path, timeout=deadline)
+    return r, time.monotonic() - t0, run
+
+
+def test_hung_worker_is_named_and_nothing_survives(tmp_path, tiny_data):
+    r, elapsed, run = run_with_fault(tmp_path, tiny_data, "hang", "hang:rank=1:step=20", 10, 120)
     assert r.returncode != 0
     assert elapsed < 10 + 30, elapsed
     assert "rank 1 did not arrive at the gradient all-reduce of step 20 within timeout_s=10" in r.stderr
@@ -71,12 +77,7 @@ def test_hung_worker_is_named_and_nothing_survives(tmp_path, tiny_data):
 
 
 def test_a_dead_peer_is_reported_as_dead_seconds_after_its_death(tmp_path, tiny_data):
-    (tmp_path / "tiny.toml").write_text(TINY)
-    run = tmp_path / "dead"
-    t0 = time.monotonic()
-    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", run, "--set", "train.timeout_s=600",
-                  "--set", "train.max_steps=120", "--fault", "kill:rank=1:step=20", cwd=tmp_path, timeout=300)
-    elapsed = time.monotonic() - t0
+    r, elapsed, run = run_with_fault(tmp_path, tiny_data, "dead", "kill:rank=1:step=20", 600, 300)
     assert r.returncode != 0
     assert elapsed < 120, elapsed  # not the 600 s collective timeout: the death is seen at once
     # one node: the launcher sees the death first and stops rank 0 (the cross-node case, where the

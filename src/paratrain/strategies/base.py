@@ -42,6 +42,7 @@ from torch import nn
 from ..bench.timing import StepClock
 from ..env import DistEnv
 from ..errors import UsageError
+from .precision import MixedPrecision
 from .step import StepRecord, StepResult
 from .wrapping import (
     ReplicaModule,
@@ -51,23 +52,14 @@ from .wrapping import (
 )
 
 
-class Strategy(ABC):
+class Strategy(MixedPrecision, ABC):
     """Base class. Subclasses set ``name``, implement ``_wrap`` and the collectives.
 
     Options (keyword arguments, all optional): ``timing`` (mark step spans on
     :attr:`clock`; the trainer turns it on), ``skip_nonfinite`` (``optimizer.step()``
     drops a NaN/Inf merged gradient instead of applying it), ``placed`` (the
     model was placed by a placement plan: do not move it), ``precision`` (``fp32``,
-    ``bf16`` or ``fp16``: see :meth:`autocast`), plus each strategy's own.
-
-    Mixed precision (Micikevicius et al. 2018, "Mixed Precision Training"; ``torch.amp``):
-    parameters, gradients and optimizer state stay in the model's dtype (float32 master
-    weights); the wrapped model's forward runs under ``torch.autocast`` in bf16/fp16
-    (matmuls, convolutions, LSTM cells in the low dtype; softmax, log-softmax, losses,
-    norms and reductions in float32 by autocast's own op lists) and returns its floating
-    outputs as float32. fp16 scales the loss with ``torch.amp.GradScaler`` (:meth:`backward`);
-    the merged gradient is unscaled before clipping and before the non-finite check, and
-    a step the scaler finds inf/NaN in is the non-finite guard's skipped step (one mechanism).
+    ``bf16`` or ``fp16``: :mod:`.precision`), plus each strategy's own.
     """
 
     name: str = ""
@@ -77,12 +69,17 @@ class Strategy(ABC):
     dist_keys: tuple[str, ...] = ()  # dist.* config keys that only this strategy (and others naming them) reads
     launch_env: dict[str, str] = {}  # environment variables the launcher sets for this strategy's jobs
     cost_model: str | None = None  # the algorithm of paratrain.bench.costmodel that describes its step
-    supports_fp16: bool = True  # float16 autocast with a GradScaler (the merge happens before optimizer.step())
 
     # ---- the job a strategy needs (config, launcher, verify, bench) ----------------------------------
     @classmethod
     def check_dist(cls, dist) -> None:
         """Raise UsageError (naming the key and the fix) for a ``[dist]`` config this strategy cannot run."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise UsageError for a whole config (other sections with ``[dist]``) this strategy cannot run.
+        Default: the precision (:meth:`check_precision`)."""
+        cls.check_precision(cfg.train.precision)
 
     @classmethod
     def processes_per_node(cls, dist) -> int:
@@ -135,7 +132,6 @@ class Strategy(ABC):
         self._grads_ready = None  # mark set by a communication hook when the last gradient bucket is ready
         self.record = StepRecord()  # what clip_grad_norm_ and step() see during the current step
         self.last_step = StepRecord()  # the record of the last finished optimizer.step()
-        self.scaler: torch.amp.GradScaler | None = None  # fp16: made in setup() for the device
         self.set_precision(str(options.get("precision", "fp32")))
 
     @property
@@ -188,8 +184,7 @@ class Strategy(ABC):
         self.module = model if self.options.get("placed") else model.to(self.device)
         self.engine = self._wrap(self.module, batch_dim)
         self.model = ReplicaModule(self.module, self.engine, self)
-        if self.precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self.device.type)
+        self.start_precision()
         if optimizer is not None:
             self.optimizer = distribute_optimizer(optimizer, self)
         self._after_setup()
@@ -277,51 +272,6 @@ class Strategy(ABC):
         rec = self.last_step
         return StepResult(total, rec.norm, spans + rec.spans, collective or rec.collective, skipped=rec.skipped)
 
-    # ---- mixed precision ------------------------------------------------------------------------------
-    def set_precision(self, precision: str) -> None:
-        """``fp32``, ``bf16`` or ``fp16`` (before :meth:`setup`). Raises UsageError for another value, and
-        for fp16 on a strategy without a shared loss scale (:attr:`supports_fp16`)."""
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise UsageError(f"precision {precision!r}: use fp32, bf16 or fp16")
-        if precision == "fp16" and not self.supports_fp16:
-            raise UsageError(f"strategy {self.name!r} does not support fp16 (each worker would keep its own loss "
-                             f"scale); use bf16")
-        self.precision = precision
-
-    def autocast(self) -> ContextManager:
-        """``torch.autocast`` on this strategy's device type in bf16/fp16 (disabled for fp32). The wrapped
-        model's forward runs under it; a user's own loss computation may too."""
-        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        return torch.autocast(self.device.type, dtype=low, enabled=low is not None)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, with fp16's loss scale applied first (``GradScaler.scale``). Every rank."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def _unscale(self, record: StepRecord | None = None) -> None:
-        """fp16: divide the merged gradient by the loss scale, once per step (before clipping)."""
-        record = record or self.record
-        if self.scaler is not None and not record.unscaled:
-            self.scaler.unscale_(self.optimizer)
-            record.unscaled = True
-
-    def precision_state_dict(self) -> dict:
-        """What a checkpoint keeps of mixed precision: the GradScaler's state (scale, growth tracker)."""
-        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
-
-    def load_precision_state_dict(self, state: dict) -> None:
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-
-    def _forward(self, loss_fn: Callable, micro_batch: Any) -> torch.Tensor:
-        if self.precision != "fp16" or self.device.type != "cpu":
-            return loss_fn(self.model, micro_batch)
-        try:
-            return loss_fn(self.model, micro_batch)
-        except RuntimeError as e:  # a CPU kernel without float16 (oneDNN's LSTM): say so, once, in one line
-            raise UsageError(f"train.precision = \"fp16\": a kernel of this model has no float16 version on CPU "
-                             f"({str(e).splitlines()[0][:100]}); use train.precision = \"bf16\" on CPU") from None
-
     def begin_step(self) -> None:
         """Start an optimizer step (before its first forward): :meth:`train_step` calls it, and so does
         the wrapped model's first training forward after a step in a user's own loop. Default: nothing
@@ -370,8 +320,7 @@ class Strategy(ABC):
             optimizer.zero_grad(set_to_none=True)
         else:
             base_step()
-        if self.scaler is not None:
-            self.scaler.update()  # lowers the scale after an inf/NaN step, raises it after growth_interval good ones
+        self._update_scale()
         record.spans.append(("optimizer", t0, c.mark()))
         self.last_step = record
         return out

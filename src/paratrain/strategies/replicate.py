@@ -35,6 +35,14 @@ class Replicate(SingleDevice):
                              "(use allreduce for processes)")
 
     @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if (cfg.model_value("activation_checkpointing", False) and cfg.model_value("dropout", 0.0)
+                and cls.towers(cfg.dist) > 1 and "cuda" not in cfg.dist.devices):
+            raise UsageError("model.activation_checkpointing with dropout on CPU towers: the backward's recomputation "
+                             "would not draw from the tower's generator; set model.dropout = 0 or use allreduce")
+
+    @classmethod
     def towers(cls, dist) -> int:
         return max(1, len([d for d in dist.devices.split(",") if d.strip()]))
 

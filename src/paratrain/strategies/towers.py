@@ -32,7 +32,6 @@ error; tensors without that dimension and other objects go to every tower unchan
 from __future__ import annotations
 
 import copy
-import hashlib
 import re
 import threading
 from typing import Any, Callable, Sequence
@@ -41,6 +40,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..seeding import hash_seed
 
 _TOWER = threading.local()
 
@@ -91,8 +92,7 @@ def tower_seeds(n: int) -> list[int]:
     (draw, tower), so towers' streams neither coincide nor shift into each other. Call it in the
     thread that owns the default generator (the caller of the forward)."""
     base = int(torch.empty((), dtype=torch.int64).random_())
-    return [int.from_bytes(hashlib.blake2b(f"{base}:{t}".encode(), digest_size=8).digest(), "little") >> 1
-            for t in range(n)]
+    return [hash_seed(base, t) for t in range(n)]
 
 
 class _InjectGenerator(TorchDispatchMode):

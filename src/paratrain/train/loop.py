@@ -32,6 +32,7 @@ from ..devices import Placement, apply_memory_controls, apply_placement, format_
 from ..env import DistEnv
 from ..errors import UsageError
 from ..faults import poisoned
+from ..seeding import hash_seed
 from ..strategies import STRATEGIES
 from ..watchdog import Watchdog
 from . import evaluation
@@ -47,14 +48,9 @@ def _restart() -> int:
 
 
 def stream_seed(seed: int, rank: int, step: int, tower: int = 0) -> int:
-    """A 63-bit seed for the random numbers of (``seed``, ``rank``, ``tower``, ``step``): a
-    cryptographic hash of the four, so no two (rank, tower, step) share or shift into each other's
-    stream (a linear formula such as ``seed*K + rank*R + step`` makes rank r at step s reuse rank r-1's
-    masks of step s+R)."""
-    import hashlib
-
-    key = f"{seed}:{rank}:{tower}:{step}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+    """A 63-bit seed for the random numbers of (``seed``, ``rank``, ``tower``, ``step``)
+    (:func:`paratrain.seeding.hash_seed`: no two share or shift into each other's stream)."""
+    return hash_seed(seed, rank, tower, step)
 
 
 def seed_step(seed: int, device: torch.device) -> None:

@@ -1,0 +1,93 @@
+"""Mixed precision for every strategy (Micikevicius et al. 2018, "Mixed Precision Training";
+``torch.amp``): a mixin of :class:`~paratrain.strategies.base.Strategy`.
+
+Parameters, gradients and optimizer state stay in the model's dtype (float32 master weights);
+the wrapped model's forward runs under ``torch.autocast`` in bf16/fp16 (matmuls, convolutions,
+LSTM cells in the low dtype; softmax, log-softmax, losses, norms and reductions in float32 by
+autocast's own op lists) and returns its floating outputs as float32. fp16 scales the loss with
+``torch.amp.GradScaler`` (:meth:`MixedPrecision.backward`); the merged gradient is unscaled before
+clipping and before the non-finite check, and a step the scaler finds inf/NaN in is the
+non-finite guard's skipped step (one mechanism).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from ..errors import UsageError
+from .step import StepRecord
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MixedPrecision:
+    """What a strategy does for ``precision`` (``fp32``, ``bf16``, ``fp16``). Needs ``self.device``,
+    ``self.optimizer``, ``self.model``, ``self.record`` and ``self.name`` from the strategy."""
+
+    supports_fp16: bool = True  # float16 autocast with a GradScaler (the merge happens before optimizer.step())
+    precision: str = "fp32"
+    scaler: torch.amp.GradScaler | None = None  # fp16: made by start_precision() for the device
+
+    @classmethod
+    def check_precision(cls, precision: str) -> None:
+        """Raise UsageError for an unknown precision, and for fp16 on a strategy without a shared
+        loss scale (:attr:`supports_fp16`)."""
+        if precision not in PRECISIONS:
+            raise UsageError(f"train.precision = {precision!r}: use fp32, bf16 or fp16")
+        if precision == "fp16" and not cls.supports_fp16:
+            raise UsageError(f"train.precision = \"fp16\" needs a loss scaler that every replica agrees on, which "
+                             f"strategy {cls.name!r} does not have; use train.precision = \"bf16\"")
+
+    def set_precision(self, precision: str) -> None:
+        """``fp32``, ``bf16`` or ``fp16``, before ``setup`` (see :meth:`check_precision`)."""
+        self.check_precision(precision)
+        self.precision = precision
+
+    def start_precision(self) -> None:
+        """In ``setup``, once the device is known: fp16's GradScaler."""
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+
+    def autocast(self) -> ContextManager:
+        """``torch.autocast`` on this strategy's device type in bf16/fp16 (nothing for fp32). The wrapped
+        model's forward runs under it; a user's own loss computation may too."""
+        low = _LOW.get(self.precision)
+        return nullcontext() if low is None else torch.autocast(self.device.type, dtype=low)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with fp16's loss scale applied first (``GradScaler.scale``). Every rank."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _unscale(self, record: StepRecord | None = None) -> None:
+        """fp16: divide the merged gradient by the loss scale, once per step (before clipping)."""
+        record = record or self.record
+        if self.scaler is not None and not record.unscaled:
+            self.scaler.unscale_(self.optimizer)
+            record.unscaled = True
+
+    def _update_scale(self) -> None:
+        """After the step (made or skipped): GradScaler lowers the scale after an inf/NaN step and
+        raises it after ``growth_interval`` good ones."""
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def precision_state_dict(self) -> dict:
+        """What a checkpoint keeps of mixed precision: the GradScaler's state (scale, growth tracker)."""
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_precision_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _forward(self, loss_fn: Callable, micro_batch: Any) -> torch.Tensor:
+        """``loss_fn(model, micro_batch)``; a CPU kernel without float16 (oneDNN's LSTM) under fp16
+        becomes one line that says to use bf16."""
+        try:
+            return loss_fn(self.model, micro_batch)
+        except RuntimeError as e:
+            if self.precision != "fp16" or self.device.type != "cpu":
+                raise
+            raise UsageError(f"train.precision = \"fp16\": a kernel of this model has no float16 version on CPU "
+                             f"({str(e).splitlines()[0][:100]}); use train.precision = \"bf16\" on CPU") from None
