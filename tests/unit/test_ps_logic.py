@@ -206,3 +206,20 @@ def test_liveness_is_heartbeats_not_pushes():
     s.heartbeat(1)  # worker 1 is evaluating or checkpointing; its process is alive
     dead, _ = s.check_liveness(time.monotonic())
     assert dead == [0]  # silent: gone; worker 1 lives on its heartbeats alone
+
+
+def test_sync_step_fails_soon_when_a_workers_heartbeats_stop():
+    """A worker on another node dies (no launcher here sees it): its heartbeats stop, and the sync
+    step waiting for it fails after ``lost_after_s`` (4 heartbeat intervals), not after timeout_s."""
+    s = ShardServer(0, 2, "sync", timeout_s=600.0)
+    s.init([torch.zeros(3, dtype=torch.float64)], torch.optim.SGD, {"lr": 1.0})
+    assert s.lost_after_s < 600.0
+    f = s.push(0, 0, [torch.ones(3, dtype=torch.float64)], 1.0, 0.0)
+    now = s.step_started
+    s.last_seen = {0: now, 1: now - 0.5 * s.lost_after_s}
+    assert s.check_liveness(now) == ([], [])  # worker 1 beat recently: keep waiting
+    s.last_seen[1] = now - s.lost_after_s - 1
+    s.last_seen[0] = now
+    dead, failures = s.check_liveness(now)
+    assert dead == [] and [fut for fut, _ in failures] == [f]
+    assert f"connection to worker(s) [1] lost (no heartbeat for {s.lost_after_s:g} s)" in str(failures[0][1])
