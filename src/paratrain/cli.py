@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
                        description="Make sure a corpus is present: use it, or download it and verify sha256.")
     d.add_argument("corpus", choices=["ptb", "wikitext-2"])
     d.add_argument("--data-dir")
+    e = sub.add_parser("export", help="write a checkpoint (a DCP folder or a .pt) as one plain .pt file",
+                       description="Read CHECKPOINT (checkpoint-<step>.dcp/ of a sharded strategy, or a .pt, or a "
+                                   "run dir: its newest) whole and write OUT with torch.save: 'model' (the plain "
+                                   "state_dict), 'optimizer' (by parameter name), and the run's position. Scripts "
+                                   "read it with torch.load(OUT, weights_only=True)['model'].")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
     return p
 
 
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_data(args)
         if args.command == "devices":
             return cmd_devices()
+        if args.command == "export":
+            return cmd_export(args)
     except UsageError as e:
         print(f"paratrain: error: {e}", file=sys.stderr)
         return 2
@@ -268,6 +277,25 @@ def cmd_devices() -> int:
     for d in list_devices():
         mem = f"{d.memory_bytes / 2**30:.1f} GiB" if d.memory_bytes else "-"
         print(f"{d.name:8s} {mem:>10s}  {d.description}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``paratrain export CHECKPOINT OUT``: one plain ``.pt`` (see the parser's description)."""
+    from .strategies.sharded import read_whole
+    from .train import checkpoint
+
+    src, out = Path(args.checkpoint), Path(args.out)
+    if src.is_dir() and not (src / checkpoint.META).exists():  # a run dir: its newest checkpoint
+        src = checkpoint.latest(src)
+    if out.exists():
+        raise UsageError(f"{str(out)!r} exists; name a new file (export never overwrites)")
+    state = checkpoint.load(src)
+    if state.pop("dcp", False):
+        whole = read_whole(src)
+        state.update(model=whole["model"], optimizer=whole["optim"])
+    checkpoint.atomic_torch_save(state, out)
+    print(f"exported {src} (step {state.get('step')}, {len(state['model'])} tensors in 'model') to {out}")
     return 0
 
 

@@ -123,7 +123,8 @@ class DistConfig:
     rdzv_id: str = ""  # job id of a multi-node rendezvous; "" = $SLURM_JOB_ID, else derived (paratrain.launch)
     rdzv_timeout_s: int = 120  # seconds every node waits for the others to arrive
     max_restarts: int = 0
-    bucket_mb: float = 25.0  # allreduce: DDP gradient bucket size in MiB
+    bucket_mb: float = 25.0  # allreduce, zero1: DDP gradient bucket size in MiB
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3); false: ZeRO-2
     num_ps: int = 1  # ps-*: parameter-server processes per node
     backup_workers: int = 0  # ps-sync: aggregate the first W - b gradients of a step (Chen et al. 2016)
     max_staleness: int = -1  # ps-async: bound on update staleness in versions; -1 = unbounded

@@ -6,11 +6,13 @@ owns from these classes (see :class:`~paratrain.strategies.base.Strategy`).
 """
 from .allreduce import AllReduce
 from .base import Strategy
+from .fsdp import FSDP
 from .ps_async import PSAsync
 from .ps_sync import PSSync
 from .replicate import Replicate
 from .single import SingleDevice
 from .step import NoSyncMixin, StepResult
+from .zero1 import Zero1
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
@@ -18,6 +20,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "replicate": Replicate,
     "ps-sync": PSSync,
     "ps-async": PSAsync,
+    "fsdp": FSDP,
+    "zero1": Zero1,
 }
 
 REFERENCE = "single"

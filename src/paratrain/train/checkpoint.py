@@ -14,6 +14,13 @@ Writes go to a temp file in the same folder, are fsynced, then renamed over the
 target, so a crash during a save leaves the previous checkpoint intact; a
 ``checkpoint-<step>.pt.sha256`` sidecar holds the file's sha256, checked on load.
 The newest ``train.keep_checkpoints`` are kept.
+
+Sharded strategies (``fsdp``, ``zero1``) write ``checkpoint-<step>.dcp/`` instead: a
+``torch.distributed.checkpoint`` folder that every rank writes its shards into (``model``, and
+``optim`` keyed by parameter name), plus ``meta.pt`` (everything else above, written by rank 0).
+The folder is written under a hidden temp name and renamed into place once complete, so it is
+whole or absent. It loads under any world size and strategy (:mod:`paratrain.strategies.sharded`);
+``paratrain export`` turns it into a plain ``.pt``. Several nodes must share the run dir for it.
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ import torch
 from ..errors import UsageError
 
 FORMAT = 1
-_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_NAME = re.compile(r"^checkpoint-(\d+)\.(pt|dcp)$")
+META = "meta.pt"  # a DCP checkpoint's everything-but-model-and-optimizer
 
 
 def to_cpu(obj: Any) -> Any:
@@ -125,9 +133,54 @@ def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
     finally:
         for t in (Path(tmp), side_tmp):
             t.unlink(missing_ok=True)
+    prune(run_dir, keep)
+    return path
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (files with their sidecars, DCP folders)."""
+    import shutil
+
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-        checksum_path(old).unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+            checksum_path(old).unlink(missing_ok=True)
+
+
+def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main: bool, barrier,
+                 keep: int = 3) -> Path:
+    """Write ``checkpoint-<step>.dcp/``: ``sharded`` (this rank's ``{"model", "optim"}``) with
+    ``torch.distributed.checkpoint.save`` from every rank, ``meta`` (CPU, plain) by rank 0, then the
+    folder renamed into place (rank 0). Every rank must call it; ``barrier()`` waits for all of them.
+    Returns the folder's path."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    run_dir = Path(run_dir)
+    path = run_dir / f"checkpoint-{step:08d}.dcp"
+    tmp = run_dir / f".checkpoint-{step:08d}.dcp.tmp"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    barrier()  # every shard is written
+    if is_main:
+        atomic_torch_save(to_cpu({**meta, "format": FORMAT, "step": step}), tmp / META)
+        if path.exists():  # the same step again (after a resume from an older one): the new one replaces it
+            old = run_dir / f".checkpoint-{step:08d}.dcp.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(run_dir)
+        prune(run_dir, keep)
+    barrier()
     return path
 
 
@@ -183,6 +236,8 @@ def load(path: Path, mmap: bool = False) -> dict:
     ``mmap=True`` maps the file instead of reading it (a cheap validity check).
     Raises UsageError for unreadable, truncated or foreign files.
     """
+    if Path(path).is_dir():
+        return _load_meta(Path(path))
     side = checksum_path(Path(path))
     if side.is_file():
         want = side.read_text().split()[0] if side.read_text().strip() else ""
@@ -204,3 +259,16 @@ def load(path: Path, mmap: bool = False) -> dict:
             f"upgrade paratrain"
         )
     return state
+
+
+def _load_meta(path: Path) -> dict:
+    """A DCP checkpoint's ``meta.pt`` with ``"dcp": True`` (model and optimizer stay in the folder)."""
+    if not (path / ".metadata").is_file() or not (path / META).is_file():
+        raise UsageError(f"checkpoint {str(path)!r} is not a complete DCP checkpoint (no .metadata or {META}): "
+                         f"it is damaged")
+    try:
+        meta = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({type(e).__name__} in {META}): it is "
+                         f"damaged") from None
+    return {**meta, "dcp": True}

@@ -11,7 +11,7 @@ world size.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -22,8 +22,11 @@ NAMES = {"ppl": "perplexity", "accuracy": "accuracy", "loss": "loss"}
 
 
 @torch.no_grad()
-def local_sums(task, module: nn.Module, batches, device: torch.device) -> torch.Tensor | None:
-    """Sum of ``task.eval_sums`` over this rank's batches (float64 vector), or None when it had none."""
+def local_sums(task, module: nn.Module, batches, device: torch.device, padding: int = 0,
+               pad_source: Callable[[], Iterable] | None = None) -> torch.Tensor | None:
+    """Sum of ``task.eval_sums`` over this rank's batches (float64 vector), or None when it had none.
+    ``padding``: forwards to run after them whose sums are discarded (the last of ``batches``, or the
+    first of ``pad_source()`` when this rank has none), so that every rank runs as many forwards."""
     was_training = module.training
     module.eval()
     acc = None
@@ -31,6 +34,10 @@ def local_sums(task, module: nn.Module, batches, device: torch.device) -> torch.
         for batch in batches:
             sums = task.eval_sums(module, move_to(batch, device)).to(torch.float64)
             acc = sums if acc is None else acc + sums
+        if padding:
+            pad = batches[-1] if batches else next(iter(pad_source()))
+            for _ in range(padding):
+                task.eval_sums(module, move_to(pad, device))  # masked out: its sums are not added
     finally:
         module.train(was_training)
     return acc
@@ -39,12 +46,21 @@ def local_sums(task, module: nn.Module, batches, device: torch.device) -> torch.
 def evaluate(task, strategy, split: str,
              reduce: Callable[[torch.Tensor, str], torch.Tensor] | None) -> dict[str, float]:
     """Metrics of ``split`` (``"valid"`` or ``"test"``). ``reduce(tensor, op)`` all-reduces over the
-    ranks that evaluate together (None: this rank alone). Collective when ``reduce`` is given."""
+    ranks that evaluate together (None: this rank alone). Collective when ``reduce`` is given: then
+    every rank runs as many forwards as the rank with the most batches (padded, the padding's sums
+    discarded), so that a strategy whose forward is a collective (``fsdp``) never waits for a rank
+    that has finished."""
     share = strategy.evaluation_share()
     strategy.before_eval()
-    acc = None
+    acc, batches, padding = None, [], 0
     if share is not None:
-        acc = local_sums(task, strategy.module, task.eval_batches(split, share), strategy.device)
+        batches = list(task.eval_batches(split, share))
+    if reduce is not None:
+        count = torch.tensor([float(len(batches))], device=strategy.device, dtype=torch.float64)
+        padding = int(reduce(count, "max").item()) - len(batches)
+    if share is not None:
+        acc = local_sums(task, strategy.module, batches, strategy.device, padding,
+                         lambda: task.eval_batches(split, (0, 1)))
     if reduce is not None:  # ranks without batches add zeros of the agreed length
         size = torch.tensor([0 if acc is None else acc.numel()], device=strategy.device, dtype=torch.float64)
         n = reduce(size, "max")

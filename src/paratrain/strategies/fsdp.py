@@ -1,0 +1,198 @@
+"""``fsdp``: fully sharded data parallel with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Each of the W ranks keeps 1/W of every parameter, of its gradient and of its optimizer state
+(parameters are ``DTensor`` shards on a 1-D ``DeviceMesh``). A block's parameters are all-gathered
+before its forward and, with ``dist.reshard_after_forward = true`` (ZeRO-3-like), freed after it
+and gathered again for the backward; ``false`` keeps them until the backward (ZeRO-2-like: less
+communication, more memory). Gradients are reduce-scattered, averaged over the replicas, so the
+optimizer updates each shard with the gradient of the global mean, as ``allreduce`` does (Rajbhandari
+et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"; Zhao et al.
+2023, "PyTorch FSDP").
+
+Units of sharding: the model's blocks (:func:`paratrain.models.checkpointing.blocks`: Transformer
+blocks, LSTM layers), each direct child that holds parameters of its own and shares none (an
+untied embedding or decoder), then the root (what is left, e.g. tied embedding and decoder).
+``train.precision = "bf16"`` adds FSDP2's ``MixedPrecisionPolicy`` (parameters all-gathered and
+computed in bf16, gradients reduced in float32, float32 outputs) under part 1's autocast; the
+sharded master weights stay float32. Checkpoints are DCP folders (:mod:`.sharded`).
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ContextManager, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UsageError
+from .allreduce import AllReduce
+from .sharded import ShardedCheckpoints, by_name, parameter_names
+
+# FSDP2 warns when a wrapped module returns a view (nn.LSTM's outputs); paratrain does no in-place op on them
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` wraps before the root (see the module docstring), innermost first."""
+    from ..models.checkpointing import blocks
+
+    units = [b for b in blocks(model) if b is not model and any(True for _ in b.parameters())]
+    inside = {id(p) for u in units for p in u.parameters()}
+    counts: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    for child in model.children():
+        own = list(child.parameters())
+        if not own or any(id(p) in inside for p in own) or any(u is child for u in units):
+            continue
+        if all(counts[id(p)] == 1 for p in own):  # a tied parameter stays with the root
+            units.append(child)
+    return units
+
+
+class FSDP(ShardedCheckpoints, AllReduce):
+    """Options: ``reshard_after_forward`` (default True)."""
+
+    name = "fsdp"
+    dist_keys = ("reshard_after_forward",)
+    cost_model = None
+    supports_fp16 = False  # a GradScaler's inf check sees one shard: ranks could disagree on a skip
+    collective_forward = True  # every forward all-gathers: ranks run the same number of forwards
+
+    @classmethod
+    def options(cls, cfg) -> dict[str, Any]:
+        return {"reshard_after_forward": cfg.dist.reshard_after_forward}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        if cfg.placement:
+            raise UsageError("strategy 'fsdp' shards every parameter over the ranks; a [placement] plan (model "
+                             "parallel) cannot apply: remove [placement] or use dist.strategy = 'allreduce'")
+        if cfg.dist.check_sync_every:
+            raise UsageError("dist.check_sync_every compares replicas' parameters, but strategy 'fsdp' keeps one "
+                             "shard of each per rank; set dist.check_sync_every = 0")
+
+    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            if self.env.world_size > 1:
+                raise UsageError("strategy 'fsdp' needs a process group; start it with paratrain launch/train "
+                                 "--nproc N")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
+        for t in module.state_dict().values():  # every rank shards rank 0's values (as DDP broadcasts them)
+            if self.env.world_size > 1:
+                dist.broadcast(t.data, 0)
+        self._before = dict(module.named_parameters())
+        mesh = init_device_mesh(self.device.type, (self.env.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32) if self.precision == "bf16" else MixedPrecisionPolicy()
+        reshard = bool(self.options.get("reshard_after_forward", True))
+        self.units = shard_units(module)
+        for unit in self.units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        return module
+
+    def _after_setup(self) -> None:
+        """``fully_shard`` made new (DTensor) parameters: the optimizer now steps those, by name."""
+        after = dict(self.module.named_parameters())
+        new = {id(p): after[n] for n, p in self._before.items()}
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["params"] = [new.get(id(p), p) for p in group["params"]]
+            if self.optimizer.state:
+                self.optimizer.state = type(self.optimizer.state)(
+                    {new.get(id(p), p): s for p, s in self.optimizer.state.items()})
+        self._before = {}
+
+    def describe(self) -> list[str]:
+        names = {id(m): n for n, m in self.module.named_modules()}
+        units = [names.get(id(u), type(u).__name__) for u in self.units] + ["(root)"]
+        return [f"fsdp: {len(units)} units over {self.env.world_size} ranks "
+                f"(reshard_after_forward {bool(self.options.get('reshard_after_forward', True))}): "
+                f"{', '.join(units)}"]
+
+    def no_sync(self) -> ContextManager:
+        """Accumulation micro-steps: gradients stay unreduced until the last micro-batch's backward."""
+        return self._no_sync()
+
+    @contextmanager
+    def _no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def _full_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = nn.utils.get_total_norm(grads, norm_type, foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def clip_grad_norm_(self, max_norm: float, parameters: Iterable[torch.Tensor] | None = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the merged gradient to global norm ``max_norm``: the norm of the sharded gradients
+        (a collective: every rank calls it), then each shard scaled (as torchtitan does)."""
+        self._unscale()
+        params = self._params(parameters)
+        norm = self._full_norm([p.grad for p in params], norm_type)
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        self.record.norm = norm
+        return norm
+
+    def _total_norm(self) -> torch.Tensor:
+        return self._full_norm([p.grad for p in self.module.parameters() if p.grad is not None])
+
+    # ---- state: full state dicts are collectives over the ranks ------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's plain state_dict on every rank (all-gathered: every rank must call it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
+        """Load a whole plain state_dict (any strategy's) into this rank's shards. Every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        return set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def parameters_finite(self) -> bool:
+        """True when every shard of every rank is finite (an all-reduce: every rank calls it)."""
+        bad = torch.zeros((), device=self.device)
+        for p in self.module.parameters():
+            if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()):
+                bad += 1
+        return float(self.all_reduce(bad, "max")) == 0
+
+    def sharded_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_sharded(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self.sharded_state()  # the targets: this rank's shards (the optimizer's state initialised)
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def load_whole(self, model: dict[str, torch.Tensor], optim: dict) -> None:
+        """Load whole state (a ``.pt`` checkpoint's model and by-index optimizer state) into the shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        named = by_name(optim, parameter_names(self.module, self.optimizer))
+        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=named,
+                       options=StateDictOptions(full_state_dict=True))
