@@ -59,6 +59,11 @@ def _plain_batchnorm(module: nn.Module) -> bool:
                and not (isinstance(m, SyncBatchNorm) and m.reducer is not None) for m in module.modules())
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) gradient all-gathered (every rank calls it in the same order); others as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _local_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose BatchNorm layers use this replica's statistics (the local gradient)."""
     from .strategies.sync_batchnorm import SyncBatchNorm
@@ -110,7 +115,12 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     def train_step(micro, loss_fn, clip):
         rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())  # dropout masks come next
         saved = task.state_dict(lambda t: t)  # the carried state, to run the step again from it
-        replica = _local_copy(s.module)
+        if getattr(s, "collective_forward", False):  # fsdp: each rank holds shards; the replica is whole
+            replica = task.build_model().to(trainer.task_env.dtype)
+            replica.load_state_dict(s.state_dict())  # all-gathered (every rank is here)
+            _no_dropout(replica)
+        else:
+            replica = _local_copy(s.module)
         total = sum(loss_fn(replica, mb) for mb in micro)
         grads = torch.autograd.grad(total, list(replica.parameters()), allow_unused=True)
         local.append({n: (g if g is not None else torch.zeros(())).detach().clone() for n, g in zip(names, grads)})
@@ -119,7 +129,8 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
 
     def optimizer_step(optimizer, base_step, closure=None):
         if s.merged_before_step:  # what the update sees (a parameter server merges on its servers)
-            merged.append({n: p.grad.detach().clone() for n, p in s.module.named_parameters() if p.grad is not None})
+            merged.append({n: _whole(p.grad).detach().clone() for n, p in s.module.named_parameters()
+                           if p.grad is not None})
         return update_fn(optimizer, base_step, closure)
 
     s.train_step, s.optimizer_step = train_step, optimizer_step
@@ -240,7 +251,10 @@ def _prepare(args, tmp: Path, strategy: str, nproc: int) -> tuple:
         extra["dist"]["num_ps"] = args.num_ps
     if args.task:
         extra["task"] = {"entry": args.task}
-    cfg = config.load(args.config, [*args.overrides, *forced], extra)
+    # a key of another strategy (``--set dist.reshard_after_forward=false`` for fsdp) is not the reference's
+    others = {k for c in STRATEGIES.values() for k in c.dist_keys} - set(cls.dist_keys)
+    overrides = [o for o in args.overrides if o.split("=", 1)[0].strip() not in {f"dist.{k}" for k in others}]
+    cfg = config.load(args.config, [*overrides, *forced], extra)
     cfg.check_world()
     run_dir = tmp / f"{strategy}-{nproc}"
     run_dir.mkdir(parents=True)

@@ -9,7 +9,9 @@ from .test_cli import TINY, paratrain
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("strategy, extra", [("allreduce", ()), ("replicate", ()), ("ps-sync", ("--num-ps", "1"))])
+@pytest.mark.parametrize("strategy, extra", [("allreduce", ()), ("replicate", ()), ("ps-sync", ("--num-ps", "1")),
+                                             ("fsdp", ()), ("fsdp", ("--set", "dist.reshard_after_forward=false")),
+                                             ("zero1", ())])
 def test_verify_passes_for_synchronous_strategies(tmp_path, tiny_data, strategy, extra):
     (tmp_path / "tiny.toml").write_text(TINY)
     r = paratrain("verify", "tiny.toml", "--strategy", strategy, "--nproc", "2", "--steps", "3", *extra,
@@ -35,9 +37,10 @@ def test_verify_with_dropout_compares_at_p0_and_checks_the_ranks_dropout_seeds(t
 @pytest.mark.parametrize("bug, cause", [("sum-loss", "the loss is summed over the 2 replicas instead of averaged"),
                                         ("overlap-shards", "shards overlap: all 2 ranks computed the same local"),
                                         ("same-dropout", "dropout RNG identical across ranks")])
-def test_verify_names_the_cause_of_a_broken_variant(tmp_path, tiny_data, bug, cause):
+@pytest.mark.parametrize("strategy", ["allreduce", "fsdp", "zero1"])
+def test_verify_names_the_cause_of_a_broken_variant(tmp_path, tiny_data, bug, cause, strategy):
     (tmp_path / "tiny.toml").write_text(TINY)
-    r = paratrain("verify", "tiny.toml", "--strategy", "allreduce", "--nproc", "2", "--inject-bug", bug,
+    r = paratrain("verify", "tiny.toml", "--strategy", strategy, "--nproc", "2", "--inject-bug", bug,
                   "--set", "model.dropout=0.2", "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[verify] MISMATCH" in r.stderr and cause in r.stderr, r.stderr[-2000:]

@@ -159,7 +159,8 @@ class FSDP(ShardedCheckpoints, AllReduce):
         """The whole model's plain state_dict on every rank (all-gathered: every rank must call it)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return {k: v.cpu() for k, v in whole.items()}  # (cpu_offload=True would leave ranks > 0 empty)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
         """Load a whole plain state_dict (any strategy's) into this rank's shards. Every rank."""
