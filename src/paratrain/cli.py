@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint (a DCP folder or a .pt) as one plain .pt file",
                        description="Read CHECKPOINT (checkpoint-<step>.dcp/ of a sharded strategy, or a .pt, or a "
                                    "run dir: its newest) whole and write OUT with torch.save: 'model' (the plain "
-                                   "state_dict), 'optimizer' (by parameter name), and the run's position. Scripts "
+                                   "state_dict), 'optimizer' (by parameter name from a DCP folder; as saved from a .pt), and the "
+                                   "run's position. Scripts "
                                    "read it with torch.load(OUT, weights_only=True)['model'].")
     e.add_argument("checkpoint")
     e.add_argument("out")
@@ -286,13 +287,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .train import checkpoint
 
     src, out = Path(args.checkpoint), Path(args.out)
-    if src.is_dir() and not (src / checkpoint.META).exists():  # a run dir: its newest checkpoint
+    if src.is_dir() and not src.name.endswith(".dcp"):  # a run dir: its newest checkpoint
         src = checkpoint.latest(src)
     if out.exists():
         raise UsageError(f"{str(out)!r} exists; name a new file (export never overwrites)")
     state = checkpoint.load(src)
     if state.pop("dcp", False):
-        whole = read_whole(src)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+        try:
+            whole = read_whole(src)
+        except (CheckpointException, RuntimeError, OSError) as e:
+            raise UsageError(f"checkpoint {str(src)!r} cannot be read ({str(e).splitlines()[0][:120]}): it is "
+                             f"damaged") from None
+        state.pop("model_shapes", None)
         state.update(model=whole["model"], optimizer=whole["optim"])
     checkpoint.atomic_torch_save(state, out)
     print(f"exported {src} (step {state.get('step')}, {len(state['model'])} tensors in 'model') to {out}")

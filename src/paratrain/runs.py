@@ -241,7 +241,8 @@ def _check_checkpoint_fits(task, state: dict, path: Path, old: config.Config, ne
 
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in task.build_model().state_dict().items()}
-    have = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
+    have = state["model_shapes"] if state.get("dcp") else \
+        {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
     if sorted(want.values()) == sorted(have.values()):
         return
     changed = _changed_keys(old, new)

@@ -41,3 +41,20 @@ def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path, tiny_data, stra
     assert all(torch.equal(plain[k], exported["model"][k]) for k in plain)
     again = paratrain("export", tmp_path / "killed", out, cwd=tmp_path)
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_resume_of_a_fsdp_run_under_allreduce_passes_over_a_damaged_folder(tmp_path, tiny_data):
+    """``--resume`` of a run dir of DCP folders under another strategy; a newest folder that lost a
+    shard file is passed over with one warning, and the run resumes from the one before."""
+    (tmp_path / "tiny.toml").write_text(TINY)
+    a = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "run", "--strategy", "fsdp",
+                  "--set", "train.max_steps=12", cwd=tmp_path, timeout=300)
+    assert a.returncode == 0, a.stderr[-2000:]
+    (tmp_path / "run" / "checkpoint-00000012.dcp" / "__1_0.distcp").unlink()
+    b = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--resume", "run", "--strategy", "allreduce",
+                  "--set", "train.max_steps=16", cwd=tmp_path, timeout=300)
+    assert b.returncode == 0, b.stderr[-3000:]
+    out = b.stdout + b.stderr
+    assert "checkpoint-00000012.dcp" in out and "lacks __1_0.distcp" in out, out[-2000:]
+    assert "resumed from checkpoint-00000008.dcp" in out and "Traceback" not in out
+    assert (tmp_path / "run" / "checkpoint-00000016.pt").is_file()

@@ -109,8 +109,8 @@ class FSDP(ShardedCheckpoints, AllReduce):
             for group in self.optimizer.param_groups:
                 group["params"] = [new.get(id(p), p) for p in group["params"]]
             if self.optimizer.state:
-                self.optimizer.state = type(self.optimizer.state)(
-                    {new.get(id(p), p): s for p, s in self.optimizer.state.items()})
+                raise UsageError("strategy 'fsdp' shards the optimizer state: pass an optimizer that has not "
+                                 "stepped yet to setup, and load its state afterwards (optimizer.load_state_dict)")
         self._before = {}
 
     def describe(self) -> list[str]:

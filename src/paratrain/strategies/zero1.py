@@ -56,6 +56,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
     # ---- state ---------------------------------------------------------------------------------------
     def optimizer_state_dict(self) -> dict:
         """The whole optimizer state by index (ZeRO consolidates it on every rank: a collective)."""
+        self._sync_hyperparameters()  # ZeRO's own param_groups follow the user's only at step()
         self.zero.consolidate_state_dict(to=0)
         whole = self.zero.state_dict() if self.env.rank == 0 else None
         whole = self.broadcast_object(whole)
@@ -63,7 +64,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Load a whole by-index optimizer state (any strategy's): each rank keeps its partition."""
-        self.zero.load_state_dict(state)
+        self.zero.load_state_dict({**state, "state": dict(state["state"])})  # it rewrites the dict it gets
         for g, loaded in zip(self.optimizer.param_groups, state["param_groups"]):
             g.update({k: v for k, v in loaded.items() if k != "params"})
 

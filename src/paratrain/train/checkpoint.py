@@ -141,6 +141,8 @@ def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints (files with their sidecars, DCP folders)."""
     import shutil
 
+    for stale in Path(run_dir).glob(".checkpoint-*.dcp.*"):  # a save killed midway (no save runs now)
+        shutil.rmtree(stale, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         if old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
@@ -267,8 +269,17 @@ def _load_meta(path: Path) -> dict:
         raise UsageError(f"checkpoint {str(path)!r} is not a complete DCP checkpoint (no .metadata or {META}): "
                          f"it is damaged")
     try:
+        from torch.distributed.checkpoint import FileSystemReader
+
         meta = torch.load(path / META, map_location="cpu", weights_only=True)
+        md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:
-        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({type(e).__name__} in {META}): it is "
-                         f"damaged") from None
-    return {**meta, "dcp": True}
+        raise UsageError(f"checkpoint {str(path)!r} cannot be loaded ({type(e).__name__} in {META} or .metadata): "
+                         f"it is damaged") from None
+    missing = sorted({v.relative_path for v in md.storage_data.values()} - {f.name for f in path.iterdir()})
+    if missing:
+        raise UsageError(f"checkpoint {str(path)!r} lacks {missing[0]} (written on another node without a shared "
+                         f"run dir, or deleted): it is incomplete")
+    shapes = {k[len("model."):]: tuple(v.size) for k, v in md.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    return {**meta, "dcp": True, "model_shapes": shapes}

@@ -72,9 +72,11 @@ class Checkpointer:
         """Load model, optimizer, schedule and task state (every rank) from ``path``, or from
         ``state`` (the loaded contents of ``path``, received from rank 0); return the position."""
         state = checkpoint.load(path) if state is None else state
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         try:
             self._load_model_and_optimizer(Path(path), state)
-        except (RuntimeError, KeyError, ValueError) as e:
+        except (RuntimeError, KeyError, ValueError, CheckpointException) as e:
             raise UsageError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0][:120]}); "
                              f"resume with the config it was written with") from None
         self.schedule.load_state_dict(state["schedule"])
