@@ -13,6 +13,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from ..errors import TrainingStopped
 from .server import ShardServer, StalenessGate
 
 _SHARDS: dict[int, ShardServer] = {}
@@ -93,7 +94,8 @@ def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float =
                 fut.set_exception(err)
             if failures:  # the step cannot complete: end this server too (torchrun ends the job)
                 time.sleep(1.0)  # let the errors reach the workers first
-                raise failures[0][1]
+                raise TrainingStopped(f"parameter server {shard.shard_id}: {failures[0][1]}; this server stops "
+                                      f"(the workers were told)")  # one line from worker.main, no traceback
             if newly_dead:
                 shard.recheck()  # a sync step may need fewer gradients now
         time.sleep(2 * poll_s)  # let the answer to the last worker_done leave before RPC shuts down
