@@ -109,9 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint (a DCP folder or a .pt) as one plain .pt file",
                        description="Read CHECKPOINT (checkpoint-<step>.dcp/ of a sharded strategy, or a .pt, or a "
                                    "run dir: its newest) whole and write OUT with torch.save: 'model' (the plain "
-                                   "state_dict), 'optimizer' (by parameter name from a DCP folder; as saved from a .pt), and the "
-                                   "run's position. Scripts "
-                                   "read it with torch.load(OUT, weights_only=True)['model'].")
+                                   "state_dict), 'optimizer' (by parameter name from a DCP folder; as saved from "
+                                   "a .pt), and the run's position. Scripts read it with "
+                                   "torch.load(OUT, weights_only=True)['model'].")
     e.add_argument("checkpoint")
     e.add_argument("out")
     return p

@@ -115,7 +115,7 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     def train_step(micro, loss_fn, clip):
         rng.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())  # dropout masks come next
         saved = task.state_dict(lambda t: t)  # the carried state, to run the step again from it
-        if getattr(s, "collective_forward", False):  # fsdp: each rank holds shards; the replica is whole
+        if s.collective_forward:  # fsdp: each rank holds shards; the replica is whole
             replica = task.build_model().to(trainer.task_env.dtype)
             replica.load_state_dict(s.state_dict())  # all-gathered (every rank is here)
             _no_dropout(replica)

@@ -95,3 +95,18 @@ def max_rel_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-300))
                for k in b)
+
+
+def train_in_process(cfg_dict: dict, data, run_dir: Path, resume: bool = False) -> None:
+    """Train ``cfg_dict`` in this process (one-process strategies), resuming from the newest
+    checkpoint of ``run_dir`` when ``resume``."""
+    from paratrain.config import from_dict
+    from paratrain.env import DistEnv
+    from paratrain.train import Trainer
+    from paratrain.train.checkpoint import latest
+
+    tr = Trainer(from_dict(cfg_dict), DistEnv(), run_dir, str(data), verbose=False)
+    if resume:
+        tr.restore(latest(run_dir))
+    tr.fit()
+    tr.close()

@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from paratrain.config import from_dict
-from paratrain.env import DistEnv
-from paratrain.train import Trainer
 from paratrain.train.checkpoint import latest
 
-from .harness import max_rel_diff, run_ranks
+from .harness import max_rel_diff, run_ranks, train_in_process
 from .test_exactness import tiny_cfg
 
 
@@ -46,11 +44,7 @@ def ps_cfg(base: dict, strategy: str, workers: int, servers: int, **dist) -> dic
 
 
 def run_single(cfg_dict: dict, data, run_dir: Path, resume: bool = False) -> dict:
-    tr = Trainer(from_dict(cfg_dict), DistEnv(), run_dir, str(data), verbose=False)
-    if resume:
-        tr.restore(latest(run_dir))
-    tr.fit()
-    tr.close()
+    train_in_process(cfg_dict, data, run_dir, resume)
     return torch.load(latest(run_dir), weights_only=True)["model"]
 
 

@@ -18,7 +18,7 @@ from paratrain.env import DistEnv
 from paratrain.train import Trainer
 from paratrain.train.checkpoint import latest, list_checkpoints
 
-from .harness import max_rel_diff, run_ranks
+from .harness import max_rel_diff, run_ranks, train_in_process
 
 STEPS = 10
 SHARDED = [("fsdp", True), ("fsdp", False), ("zero1", True)]
@@ -53,11 +53,7 @@ def whole_model(run_dir: Path) -> dict:
 
 
 def train_here(d: dict, data, run_dir: Path, resume: bool = False) -> dict:
-    tr = Trainer(from_dict(d), DistEnv(), run_dir, str(data), verbose=False)
-    if resume:
-        tr.restore(latest(run_dir))
-    tr.fit()
-    tr.close()
+    train_in_process(d, data, run_dir, resume)
     return whole_model(run_dir)
 
 

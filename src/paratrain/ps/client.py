@@ -21,13 +21,20 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 from ..errors import UsageError
-from ..strategies.base import Strategy, StepRecord, require_optimizer
+from ..strategies.base import Strategy, StepRecord
 from ..strategies.wrapping import base_state_dict
 from . import rpc_api
 from .calls import ServerCalls
 from .layout import PSLayout
 from .server import staleness_summary  # noqa: F401 (also a public name here)
 from .sharding import shard_by_bytes
+
+
+def require_optimizer(strategy: Strategy) -> None:
+    if strategy.optimizer is None:
+        raise UsageError(f"strategy {strategy.name!r} needs an optimizer: pass it to setup "
+                         f"(pt.setup(model, optimizer)), the parameter servers run its updates")
+
 
 
 class ParameterServerStrategy(ServerCalls, Strategy):

@@ -35,13 +35,17 @@ class AllReduce(NoSyncMixin, Strategy):
     def options(cls, cfg) -> dict[str, Any]:
         return {"bucket_mb": cfg.dist.bucket_mb}
 
-    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
+    def _ensure_group(self) -> None:
+        """The default process group: the launcher's, or for one process a gloo group of its own."""
         if not dist.is_initialized():
             if self.env.world_size > 1:
-                raise UsageError("strategy 'allreduce' needs a process group; "
-                                 "start it with paratrain launch/train --nproc N")
+                raise UsageError(f"strategy {self.name!r} needs a process group; "
+                                 f"start it with paratrain launch/train --nproc N")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
+
+    def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
+        self._ensure_group()
         ids = [self.device] if self.device.type == "cuda" else None
         # replicas of sync BatchNorm layers already agree on their buffers: no broadcast every forward
         # (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; init still syncs them)

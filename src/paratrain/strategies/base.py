@@ -41,7 +41,7 @@ from torch import nn
 
 from ..bench.timing import StepClock
 from ..env import DistEnv
-from ..errors import UsageError
+from .job import JobSpec
 from .precision import MixedPrecision
 from .step import StepRecord, StepResult
 from .wrapping import (
@@ -52,7 +52,7 @@ from .wrapping import (
 )
 
 
-class Strategy(MixedPrecision, ABC):
+class Strategy(JobSpec, MixedPrecision, ABC):
     """Base class. Subclasses set ``name``, implement ``_wrap`` and the collectives.
 
     Options (keyword arguments, all optional): ``timing`` (mark step spans on
@@ -69,54 +69,8 @@ class Strategy(MixedPrecision, ABC):
     dist_keys: tuple[str, ...] = ()  # dist.* config keys that only this strategy (and others naming them) reads
     launch_env: dict[str, str] = {}  # environment variables the launcher sets for this strategy's jobs
     cost_model: str | None = None  # the algorithm of paratrain.bench.costmodel that describes its step
-
-    # ---- the job a strategy needs (config, launcher, verify, bench) ----------------------------------
-    @classmethod
-    def check_dist(cls, dist) -> None:
-        """Raise UsageError (naming the key and the fix) for a ``[dist]`` config this strategy cannot run."""
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """Raise UsageError for a whole config (other sections with ``[dist]``) this strategy cannot run.
-        Default: the precision (:meth:`check_precision`)."""
-        cls.check_precision(cfg.train.precision)
-
-    @classmethod
-    def processes_per_node(cls, dist) -> int:
-        """Processes the launcher starts on every node (workers, plus servers for a parameter server)."""
-        return dist.nproc
-
-    @classmethod
-    def towers(cls, dist) -> int:
-        """Replicas inside one process (tower mode); 1 otherwise."""
-        return 1
-
-    @classmethod
-    def dist_for_replicas(cls, n: int) -> dict[str, Any]:
-        """``[dist]`` values that give ``n`` data-parallel replicas (``paratrain verify`` and ``bench``)."""
-        return {"nproc": n}
-
-    @classmethod
-    def options(cls, cfg) -> dict[str, Any]:
-        """Constructor options from a :class:`~paratrain.config.Config` (the trainer's door)."""
-        return {}
-
-    @classmethod
-    def init_process(cls, settings) -> tuple[DistEnv, dict] | None:
-        """Join the job as this process: ``(DistEnv of this rank, extra constructor options)``, or None
-        when this process has done its whole part and must exit (a parameter server's servers).
-
-        ``settings`` is a :class:`~paratrain.env.ProcessSettings`. Every process of the job calls it.
-        """
-        from ..env import init
-
-        return init(settings), {}
-
-    @classmethod
-    def supervised(cls, dist, rank: int) -> bool:
-        """True when ``paratrain train`` should run this rank's training in a child process, so that
-        the job survives the rank's death (parameter servers that tolerate dead workers)."""
-        return False
+    sharded: bool = False  # ranks hold different parts of the state: DCP checkpoints written by every rank
+    collective_forward: bool = False  # every forward is a collective (fsdp): ranks run as many forwards
 
     # ---- construction --------------------------------------------------------------------------------
     def __init__(self, env: DistEnv, **options: Any) -> None:
@@ -289,9 +243,16 @@ class Strategy(MixedPrecision, ABC):
         """
         self._unscale()
         params = self._params(parameters)
-        norm = nn.utils.clip_grad_norm_(params, max_norm, norm_type, foreach=True)
+        norm = self._grad_norm([p.grad for p in params], norm_type)
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)  # (what clip_grad_norm_ does)
         self.record.norm = norm
         return norm
+
+    def _grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the merged gradient ``grads`` (0-dim; fsdp: all-reduced over the shards)."""
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return nn.utils.get_total_norm(grads, norm_type, foreach=True)
 
     def _params(self, parameters: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
         if parameters is None:
@@ -326,10 +287,11 @@ class Strategy(MixedPrecision, ABC):
         return out
 
     def _total_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return nn.utils.get_total_norm(grads, foreach=True)
+        return self._grad_norm([p.grad for p in self.module.parameters() if p.grad is not None])
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters that hold NaN/Inf (every rank agrees; fsdp: a collective)."""
+        return [n for n, p in self.module.named_parameters() if not bool(torch.isfinite(p).all())]
 
     # ---- collectives: every rank (of those that step together) must call them, in the same order ----
     @abstractmethod
@@ -402,8 +364,3 @@ class Strategy(MixedPrecision, ABC):
         """The part of :meth:`teardown` that waits for no other rank (safe at interpreter exit after a
         failure). Default: nothing."""
 
-
-def require_optimizer(strategy: Strategy) -> None:
-    if strategy.optimizer is None:
-        raise UsageError(f"strategy {strategy.name!r} needs an optimizer: pass it to setup "
-                         f"(pt.setup(model, optimizer)), the parameter servers run its updates")

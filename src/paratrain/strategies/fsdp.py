@@ -21,7 +21,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ContextManager, Iterable
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -81,12 +81,7 @@ class FSDP(ShardedCheckpoints, AllReduce):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if not dist.is_initialized():
-            if self.env.world_size > 1:
-                raise UsageError("strategy 'fsdp' needs a process group; start it with paratrain launch/train "
-                                 "--nproc N")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            self._own_group = True
+        self._ensure_group()
         for t in module.state_dict().values():  # every rank shards rank 0's values (as DDP broadcasts them)
             if self.env.world_size > 1:
                 dist.broadcast(t.data, 0)
@@ -132,27 +127,12 @@ class FSDP(ShardedCheckpoints, AllReduce):
         finally:
             self.module.set_requires_gradient_sync(True)
 
-    def _full_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    def _grad_norm(self, grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the sharded gradients, all-reduced (every rank calls it), as torchtitan computes it."""
         from torch.distributed.tensor import DTensor
 
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norm = nn.utils.get_total_norm(grads, norm_type, foreach=True)
+        norm = super()._grad_norm(grads, norm_type)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def clip_grad_norm_(self, max_norm: float, parameters: Iterable[torch.Tensor] | None = None,
-                        norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the merged gradient to global norm ``max_norm``: the norm of the sharded gradients
-        (a collective: every rank calls it), then each shard scaled (as torchtitan does)."""
-        self._unscale()
-        params = self._params(parameters)
-        norm = self._full_norm([p.grad for p in params], norm_type)
-        nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        self.record.norm = norm
-        return norm
-
-    def _total_norm(self) -> torch.Tensor:
-        return self._full_norm([p.grad for p in self.module.parameters() if p.grad is not None])
 
     # ---- state: full state dicts are collectives over the ranks ------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -168,13 +148,14 @@ class FSDP(ShardedCheckpoints, AllReduce):
 
         return set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
-    def parameters_finite(self) -> bool:
-        """True when every shard of every rank is finite (an all-reduce: every rank calls it)."""
-        bad = torch.zeros((), device=self.device)
-        for p in self.module.parameters():
-            if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()):
-                bad += 1
-        return float(self.all_reduce(bad, "max")) == 0
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of this rank's non-finite shards; when only other ranks have some, one placeholder (a
+        max all-reduce: every rank calls it and every rank agrees whether the list is empty)."""
+        local = ((n, p.to_local() if hasattr(p, "to_local") else p)  # (a gathered root holds plain ones)
+                 for n, p in self.module.named_parameters())
+        mine = [n for n, t in local if not bool(torch.isfinite(t).all())]
+        anywhere = self.all_reduce(torch.tensor(float(len(mine)), device=self.device), "max")
+        return mine or (["(on other ranks)"] if float(anywhere) > 0 else [])
 
     def sharded_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -66,7 +66,7 @@ class ShardedCheckpoints:
     written by every rank (:mod:`paratrain.train.checkpoint`), and full state dicts are assembled by a
     collective."""
 
-    sharded = True
+    sharded = True  # (Strategy.sharded)
 
     def sharded_state(self) -> dict[str, Any]:
         """``{"model": ..., "optim": ...}`` of this rank for ``dcp.save`` (DTensors or this rank's part)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from ..errors import TrainingStopped, UsageError
 from . import checkpoint
@@ -47,20 +46,17 @@ class Checkpointer:
         parameter is not finite."""
         task_state = self.task.state_dict(gather)
         s = self.strategy
-        finite = s.parameters_finite() if hasattr(s, "parameters_finite") else \
-            all(bool(torch.isfinite(p).all()) for p in s.module.parameters())
-        if not finite:  # every rank agrees: all stop; never write a checkpoint one cannot resume from
-            bad = [n for n, p in s.module.named_parameters()
-                   if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
-            raise TrainingStopped(f"parameters {bad[:3] or '(on other ranks)'} are not finite at step {pos.step}; "
-                                  f"no checkpoint written, the previous one is kept")
+        bad = s.nonfinite_parameters()
+        if bad:  # every rank agrees: all stop; never write a checkpoint one cannot resume from
+            raise TrainingStopped(f"parameters {bad[:3]} are not finite at step {pos.step}; no checkpoint "
+                                  f"written, the previous one is kept")
         if pos.step == self.last_saved:  # an epoch end on a checkpoint_every step: once
             return None
         self.last_saved = pos.step
         meta = {"schedule": self.schedule.state_dict(), "epoch": pos.epoch, "batch_index": pos.batch_index,
                 "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s,
                 "precision": s.precision_state_dict()}
-        if getattr(s, "sharded", False):
+        if s.sharded:
             return checkpoint.save_sharded(self.run_dir, s.sharded_state(), meta, pos.step, is_main=self.is_main,
                                            barrier=s.barrier, keep=self.keep)
         if not self.is_main:
@@ -92,7 +88,7 @@ class Checkpointer:
         from ..strategies.sharded import by_index, parameter_names, read_whole
 
         s = self.strategy
-        sharded = getattr(s, "sharded", False)
+        sharded = s.sharded
         if state.get("dcp") and sharded:
             s.load_sharded(path)
             return
