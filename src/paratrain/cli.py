@@ -29,6 +29,7 @@ config keys (--set section.key=value; values are TOML literals):
   train.log_every  train.eval_every  train.timing_warmup_steps  train.on_nonfinite skip|stop
   dist.strategy  dist.nproc  dist.backend auto|gloo|nccl  dist.device auto|cpu|cuda  dist.threads
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
+  dist.comm_hook none|fp16|bf16|powersgd  dist.matrix_approximation_rank  dist.start_powerSGD_iter
   dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
   dist.memory_fraction  dist.expandable_segments
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")

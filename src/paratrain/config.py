@@ -124,6 +124,9 @@ class DistConfig:
     rdzv_timeout_s: int = 120  # seconds every node waits for the others to arrive
     max_restarts: int = 0
     bucket_mb: float = 25.0  # allreduce, zero1: DDP gradient bucket size in MiB
+    comm_hook: str = "none"  # allreduce, zero1: none | fp16 | bf16 | powersgd (DDP communication hooks)
+    matrix_approximation_rank: int = 1  # powersgd: rank r of the factors P (n x r), Q (m x r)
+    start_powerSGD_iter: int = 1000  # powersgd: plain all-reduce steps before compression starts (>= 2)
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3); false: ZeRO-2
     num_ps: int = 1  # ps-*: parameter-server processes per node
     backup_workers: int = 0  # ps-sync: aggregate the first W - b gradients of a step (Chen et al. 2016)
@@ -152,6 +155,9 @@ class DistConfig:
         check_at_least("dist", "rdzv_timeout_s", self.rdzv_timeout_s, 1)
         check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
         check_at_least("dist", "num_ps", self.num_ps, 1)
+        from .strategies.comm_hooks import check_options
+
+        check_options(self.comm_hook, self.matrix_approximation_rank, self.start_powerSGD_iter)
         check_at_least("dist", "backup_workers", self.backup_workers, 0)
         check_at_least("dist", "max_staleness", self.max_staleness, -1)
         check_at_least("dist", "slow_ms", self.slow_ms, 0)

@@ -8,16 +8,17 @@ Parallel Training"). gloo on CPU, NCCL on GPU (chosen by :mod:`paratrain.env`).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UsageError
 from .base import Strategy
+from .comm_hooks import HOOK_KEYS, CommHook
 from .step import NoSyncMixin
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -25,15 +26,17 @@ _DDP_ARGS = inspect.signature(DDP.__init__).parameters
 
 
 class AllReduce(NoSyncMixin, Strategy):
-    """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25)."""
+    """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25), ``comm_hook``,
+    ``matrix_approximation_rank``, ``start_powerSGD_iter`` (gradient compression: :mod:`.comm_hooks`)."""
 
     name = "allreduce"
-    dist_keys = ("bucket_mb",)
+    dist_keys = ("bucket_mb",) + HOOK_KEYS
     cost_model = "ring"  # bucketed ring all-reduce overlapped with backward
+    hook: CommHook | None = None  # the communication hook registered on DDP (None: DDP's built-in all-reduce)
 
     @classmethod
     def options(cls, cfg) -> dict[str, Any]:
-        return {"bucket_mb": cfg.dist.bucket_mb}
+        return {"bucket_mb": cfg.dist.bucket_mb, **{k: getattr(cfg.dist, k) for k in HOOK_KEYS}}
 
     def _ensure_group(self) -> None:
         """The default process group: the launcher's, or for one process a gloo group of its own."""
@@ -52,8 +55,12 @@ class AllReduce(NoSyncMixin, Strategy):
         key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
         ddp = DDP(module, device_ids=ids, bucket_cap_mb=self.options.get("bucket_mb", 25.0),
                   gradient_as_bucket_view=True, **{key: not self._bn_group_made})
-        if self.timing:
-            ddp.register_comm_hook(None, self._timed_allreduce)
+        name = self.options.get("comm_hook", "none")
+        if self.timing or name != "none":
+            self.hook = CommHook(name, matrix_approximation_rank=self.options.get("matrix_approximation_rank", 1),
+                                 start_powerSGD_iter=self.options.get("start_powerSGD_iter", 1000),
+                                 on_bucket=self._bucket_ready if self.timing else None)
+            self.hook.register(ddp, module)
         return ddp
 
     _bn_group_made = False
@@ -70,13 +77,33 @@ class AllReduce(NoSyncMixin, Strategy):
     def _groups(self) -> list:
         return [self._bn_group] if self._bn_group_made else []
 
-    # no annotations: DDP checks them, and this module has string annotations
-    def _timed_allreduce(self, state, bucket):
-        """DDP's default all-reduce-mean hook (``dist.GradBucket`` -> future of the averaged
-        bucket), marking when each bucket is ready. The last bucket's mark ends backward
-        compute; the rest of ``backward()`` is exposed communication."""
+    def _bucket_ready(self) -> None:
+        """Mark when a gradient bucket is ready (the hook calls it). The last bucket's mark ends
+        backward compute; the rest of ``backward()`` is exposed communication."""
         self._grads_ready = self.clock.mark()
-        return default_hooks.allreduce_hook(state, bucket)
+
+    def metrics(self) -> dict[str, float]:
+        """The hook's payload count (:meth:`.comm_hooks.CommHook.metrics`) when a hook is registered."""
+        return self.hook.metrics() if self.hook is not None else {}
+
+    def comm_state_dict(self) -> dict:
+        """Every rank's PowerSGD state, in rank order (a collective when there is one)."""
+        if self.hook is None or self.hook.state is None:
+            return {}
+        return {"powersgd": self.all_gather_object(self.hook.state_dict())}
+
+    def load_comm_state_dict(self, state: dict) -> None:
+        """This rank's part of :meth:`comm_state_dict`; at another world size PowerSGD keeps only its
+        step counter (the error feedback is per rank)."""
+        ranks = state.get("powersgd") if self.hook is not None and self.hook.state is not None else None
+        if not ranks:
+            return
+        if len(ranks) == self.env.world_size:
+            self.hook.load_state_dict(ranks[self.env.rank])
+            return
+        warnings.warn(f"the checkpoint's PowerSGD state is of {len(ranks)} ranks, this job has "
+                      f"{self.env.world_size}: error feedback and P/Q memory start afresh")
+        self.hook.state.iter = ranks[0]["iter"]
 
     def no_sync(self) -> ContextManager:
         """DDP's ``no_sync()``: backward accumulates locally, the next backward outside it communicates."""

@@ -356,6 +356,14 @@ class Strategy(JobSpec, MixedPrecision, ABC):
         """Load a plain model state_dict (from any strategy or world_size) on every rank."""
         return self.module.load_state_dict(state, strict=strict)
 
+    def comm_state_dict(self) -> dict:
+        """State of the gradient communication that a checkpoint keeps (PowerSGD's memory: every rank's).
+        Every rank must call it (it may gather). Default: none."""
+        return {}
+
+    def load_comm_state_dict(self, state: dict) -> None:
+        """Load :meth:`comm_state_dict` (every rank, its own part)."""
+
     def teardown(self) -> None:
         """Release communication resources. Every rank must call it."""
         self.release()

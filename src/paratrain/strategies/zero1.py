@@ -21,10 +21,9 @@ from .sharded import ShardedCheckpoints, by_index, parameter_names, read_whole
 
 
 class Zero1(ShardedCheckpoints, AllReduce):
-    """Options: ``bucket_mb`` (DDP bucket cap in MiB, as ``allreduce``)."""
+    """Options: those of ``allreduce`` (``bucket_mb``, the communication hook)."""
 
     name = "zero1"
-    dist_keys = ("bucket_mb",)
     cost_model = None
     zero = None  # torch.distributed.optim.ZeroRedundancyOptimizer, made by setup
 

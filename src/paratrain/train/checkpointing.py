@@ -55,7 +55,7 @@ class Checkpointer:
         self.last_saved = pos.step
         meta = {"schedule": self.schedule.state_dict(), "epoch": pos.epoch, "batch_index": pos.batch_index,
                 "task": task_state, "units": pos.units, "train_time_s": pos.train_time_s,
-                "precision": s.precision_state_dict()}
+                "precision": s.precision_state_dict(), "comm": s.comm_state_dict()}
         if s.sharded:
             return checkpoint.save_sharded(self.run_dir, s.sharded_state(), meta, pos.step, is_main=self.is_main,
                                            barrier=s.barrier, keep=self.keep)
@@ -77,6 +77,7 @@ class Checkpointer:
                              f"resume with the config it was written with") from None
         self.schedule.load_state_dict(state["schedule"])
         self.strategy.load_precision_state_dict(state.get("precision", {}))
+        self.strategy.load_comm_state_dict(state.get("comm", {}))
         legacy = {"hidden": state["hidden"]} if state.get("hidden") else {}  # format of paratrain <= 0.1 runs
         self.task.load_state_dict(state.get("task", legacy))
         return Position(state["step"], state["epoch"], state["batch_index"],
