@@ -11,8 +11,8 @@ Public API (explicit list). Your own loop, a few changed lines (:mod:`paratrain.
 Your model with every feature of ``paratrain train`` (:mod:`paratrain.tasks`): a factory
 returning a :class:`Task`, named by ``[task] entry`` or ``--task``.
 """
-from .api import (Session, all_mean, backward, barrier, clip_grad_norm_, init, load, no_sync, print, save, session,
-                  setup, shard, shutdown)
+from .api import (Session, all_mean, backward, barrier, clip_grad_norm_, init, join, load, no_sync, print, save,
+                  session, setup, shard, shutdown)
 from .config import Config
 from .config import load as load_config
 from .data.sharding import shard_range
@@ -24,7 +24,7 @@ from .tasks import Task, TaskBase, TaskEnv, TrainStep
 
 __version__ = "0.2.0"
 
-__all__ = ["init", "setup", "shard", "backward", "no_sync", "clip_grad_norm_", "print", "save", "load", "all_mean",
-           "barrier", "shutdown", "session", "Session", "Config", "load_config", "shard_range", "DistEnv", "DataError",
-           "TrainingStopped", "UsageError", "LSTMLM", "STRATEGIES", "NoSyncMixin", "StepResult", "Strategy",
-           "get_strategy", "Task", "TaskBase", "TaskEnv", "TrainStep", "__version__"]
+__all__ = ["init", "setup", "shard", "backward", "no_sync", "join", "clip_grad_norm_", "print", "save", "load",
+           "all_mean", "barrier", "shutdown", "session", "Session", "Config", "load_config", "shard_range", "DistEnv",
+           "DataError", "TrainingStopped", "UsageError", "LSTMLM", "STRATEGIES", "NoSyncMixin", "StepResult",
+           "Strategy", "get_strategy", "Task", "TaskBase", "TaskEnv", "TrainStep", "__version__"]

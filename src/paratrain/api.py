@@ -177,6 +177,16 @@ def no_sync() -> ContextManager:
     return _current().strategy.no_sync()
 
 
+def join() -> ContextManager:
+    """Context around the training loop for uneven inputs (``pt.shard(..., allow_uneven=True)``, a
+    DataLoader with ``drop_last=False``): ranks may run out of batches at different steps and none
+    hangs. ``allreduce`` uses torch's ``Join`` (a done rank contributes zero gradients,
+    the merge still averages over world_size, and at the end every rank holds the parameters of the
+    last rank to finish); one process needs nothing; other strategies raise UsageError. Every rank
+    must enter it; keep collectives of your own (``pt.all_mean``) outside it."""
+    return _current().strategy.join()
+
+
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | None, max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
     """Clip the *merged* gradient to global norm ``max_norm`` (between backward and

@@ -8,7 +8,8 @@ Every process that ``paratrain launch`` / ``paratrain train`` starts runs throug
 * Ctrl-C reaches every process of the terminal's group: the launcher reports it in one line
   and stops the workers, so a worker leaves quietly (exit 130) instead of printing a traceback;
 * then TARGET runs as ``__main__`` (a script path, or a module after ``-m``), with ``sys.argv``
-  as if it had been started directly.
+  as if it had been started directly; a ``UsageError`` it raises (a ``pt.*`` call refusing what
+  it was given) ends the worker with one line and exit code 2, not a traceback.
 """
 from __future__ import annotations
 
@@ -61,6 +62,14 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.flush()
         os._exit(128 + signal.SIGINT)
+    except Exception as e:  # paratrain's UsageError from a pt.* call: one line, exit 2, no traceback
+        from paratrain.errors import UsageError
+
+        if not isinstance(e, UsageError):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(f"paratrain: rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ tasks (--task or [task] entry): lstm-lm (default), gpt, digits-cnn, module:facto
 config keys (--set section.key=value; values are TOML literals):
   [data] and [model] belong to the task; lstm-lm's:
   data.corpus ptb|wikitext-2   data.mode bptt|sentence   data.bptt T   data.eval_batch_size
-  data.max_sentence_len   data.train_fraction   data.eval_fraction
+  data.max_sentence_len   data.drop_last (sentence mode)   data.train_fraction   data.eval_fraction
   model.embed_dim  model.hidden_dim  model.num_layers  model.dropout  model.tie_weights  model.init_range
   model.sync_batchnorm (every built-in task: BatchNorm statistics over all replicas)
   train.epochs  train.max_steps  train.seed  train.batch_size (global)  train.ref_batch_size
@@ -34,6 +34,7 @@ config keys (--set section.key=value; values are TOML literals):
   dist.memory_fraction  dist.expandable_segments
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
   dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr
+  dist.pipeline_stages  dist.microbatches  dist.pipeline_schedule gpipe|1f1b
   dist.slow_rank  dist.slow_ms  dist.fault  dist.check_sync_every
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).

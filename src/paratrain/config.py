@@ -127,6 +127,9 @@ class DistConfig:
     comm_hook: str = "none"  # allreduce, zero1: none | fp16 | bf16 | powersgd (DDP communication hooks)
     matrix_approximation_rank: int = 1  # powersgd: rank r of the factors P (n x r), Q (m x r)
     start_powerSGD_iter: int = 1000  # powersgd: plain all-reduce steps before compression starts (>= 2)
+    pipeline_stages: int = 2  # pipeline: stages S; dist.nproc x nnodes = replicas x S processes
+    microbatches: int = 4  # pipeline: micro-batches M of each replica's batch per step
+    pipeline_schedule: str = "1f1b"  # pipeline: gpipe | 1f1b
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3); false: ZeRO-2
     num_ps: int = 1  # ps-*: parameter-server processes per node
     backup_workers: int = 0  # ps-sync: aggregate the first W - b gradients of a step (Chen et al. 2016)
@@ -155,6 +158,9 @@ class DistConfig:
         check_at_least("dist", "rdzv_timeout_s", self.rdzv_timeout_s, 1)
         check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)
         check_at_least("dist", "num_ps", self.num_ps, 1)
+        check_at_least("dist", "pipeline_stages", self.pipeline_stages, 1)
+        check_at_least("dist", "microbatches", self.microbatches, 1)
+        check_choice("dist", "pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b"))
         from .strategies.comm_hooks import check_options
 
         check_options(self.comm_hook, self.matrix_approximation_rank, self.start_powerSGD_iter)
@@ -238,7 +244,10 @@ class Config:
 
     def check_world(self) -> None:
         """Raise UsageError if the global batch cannot be split over the ranks."""
-        b, w, k = self.train.batch_size, self.world_size, self.train.accumulation * max(1, self.dist.towers)
+        from .strategies import STRATEGIES
+
+        b, k = self.train.batch_size, self.train.accumulation * max(1, self.dist.towers)
+        w = STRATEGIES[self.dist.strategy].data_parallel_ranks(self.dist)
         if w > b:
             raise UsageError(
                 f"{w} worker processes for a global batch of {b}; use --nproc <= {b} "

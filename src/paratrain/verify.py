@@ -256,6 +256,9 @@ def _prepare(args, tmp: Path, strategy: str, nproc: int) -> tuple:
     overrides = [o for o in args.overrides if o.split("=", 1)[0].strip() not in {f"dist.{k}" for k in others}]
     cfg = config.load(args.config, [*overrides, *forced], extra)
     cfg.check_world()
+    if cfg.dist.comm_hook != "none":
+        raise UsageError(f"dist.comm_hook = {cfg.dist.comm_hook!r} compresses gradients (lossy), and verify checks "
+                         f"that the strategy computes exactly what one device computes; verify without it")
     run_dir = tmp / f"{strategy}-{nproc}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_text(config.to_toml(cfg))

@@ -50,3 +50,20 @@ def test_predict_from_a_measured_step(tmp_path, tiny_data):
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     bad = paratrain("predict", "tiny.toml", "--nproc", "0", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def test_predict_learns_the_compressed_payload_of_a_comm_hook(tmp_path, tiny_data):
+    """``--comm-hook fp16`` measures the hook's payload in a 2-process run: the float64 tiny model's
+    gradients travel as 2-byte values, a ratio of exactly 0.25, and the table adds the uncompressed
+    words/s and the gain (1 at N = 1, where nothing is sent)."""
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = paratrain("predict", "tiny.toml", "--nproc", "8", "--interconnect", "eth25", "--steps", "6",
+                  "--comm-hook", "fp16", "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "(ratio 0.2500, measured from the hook" in r.stdout, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 2, 4, 8]
+    gains = [float(row[-1]) for row in rows]
+    assert gains[0] == 1.0 and all(g >= 1.0 for g in gains)
+    bad = paratrain("predict", "tiny.toml", "--comm-hook", "fp16", "--algorithm", "ps", cwd=tmp_path)
+    assert bad.returncode == 2 and "parameter server" in bad.stderr and bad.stderr.count("\n") == 1

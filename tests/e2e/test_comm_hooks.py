@@ -88,3 +88,5 @@ def test_zero1_takes_a_hook_and_fsdp_refuses_one(tmp_path, tiny_data):
         assert r.returncode == 2 and words in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
         assert not (tmp_path / "bad").exists()
+    v = paratrain("verify", "tiny.toml", "--data-dir", tiny_data, "--set", "dist.comm_hook=powersgd", cwd=tmp_path)
+    assert v.returncode == 2 and "lossy" in v.stderr and len(v.stderr.strip().splitlines()) == 1, v.stderr

@@ -112,7 +112,8 @@ def test_a_step_is_saved_once(tmp_path):
 
     model = torch.nn.Linear(2, 2)
     strategy = SimpleNamespace(module=model, state_dict=model.state_dict, optimizer_state_dict=lambda: {},
-                               precision_state_dict=lambda: {}, nonfinite_parameters=lambda: [], sharded=False)
+                               precision_state_dict=lambda: {}, comm_state_dict=lambda: {},
+                               nonfinite_parameters=lambda: [], sharded=False)
     task = SimpleNamespace(state_dict=lambda gather: {})
     schedule = SimpleNamespace(state_dict=lambda: {})
     saver = Checkpointer(tmp_path, strategy, task, schedule, keep=3, is_main=True)

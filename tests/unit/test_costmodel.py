@@ -264,3 +264,22 @@ def test_measure_allreduce_deadline_kills_ranks():
 
     with pytest.raises(RuntimeError, match="still running after timeout_s = 0.2 s"):
         measure_allreduce(2, (4,), repeats=1, timeout_s=0.2)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.0625])
+def test_a_compressed_payload_shrinks_the_exposed_all_reduce_by_its_ratio(ratio):
+    """A communication hook's payload ratio scales every bucket's all-reduce bytes: with no latency
+    and no overlap (backward 0), the exposed communication is exactly ratio x the uncompressed one;
+    buckets are still cut from the gradient bytes (the bucket size picked is the same)."""
+    import dataclasses
+
+    link = Link(name="bw", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    w = Workload(forward_s=0.01, backward_s=0.0, data_s=0.0, optimizer_s=0.0,
+                 param_bytes=(4 * MIB, 8 * MIB, 2 * MIB), tokens_per_step=100)
+    plain = predict(w, 4, link, bucket_mb=5)
+    packed = predict(dataclasses.replace(w, payload_ratio=ratio), 4, link, bucket_mb=5)
+    assert plain.exposed_comm_s == pytest.approx(2 * 3 / 4 * 14 * MIB * 1e-9, rel=1e-12)
+    assert packed.exposed_comm_s == pytest.approx(ratio * plain.exposed_comm_s, rel=1e-12)
+    assert predict(dataclasses.replace(w, payload_ratio=ratio), 1, link).step_s == predict(w, 1, link).step_s
+    with pytest.raises(UsageError, match="payload_ratio"):
+        dataclasses.replace(w, payload_ratio=1.5)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..strategies import REFERENCE
+from ..strategies.comm_hooks import HOOKS
 from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
 DEFAULT_CONFIG = "configs/ptb_small.toml"
@@ -62,6 +63,9 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server shards for --algorithm ps")
     p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
+    p.add_argument("--comm-hook", choices=HOOKS, help="gradient compression (default: the recipe's dist.comm_hook); "
+                   "its all-reduce payload is measured in a short 2-process run, and the table adds the "
+                   "uncompressed prediction")
     p.add_argument("--from-bench", type=Path, metavar="DIR",
                    help="take the single-device step from a bench folder instead of measuring it now")
     p.add_argument("--steps", type=int, default=60, help="steps of the single-device measurement (default 60)")
@@ -166,6 +170,8 @@ def _validate(records: list[dict], spec: BenchSpec, cfg, task) -> dict:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from .costmodel import PRESETS, predict_curve
     from .validate import model_gradient_bytes, workload_from_record
 
@@ -174,6 +180,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.num_ps < 1:
         raise UsageError(f"--num-ps {args.num_ps}: use 1 or more")
     cfg = _load_config(args.config, args.overrides, args.task)
+    hook = args.comm_hook or cfg.dist.comm_hook
+    if hook != "none" and args.algorithm == "ps":
+        raise UsageError(f"--comm-hook {hook}: communication hooks compress all-reduce (ring, tree), not the "
+                         f"parameter server; drop one of the two")
     task = _task(cfg, args.data_dir)
     rec, source = _single_step(args, cfg)
     tokens = _units_per_step(rec)
@@ -188,6 +198,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
     ns = [2 ** k for k in range(int(math.log2(args.nproc)) + 1)]
     if ns[-1] != args.nproc:
         ns.append(args.nproc)
+    plain = None
+    if hook != "none":
+        payload = _hook_payload(args, hook)
+        ratio = min(1.0, payload / sum(w.param_bytes))
+        print(f"[predict] dist.comm_hook {hook}: all-reduce payload {payload / 2**20:.3f} MiB per step for "
+              f"{sum(w.param_bytes) / 2**20:.1f} MiB of gradients (ratio {ratio:.4f}, measured from the hook in a "
+              f"2-process run); the hook's own compute is not modelled", flush=True)
+        plain = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb)
+        w = dataclasses.replace(w, payload_ratio=ratio)
     preds = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb, num_ps=args.num_ps)
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
     unit = getattr(task, "unit", "samples")
@@ -195,17 +214,37 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
           f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
           f"algorithm {args.algorithm}; weak scaling, each replica on a device like the measured one")
+    extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
-          f"{'bucket MB':>9}")
-    for p in preds:
+          f"{'bucket MB':>9}{extra}")
+    for i, p in enumerate(preds):
+        more = f" {plain[i].words_per_s:>14,.0f} {p.words_per_s / plain[i].words_per_s:>6.2f}" if plain else ""
         print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
-              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}")
+              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}{more}")
     if args.algorithm != "ps":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
         _plot_curve(preds, args.plot, f"{link.name}, {args.algorithm}", unit)
         print(f"[predict] wrote {args.plot}")
     return 0
+
+
+def _hook_payload(args: argparse.Namespace, hook: str) -> float:
+    """Bytes per step one rank hands to all-reduce under ``hook``: the hook's own count
+    (``comm_bytes_per_step``) in a 2-process ``allreduce`` run of 4 steps (PowerSGD from step 2)."""
+    overrides = (*args.overrides, f"dist.comm_hook={hook}", "dist.start_powerSGD_iter=2", "train.log_every=1")
+    spec = BenchSpec(config=args.config, task=args.task, strategies=("allreduce",), nprocs=(2,), scaling=("weak",),
+                     steps=4, warmup_steps=1, overrides=overrides, data_dir=args.data_dir)
+    cfg = _load_config(args.config, list(overrides), args.task)
+    print(f"[predict] measuring the payload of dist.comm_hook {hook}: 4 steps of allreduce, 2 processes", flush=True)
+    with tempfile.TemporaryDirectory(prefix="paratrain-predict-") as tmp:
+        plans = [p for p in plan_runs(spec, cfg.train.batch_size) if p.strategy == "allreduce"]
+        outcome = run_sweep(spec, plans, Path(tmp), progress=False)[0]
+        payload = outcome.summary.get("comm_bytes_per_step") if outcome.ok else None
+        if not payload:
+            raise UsageError(f"the payload measurement of dist.comm_hook {hook} failed (exit {outcome.rc}); "
+                             f"run paratrain train {args.config} --nproc 2 --set dist.comm_hook={hook} to see why")
+        return float(payload)
 
 
 def _single_step(args: argparse.Namespace, cfg) -> tuple[dict, str]:

@@ -168,7 +168,10 @@ class Workload:
     """One replica's step, measured on one device (seconds per step) and its gradients.
 
     param_bytes: gradient bytes per parameter in the order gradients become ready in backward
-    (reverse module order is fine); tokens_per_step: target tokens (words) per replica per step.
+    (reverse module order is fine); tokens_per_step: target tokens (words) per replica per step;
+    payload_ratio: bytes a communication hook hands to all-reduce per gradient byte (1 plain, 0.5
+    fp16/bf16, PowerSGD's measured ratio); buckets are still formed by gradient bytes, as DDP does.
+    The hook's own compute (casts, PowerSGD's matrix products) is not modelled.
     """
 
     forward_s: float
@@ -177,6 +180,7 @@ class Workload:
     optimizer_s: float
     param_bytes: tuple[int, ...]
     tokens_per_step: int
+    payload_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("forward_s", "backward_s", "data_s", "optimizer_s"):
@@ -184,6 +188,8 @@ class Workload:
                 raise UsageError(f"Workload.{key} = {getattr(self, key)} must be >= 0 seconds")
         if any(p < 0 for p in self.param_bytes):
             raise UsageError("Workload.param_bytes must all be >= 0")
+        if not 0 < self.payload_ratio <= 1:
+            raise UsageError(f"Workload.payload_ratio = {self.payload_ratio} must be in (0, 1]")
         if not self.tokens_per_step > 0:
             raise UsageError(f"Workload.tokens_per_step = {self.tokens_per_step} must be > 0")
 
@@ -247,7 +253,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
         step_s, _ = overlapped_step_s(
             forward_s=w.forward_s * compute_scale, backward_s=w.backward_s * compute_scale,
             other_s=(w.data_s + w.optimizer_s) * compute_scale,
-            bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB), comm_s=lambda b: collective(b, n, link))
+            bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB),
+            comm_s=lambda b: collective(b * w.payload_ratio, n, link))
     words_per_s = n * w.tokens_per_step / step_s
     speedup = words_per_s / (w.tokens_per_step / w.local_s())
     return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n,

@@ -106,15 +106,20 @@ class BPTTTrainStream:
 
 
 class SentenceTrainStream:
-    """Training batches in sentence mode for one rank (padded, masked, reshuffled per epoch)."""
+    """Training batches in sentence mode for one rank (padded, masked, reshuffled per epoch).
+
+    ``drop_last`` (default): an epoch is ``num_lines // B`` global batches. Otherwise the last,
+    shorter global batch of R < B lines is trained too: rank r takes lines
+    ``shard_range(R, W, r)`` of it, cut into K micro-batches the same way, and a rank or micro-batch
+    left without lines gets a padding micro-batch whose mask counts nothing (its forward and
+    backward contribute zero), so that every rank runs the same steps and micro-batches and the
+    step still equals the single-process one on the same R lines."""
 
     def __init__(self, split: Split, batch_size: int, rank: int, world_size: int,
-                 accumulation: int = 1, seed: int = 0, max_len: int = 0) -> None:
+                 accumulation: int = 1, seed: int = 0, max_len: int = 0, drop_last: bool = True) -> None:
         self.split, self.B, self.seed, self.max_len = split, batch_size, seed, max_len
-        self.steps_per_epoch = split.num_lines // batch_size
-        per_rank = batch_size // world_size
-        self.per_micro = per_rank // accumulation
-        self.lo, self.K = rank * per_rank, accumulation
+        self.steps_per_epoch = split.num_lines // batch_size if drop_last else -(-split.num_lines // batch_size)
+        self.rank, self.W, self.K = rank, world_size, accumulation
         self.lengths = self._lengths(torch.arange(split.num_lines))
 
     def _lengths(self, lines: torch.Tensor) -> torch.Tensor:
@@ -130,10 +135,19 @@ class SentenceTrainStream:
         for i in range(start, self.steps_per_epoch):
             glob = order[i * self.B:(i + 1) * self.B]
             total = int(self.lengths[glob].sum())
-            mine = glob[self.lo:self.lo + self.per_micro * self.K]
-            micro = [pad_sentences(self.split, mine[k * self.per_micro:(k + 1) * self.per_micro], self.max_len)
-                     for k in range(self.K)]
+            lo, hi = shard_range(len(glob), self.W, self.rank)
+            mine = glob[lo:hi]
+            micro = []
+            for k in range(self.K):
+                a, b = shard_range(len(mine), self.K, k)
+                micro.append(pad_sentences(self.split, mine[a:b], self.max_len) if b > a
+                             else self._padding(glob[:1]))
             yield StepBatch(micro, total, i)
+
+    def _padding(self, line: torch.Tensor) -> LMBatch:
+        """A micro-batch of one line whose mask counts nothing (a rank without lines in a short batch)."""
+        mb = pad_sentences(self.split, line, self.max_len)
+        return LMBatch(mb.inputs, mb.targets, torch.zeros_like(mb.mask), None, 0)
 
 
 def pad_sentences(split: Split, lines: torch.Tensor, max_len: int = 0) -> LMBatch:

@@ -94,6 +94,23 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
+    def pipeline_stages(self, num_stages: int) -> list[nn.Module]:
+        """The model cut into ``num_stages`` consecutive stages for pipeline parallelism: stage 0 the
+        embeddings and the first blocks, the last stage the last blocks, ``ln_f`` and ``lm_head``;
+        blocks spread as evenly as possible (earlier stages take the remainder). The stages share
+        this model's modules (and so its parameters; the tied embedding is in the first and the last
+        stage). ValueError for fewer than 2 stages or more stages than blocks + 1."""
+        if not 2 <= num_stages <= len(self.blocks) + 1:
+            raise ValueError(f"{num_stages} pipeline stages for a GPT of {len(self.blocks)} blocks: use 2 to "
+                             f"{len(self.blocks) + 1}")
+        per, extra = divmod(len(self.blocks), num_stages)
+        stages, start = [], 0
+        for s in range(num_stages):
+            n = per + (1 if s < extra else 0)
+            stages.append(GPTStage(self, start, start + n, first=s == 0, last=s == num_stages - 1))
+            start += n
+        return stages
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) int64 token ids, T <= block_size -> logits (B, T, V)."""
         T = idx.size(1)
@@ -104,3 +121,26 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
+class GPTStage(nn.Module):
+    """Blocks ``[lo, hi)`` of ``gpt`` as one pipeline stage, with the embeddings if ``first`` and the
+    final LayerNorm and output projection if ``last``. Input: idx (B, T) int64 (first) or hidden
+    states (B, T, C); output: hidden states (B, T, C), or logits (B, T, V) (last)."""
+
+    def __init__(self, gpt: GPT, lo: int, hi: int, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if last:
+            self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            pos = torch.arange(x.size(1), device=x.device)  # (T,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.last else x

@@ -7,6 +7,7 @@ owns from these classes (see :class:`~paratrain.strategies.base.Strategy`).
 from .allreduce import AllReduce
 from .base import Strategy
 from .fsdp import FSDP
+from .pipeline import Pipeline
 from .ps_async import PSAsync
 from .ps_sync import PSSync
 from .replicate import Replicate
@@ -22,6 +23,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ps-async": PSAsync,
     "fsdp": FSDP,
     "zero1": Zero1,
+    "pipeline": Pipeline,
 }
 
 REFERENCE = "single"

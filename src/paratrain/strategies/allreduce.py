@@ -109,6 +109,15 @@ class AllReduce(NoSyncMixin, Strategy):
         """DDP's ``no_sync()``: backward accumulates locally, the next backward outside it communicates."""
         return self.engine.no_sync()
 
+    def join(self) -> ContextManager:
+        """torch's ``Join`` over DDP (``torch.distributed.algorithms.Join``): a rank out of batches
+        answers the others' gradient all-reduces with zeros (the merge still divides by world_size)
+        and, when the last rank is done, every rank gets the last one's parameters. Collectives of
+        your own inside the context are not shadowed: keep them outside it."""
+        from torch.distributed.algorithms import Join
+
+        return Join([self.engine] if self.env.world_size > 1 else [])
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.env.world_size > 1:
             dist.all_reduce(tensor, op=_OPS[op])

@@ -109,6 +109,11 @@ class Strategy(JobSpec, MixedPrecision, ABC):
     def towers_per_process(self) -> int:
         return 1
 
+    def data_share(self) -> tuple[int, int]:
+        """(index, count) of this process' share of the training data: its rank among the processes
+        the global batch is split over (pipeline: its replica; the stages of one replica share it)."""
+        return self.env.rank, self.env.world_size
+
     @property
     def device(self) -> torch.device:
         return self.env.device
@@ -225,6 +230,18 @@ class Strategy(JobSpec, MixedPrecision, ABC):
         spans.append(("optimizer", t4, c.mark()))
         rec = self.last_step
         return StepResult(total, rec.norm, spans + rec.spans, collective or rec.collective, skipped=rec.skipped)
+
+    def join(self) -> ContextManager:
+        """Context around a user's training loop whose ranks may run out of batches at different steps
+        (uneven inputs): a rank that is done shadows the others' collectives until all are done.
+        Default: nothing to shadow with one process; UsageError with several (this strategy has no
+        way to let a rank leave early). Every rank must enter it."""
+        if self.env.world_size == 1:
+            return nullcontext()
+        from ..errors import UsageError
+
+        raise UsageError(f"strategy {self.name!r} cannot train on uneven inputs (ranks with different numbers of "
+                         f"batches); give every rank the same number (drop_last=True) or use allreduce or zero1")
 
     def begin_step(self) -> None:
         """Start an optimizer step (before its first forward): :meth:`train_step` calls it, and so does

@@ -26,6 +26,11 @@ class JobSpec:
         return dist.nproc
 
     @classmethod
+    def data_parallel_ranks(cls, dist) -> int:
+        """Processes among which the global batch is split (pipeline: the replicas, not their stages)."""
+        return dist.nproc * dist.nnodes
+
+    @classmethod
     def towers(cls, dist) -> int:
         """Replicas inside one process (tower mode); 1 otherwise."""
         return 1

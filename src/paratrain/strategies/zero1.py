@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsageError
 from .allreduce import AllReduce
 from .sharded import ShardedCheckpoints, by_index, parameter_names, read_whole
 
@@ -51,6 +52,16 @@ class Zero1(ShardedCheckpoints, AllReduce):
             self.zero.step()
 
         return super().optimizer_step(optimizer, step, closure)
+
+    def join(self):
+        """Refused with several ranks: under torch's ``Join`` a ZeroRedundancyOptimizer rank that is done
+        only shadows the broadcasts, so the parameters it owns stop being updated while the others
+        still step (measured: they differ from allreduce's join by the whole last updates)."""
+        if self.env.world_size == 1:
+            return super().join()
+        raise UsageError("strategy 'zero1' cannot train on uneven inputs: a rank that runs out of batches "
+                         "stops updating the parameters whose optimizer state it holds; give every rank the "
+                         "same number of batches (drop_last=True) or use allreduce")
 
     # ---- state ---------------------------------------------------------------------------------------
     def optimizer_state_dict(self) -> dict:

@@ -76,6 +76,16 @@ class GPTTask(LanguageModelTask):
         """(summed cross-entropy over the window's counted targets, their number)."""
         return cross_entropy_sum(model, mb), mb.num_tokens
 
+    def pipeline_input(self, mb: LMBatch) -> torch.Tensor:
+        """What the first pipeline stage reads: the window's inputs as (b, T) (the model's layout)."""
+        return mb.inputs.t()
+
+    def pipeline_chunk(self, mb: LMBatch, lo: int, hi: int) -> LMBatch:
+        """Rows ``[lo, hi)`` of ``pipeline_input(mb)`` as a micro-batch of its own (columns of (T, b))."""
+        mask = None if mb.mask is None else mb.mask[:, lo:hi]
+        n = int(mask.sum()) if mask is not None else mb.targets[:, lo:hi].numel()
+        return LMBatch(mb.inputs[:, lo:hi], mb.targets[:, lo:hi], mask, mb.hidden_key, n)
+
     def eval_sums(self, model: nn.Module, mb: LMBatch) -> torch.Tensor:
         ce = cross_entropy_sum(model, mb).double()
         return torch.stack([ce, ce.new_tensor(float(mb.num_tokens))])

@@ -35,6 +35,7 @@ class LMDataConfig:
     max_sentence_len: int = 0  # 0 = no limit (sentence mode: longer lines are cut)
     train_fraction: float = 1.0  # use the first fraction of the training split (quick runs)
     eval_fraction: float = 1.0  # use the first fraction of valid/test (quick runs)
+    drop_last: bool = True  # sentence mode: false trains the epoch's last, shorter global batch too
 
     def __post_init__(self) -> None:
         check_choice("data", "corpus", self.corpus, ("ptb", "wikitext-2"))
@@ -42,6 +43,9 @@ class LMDataConfig:
         check_at_least("data", "bptt", self.bptt, 1)
         check_at_least("data", "eval_batch_size", self.eval_batch_size, 1)
         check_at_least("data", "max_sentence_len", self.max_sentence_len, 0)
+        if not self.drop_last and self.mode != "sentence":
+            raise UsageError("data.drop_last = false applies to data.mode = \"sentence\" (BPTT streams have no "
+                             "last batch to keep); remove it or use sentence mode")
         for key in ("train_fraction", "eval_fraction"):
             v = getattr(self, key)
             if not 0 < v <= 1:
@@ -75,7 +79,7 @@ class LanguageModelTask(TaskBase):
                                                env.world_size, env.accumulation)
         else:
             self.stream = SentenceTrainStream(self.splits["train"], env.global_batch, env.rank, env.world_size,
-                                              env.accumulation, env.seed, data.max_sentence_len)
+                                              env.accumulation, env.seed, data.max_sentence_len, data.drop_last)
         if self.stream.steps_per_epoch < 1:
             what = f" x bptt {data.bptt}" if data.mode == "bptt" else ""
             raise UsageError(f"the training split is too small for one step of global batch {env.global_batch}"

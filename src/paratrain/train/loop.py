@@ -78,10 +78,12 @@ class Trainer:
         options = {**cls.options(cfg), **(strategy_options or {}), "timing": True, "skip_nonfinite": True,
                    "placed": bool(cfg.placement), "precision": t.precision}
         self.strategy = cls(env, **options)
-        self.task_env = tasks.TaskEnv(rank=env.rank, world_size=env.world_size, accumulation=t.accumulation,
+        share, shares = self.strategy.data_share()
+        self.task_env = tasks.TaskEnv(rank=share, world_size=shares, accumulation=t.accumulation,
                                       global_batch=t.batch_size, seed=t.seed, device=self.strategy.device,
                                       dtype=getattr(torch, t.dtype), data_dir=data_dir)
         self.task = tasks.build(cfg.task.entry, cfg.task_section(), self.task_env)
+        self.strategy.task = self.task  # (pipeline: how a micro-batch is fed to stage 0 and cut)
         torch.manual_seed(t.seed)  # same initial parameters on every rank and in single
         model = self.task.build_model().to(self.task_env.dtype)
         self.placement: list[Placement] = []
