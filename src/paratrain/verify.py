@@ -109,7 +109,7 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     task = trainer.task
     if bug == "sum-loss":  # each replica's loss multiplied by the replicas: summed, not averaged
         plain = task.loss
-        task.loss = lambda model, mb: (lambda out: (out[0] * env.world_size, out[1]))(plain(model, mb))
+        task.loss = lambda model, mb: (lambda out: (out[0] * s.num_replicas, out[1]))(plain(model, mb))
     step_fn, update_fn = s.train_step, s.optimizer_step
 
     def train_step(micro, loss_fn, clip):
@@ -120,6 +120,7 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
             replica.load_state_dict(s.state_dict())  # all-gathered (every rank is here)
             _no_dropout(replica)
         else:
+            s.gather_whole()  # (pipeline: the other stages' parameters, for the copy)
             replica = _local_copy(s.module)
         total = sum(loss_fn(replica, mb) for mb in micro)
         grads = torch.autograd.grad(total, list(replica.parameters()), allow_unused=True)
@@ -135,7 +136,8 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
 
     s.train_step, s.optimizer_step = train_step, optimizer_step
     trainer.run_epoch(None)
-    record = {"local": local, "merged": merged, "world_size": env.world_size, "num_replicas": s.num_replicas,
+    s.gather_whole()
+    record = {"share": s.data_share()[0], "local": local, "merged": merged, "world_size": env.world_size, "num_replicas": s.num_replicas,
               "rng": rng, "dropout": _has_dropout(cfg),
               "params": {k: v.detach().cpu().clone() for k, v in s.state_dict().items()},
               "batchnorm": _plain_batchnorm(s.module)}
@@ -285,6 +287,21 @@ def _run(cfg, run_dir: Path, bug: str, data_dir: str | None) -> list[dict]:
     return [torch.load(f, weights_only=True) for f in files]
 
 
+def _replicas(ranks: list[dict]) -> list[dict]:
+    """One record per data-parallel replica (the first rank of each data share), its merged gradients
+    the union of its ranks' (pipeline: each stage records its own parameters')."""
+    out: dict[int, dict] = {}
+    for r in ranks:
+        share = r.get("share", len(out))
+        if share not in out:
+            out[share] = {**r, "merged": [dict(m) for m in r["merged"]]}
+        else:
+            for mine, theirs in zip(out[share]["merged"], r["merged"]):
+                for k, v in theirs.items():
+                    mine.setdefault(k, v)
+    return list(out.values())
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -299,7 +316,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"[verify] {args.strategy} x {args.nproc} vs single, global batch {cfg_n.train.batch_size}, "
               f"{args.steps} step(s), float64 on CPU, dropout modules at p = 0" + (f", injected bug {args.inject_bug}"
                                                                       if args.inject_bug else ""), flush=True)
-        ranks = [r for r in _run(cfg_n, dir_n, args.inject_bug or "", data_dir) if r["local"]]
+        ranks = _replicas([r for r in _run(cfg_n, dir_n, args.inject_bug or "", data_dir) if r["local"]])
         single = _run(cfg_1, dir_1, "", data_dir)[0]
     table = compare(ranks[0], single)
     width = max(len(n) for n in table)

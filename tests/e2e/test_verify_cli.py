@@ -44,3 +44,25 @@ def test_verify_names_the_cause_of_a_broken_variant(tmp_path, tiny_data, bug, ca
                   "--set", "model.dropout=0.2", "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[verify] MISMATCH" in r.stderr and cause in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bug, cause", [("", ""),
+                                        ("sum-loss", "the loss is summed over the 2 replicas instead of averaged"),
+                                        ("overlap-shards", "shards overlap: all 2 ranks computed the same local"),
+                                        ("same-dropout", "dropout RNG identical across ranks")])
+def test_verify_of_pipeline_two_replicas_of_two_stages(tmp_path, tiny_data, bug, cause):
+    """``--nproc 2`` replicas of the 2-stage gpt: 4 processes; a correct run equals single, and each
+    injected bug is named (the merged gradients are the union of the stages'). Clipping off: a
+    gradient twice too large clipped to the same norm would hide the summed loss."""
+    from .test_pipeline_cli import GPT
+
+    (tmp_path / "gpt.toml").write_text(GPT)
+    r = paratrain("verify", "gpt.toml", "--strategy", "pipeline", "--nproc", "2", "--steps", "3",
+                  *(("--inject-bug", bug) if bug else ()), "--set", "train.clip=0", "--set", "model.dropout=0.2",
+                  "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
+    if not bug:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "[verify] OK: pipeline x 2 equals single" in r.stdout and "blocks.1.mlp.fc.weight" in r.stdout
+        return
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[verify] MISMATCH" in r.stderr and cause in r.stderr, r.stderr[-2000:]

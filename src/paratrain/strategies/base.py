@@ -341,6 +341,10 @@ class Strategy(JobSpec, MixedPrecision, ABC):
         """True when training should stop; synchronous replicas stop after ``total_steps`` of their own."""
         return local_steps >= total_steps
 
+    def gather_whole(self) -> None:
+        """Make :attr:`module` hold the whole current model on every rank (pipeline: each stage's
+        parameters broadcast to the other stages). Every rank calls it. Default: it already does."""
+
     def before_eval(self) -> None:
         """Make the parameters evaluation reads current (every rank calls it before evaluating)."""
 

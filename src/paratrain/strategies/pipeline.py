@@ -301,7 +301,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         return sq.sqrt().to(grads[0].dtype if grads else torch.float32)
 
     # ---- the whole model on every stage ------------------------------------------------------------
-    def gather_stages(self) -> None:
+    def gather_whole(self) -> None:
         """Every stage's parameters broadcast to the other stages of this replica (pp group), so that
         each process holds the whole current model. Every rank must call it."""
         for s, params in enumerate(self.stage_of):
@@ -313,7 +313,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
                 self._unflatten(flat, params, grads=False)
 
     def before_eval(self) -> None:
-        self.gather_stages()
+        self.gather_whole()
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of non-finite parameters of any stage (every rank agrees: gathered over the job)."""
@@ -322,7 +322,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         return sorted({n for names in self.all_gather_object(bad) for n in names})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model (call :meth:`gather_stages` on every rank first: evaluation does)."""
+        """The whole model (call :meth:`gather_whole` on every rank first: evaluation does)."""
         return self.module.state_dict()
 
     # ---- checkpoints ------------------------------------------------------------------------------
