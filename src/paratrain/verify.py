@@ -137,8 +137,8 @@ def _record(trainer, run_dir: Path, bug: str) -> dict:
     s.train_step, s.optimizer_step = train_step, optimizer_step
     trainer.run_epoch(None)
     s.gather_whole()
-    record = {"share": s.data_share()[0], "local": local, "merged": merged, "world_size": env.world_size, "num_replicas": s.num_replicas,
-              "rng": rng, "dropout": _has_dropout(cfg),
+    record = {"share": s.data_share()[0], "local": local, "merged": merged, "world_size": env.world_size,
+              "num_replicas": s.num_replicas, "rng": rng, "dropout": _has_dropout(cfg),
               "params": {k: v.detach().cpu().clone() for k, v in s.state_dict().items()},
               "batchnorm": _plain_batchnorm(s.module)}
     out = run_dir / "verify"
