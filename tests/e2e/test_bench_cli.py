@@ -67,3 +67,22 @@ def test_predict_learns_the_compressed_payload_of_a_comm_hook(tmp_path, tiny_dat
     assert gains[0] == 1.0 and all(g >= 1.0 for g in gains)
     bad = paratrain("predict", "tiny.toml", "--comm-hook", "fp16", "--algorithm", "ps", cwd=tmp_path)
     assert bad.returncode == 2 and "parameter server" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("strategy, ns", [("fsdp", [1, 2, 4]), ("zero1", [1, 2, 4]), ("pipeline", [2, 4])])
+def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data, strategy, ns):
+    """``--strategy`` predicts zero1, fsdp and pipeline from the same single-device step (a pipeline
+    of 2 stages at N = 2, 4 processes); on one device nothing is communicated (N = 1: the measured
+    step: nothing exposed; more processes expose communication)."""
+    from .test_pipeline_cli import GPT
+
+    (tmp_path / "gpt.toml").write_text(GPT)
+    r = paratrain("predict", "gpt.toml", "--nproc", "4", "--interconnect", "eth25", "--steps", "6",
+                  "--strategy", strategy, "--data-dir", tiny_data, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"strategy {strategy};" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == ns
+    if ns[0] == 1:
+        assert float(rows[0][2]) == 0.0  # one device: nothing exposed
+    assert all(float(row[2]) > 0 for row in rows if int(row[0]) > 1)

@@ -2,8 +2,8 @@
 compute what the same script computes in one plain ``python`` process.
 
 * ``examples/lm_paratrain.py`` (stateful BPTT: the hidden state is carried from batch to batch on
-  every rank, clipping on) in float64: ``allreduce`` with 2 processes, ``ps-sync`` with 2 workers and
-  a server, ``replicate`` with 2 towers == one process, to 1e-10;
+  every rank, clipping on) in float64: ``allreduce``, ``fsdp`` and ``zero1`` with 2 processes,
+  ``ps-sync`` with 2 workers and a server, ``replicate`` with 2 towers == one process, to 1e-10;
 * ``examples/image_classifier.py`` (a DataLoader, BatchNorm with sync_batchnorm, accumulation 2 with
   pt.no_sync) in float64: ``allreduce`` and ``ps-sync`` with 2 == one process, to 1e-10;
 * bad launch input: one line, exit 2.
@@ -47,12 +47,14 @@ def lm_runs(tiny_data, tmp_path_factory):
             "allreduce": run(launch("--nproc", 2, script, *LM, *data, "--save", "allreduce.pt"), tmp),
             "ps-sync": run(launch("--nproc", 2, "--strategy", "ps-sync", "--num-ps", 1, script, *LM, *data,
                                   "--save", "ps-sync.pt"), tmp),
+            **{s: run(launch("--nproc", 2, "--strategy", s, script, *LM, *data, "--save", f"{s}.pt"), tmp)
+               for s in ("fsdp", "zero1")},
             "replicate": run(launch("--strategy", "replicate", "--devices", "cpu:0,cpu:1", script, *LM, *data,
                                     "--save", "replicate.pt"), tmp)}
     return tmp, runs
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "replicate"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "replicate", "fsdp", "zero1"])
 def test_bptt_port_equals_one_process(lm_runs, strategy):
     tmp, runs = lm_runs
     for name in ("single", strategy):

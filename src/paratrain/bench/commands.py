@@ -51,6 +51,7 @@ def add_bench_parser(sub) -> None:
 
 def add_predict_parser(sub) -> None:
     from .costmodel import ALGORITHMS, PRESETS
+    from .strategy_model import PREDICTED
 
     p = sub.add_parser("predict", help="predict scaling with the alpha-beta cost model",
                        description="Predict step time, words/s and scaling efficiency for N = 1, 2, 4, ... up to "
@@ -61,6 +62,9 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
                    help="link preset, or 'measured' (fit a gloo all-reduce micro-benchmark here)")
     p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")
+    p.add_argument("--strategy", default="allreduce", choices=PREDICTED,
+                   help="allreduce (with --algorithm), or zero1, fsdp, pipeline (the recipe's [dist] keys: "
+                        "reshard_after_forward, pipeline_stages, microbatches); default allreduce")
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server shards for --algorithm ps")
     p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
     p.add_argument("--comm-hook", choices=HOOKS, help="gradient compression (default: the recipe's dist.comm_hook); "
@@ -172,7 +176,7 @@ def _validate(records: list[dict], spec: BenchSpec, cfg, task) -> dict:
 def cmd_predict(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .costmodel import PRESETS, predict_curve
+    from .costmodel import PRESETS
     from .validate import model_gradient_bytes, workload_from_record
 
     if args.nproc < 1:
@@ -184,6 +188,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if hook != "none" and args.algorithm == "ps":
         raise UsageError(f"--comm-hook {hook}: communication hooks compress all-reduce (ring, tree), not the "
                          f"parameter server; drop one of the two")
+    if args.strategy != "allreduce" and args.algorithm != "ring":
+        raise UsageError(f"--algorithm {args.algorithm} applies to --strategy allreduce; {args.strategy} is "
+                         f"modelled with ring collectives")
+    if hook != "none" and args.strategy in ("fsdp", "pipeline"):
+        raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's (allreduce, zero1), not {args.strategy}'s")
     task = _task(cfg, args.data_dir)
     rec, source = _single_step(args, cfg)
     tokens = _units_per_step(rec)
@@ -198,6 +207,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     ns = [2 ** k for k in range(int(math.log2(args.nproc)) + 1)]
     if ns[-1] != args.nproc:
         ns.append(args.nproc)
+    curve = _curve(args, cfg, task, link, ns)
     plain = None
     if hook != "none":
         payload = _hook_payload(args, hook)
@@ -205,15 +215,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"[predict] dist.comm_hook {hook}: all-reduce payload {payload / 2**20:.3f} MiB per step for "
               f"{sum(w.param_bytes) / 2**20:.1f} MiB of gradients (ratio {ratio:.4f}, measured from the hook in a "
               f"2-process run); the hook's own compute is not modelled", flush=True)
-        plain = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb)
+        plain = curve(w)
         w = dataclasses.replace(w, payload_ratio=ratio)
-    preds = predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb, num_ps=args.num_ps)
+    preds = curve(w)
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
     unit = getattr(task, "unit", "samples")
     print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
           f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
-          f"algorithm {args.algorithm}; weak scaling, each replica on a device like the measured one")
+          f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if args.strategy == "allreduce" else "")
+          + "; weak scaling, each replica on a device like the measured one")
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
           f"{'bucket MB':>9}{extra}")
@@ -221,12 +232,32 @@ def cmd_predict(args: argparse.Namespace) -> int:
         more = f" {plain[i].words_per_s:>14,.0f} {p.words_per_s / plain[i].words_per_s:>6.2f}" if plain else ""
         print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
               f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}{more}")
-    if args.algorithm != "ps":
+    if args.algorithm != "ps" and args.strategy == "allreduce":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
-        _plot_curve(preds, args.plot, f"{link.name}, {args.algorithm}", unit)
+        _plot_curve(preds, args.plot, f"{link.name}, {args.strategy}", unit)
         print(f"[predict] wrote {args.plot}")
     return 0
+
+
+def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
+    """Workload -> predictions at each N of ``ns`` for ``--strategy`` (a pipeline: the N that are a
+    multiple of its stages)."""
+    from .costmodel import predict_curve
+    from .strategy_model import predict_strategy, strategy_inputs
+
+    if args.strategy == "allreduce":
+        return lambda w: predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
+                                       num_ps=args.num_ps)
+    inputs = strategy_inputs(task, cfg)
+    if args.strategy == "pipeline" and "activation_bytes" not in inputs:
+        raise UsageError(f"--strategy pipeline: the model of task {cfg.task.entry!r} does not pipeline")
+    points = [n for n in ns if args.strategy != "pipeline" or n % cfg.dist.pipeline_stages == 0]
+    if not points:
+        raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
+                         f"{cfg.dist.pipeline_stages} processes")
+    return lambda w: [predict_strategy(args.strategy, w, n, link, cfg, inputs, bucket_mb=args.bucket_mb)
+                      for n in points]
 
 
 def _hook_payload(args: argparse.Namespace, hook: str) -> float:

@@ -72,6 +72,8 @@ class Strategy(JobSpec, MixedPrecision, ABC):
     sharded: bool = False  # ranks hold different parts of the state: DCP checkpoints written by every rank
     collective_forward: bool = False  # every forward is a collective (fsdp): ranks run as many forwards
 
+    plain_tensors: Callable[[Any], Any] | None = None  # fsdp: DTensors made from parameters -> plain tensors
+
     # ---- construction --------------------------------------------------------------------------------
     def __init__(self, env: DistEnv, **options: Any) -> None:
         self.env = env

@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import UsageError
 from .allreduce import AllReduce
 from .base import Strategy
-from .sharded import ShardedCheckpoints, by_name, parameter_names
+from .sharded import ShardedCheckpoints, by_index, by_name, parameter_names
 
 # FSDP2 warns when a wrapped module returns a view (nn.LSTM's outputs); paratrain does no in-place op on them
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -163,7 +163,8 @@ class FSDP(ShardedCheckpoints, AllReduce):
     def sharded_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model, optim = get_state_dict(self.module, self.optimizer)
+        with self._plain_optimizer():
+            model, optim = get_state_dict(self.module, self.optimizer)
         return {"model": model, "optim": optim}
 
     def load_sharded(self, path: Path) -> None:
@@ -172,12 +173,65 @@ class FSDP(ShardedCheckpoints, AllReduce):
 
         state = self.sharded_state()  # the targets: this rank's shards (the optimizer's state initialised)
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        with self._plain_optimizer():
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+
+    _torch_view = False  # inside torch.distributed.checkpoint: the optimizer's own (sharded) state dicts
+
+    @contextmanager
+    def _plain_optimizer(self):
+        """While torch's state-dict functions run: they call ``optimizer.state_dict()`` and
+        ``load_state_dict()``, which must be the optimizer's own (its DTensor shards), not the whole
+        state :meth:`optimizer_state_dict` assembles with them."""
+        self._torch_view = True
+        try:
+            yield
+        finally:
+            self._torch_view = False
+
+    @staticmethod
+    def plain_tensors(obj: Any) -> Any:
+        """DTensors in ``obj`` (tensors, tuples, lists, dicts) as plain tensors: a replicated one is its
+        local tensor (``weight.new_zeros(...)`` in a user's ``init_hidden``), a sharded one all-gathered
+        (a collective: every rank makes it). The rest unchanged."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(obj, DTensor):
+            return obj.to_local() if all(isinstance(p, Replicate) for p in obj.placements) else obj.full_tensor()
+        if isinstance(obj, (tuple, list)):
+            items = [FSDP.plain_tensors(x) for x in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if isinstance(obj, dict):
+            return {k: FSDP.plain_tensors(v) for k, v in obj.items()}
+        return obj
+
+    def optimizer_state_dict(self) -> dict:
+        """The whole optimizer state by index, on every rank (all-gathered: every rank must call it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if self._torch_view:
+            return super().optimizer_state_dict()
+        with self._plain_optimizer():
+            named = get_optimizer_state_dict(self.module, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True))
+        return by_index(named, parameter_names(self.module, self.optimizer))
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load a whole by-index optimizer state (any strategy's) into this rank's shards. Every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        if self._torch_view:
+            return super().load_optimizer_state_dict(state)
+        named = by_name(state, parameter_names(self.module, self.optimizer))
+        with self._plain_optimizer():
+            set_optimizer_state_dict(self.module, self.optimizer, named, options=StateDictOptions(full_state_dict=True))
 
     def load_whole(self, model: dict[str, torch.Tensor], optim: dict) -> None:
         """Load whole state (a ``.pt`` checkpoint's model and by-index optimizer state) into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         named = by_name(optim, parameter_names(self.module, self.optimizer))
-        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=named,
-                       options=StateDictOptions(full_state_dict=True))
+        with self._plain_optimizer():
+            set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=named,
+                           options=StateDictOptions(full_state_dict=True))

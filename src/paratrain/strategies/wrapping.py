@@ -64,7 +64,15 @@ class ReplicaModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            value = getattr(self._modules["module"], name)
+        convert = self._strategy.plain_tensors
+        if callable(value) and not isinstance(value, nn.Module) and convert is not None:
+            # a method of the user's model (init_hidden) that makes tensors from parameters that are
+            # now DTensor shards (fsdp): its results as plain tensors
+            def method(*args: Any, **kwargs: Any) -> Any:
+                return convert(value(*args, **kwargs))
+            return method
+        return value
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_parameters(prefix, recurse, remove_duplicate)
@@ -73,9 +81,12 @@ class ReplicaModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """The plain model's state_dict (current parameters: a parameter-server worker pulls first)."""
+        """The plain model's state_dict, whole and current (a parameter-server worker pulls first;
+        ``fsdp`` all-gathers its shards: then every rank must call it)."""
         self._strategy.before_eval()
-        return self.module.state_dict(*args, **kwargs)
+        if args or kwargs:
+            return self.module.state_dict(*args, **kwargs)
+        return self._strategy.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a plain state_dict into every replica. Every rank must call it (a parameter server

@@ -1,0 +1,85 @@
+"""The cost model's error per strategy at N = 1, 2 on this machine (issue 12).
+
+Measures, one run after the other: ``single`` on gpt_wt2 at the default threads (N = 1's compute)
+and at 1 thread (each of 2 processes' compute on 2 cores), then ``allreduce``, ``zero1``, ``fsdp`` at
+N = 1 and 2 (weak scaling: each replica the recipe's batch) and ``pipeline`` with 2 processes (1
+replica of 2 stages, the recipe's batch; N counts processes in the table); fits the link with the gloo all-reduce micro-benchmark;
+predicts each step with ``paratrain.bench.strategy_model`` and prints predicted vs measured step
+time (train_step_ms, rank 0) as a markdown table. Writes benchmarks/results/cost_model_strategies.json.
+
+    PARATRAIN_DATA=../shared/data python benchmarks/cost_model_strategies.py [--steps 60]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from pathlib import Path
+
+from paratrain.bench.commands import _load_config, _task
+from paratrain.bench.costmodel import relative_error
+from paratrain.bench.microbench import measured_link
+from paratrain.bench.report import run_record
+from paratrain.bench.strategy_model import predict_strategy, strategy_inputs
+from paratrain.bench.sweep import BenchSpec, RunPlan, run_sweep
+from paratrain.bench.validate import cpu_share, model_gradient_bytes, workload_from_record
+from paratrain.env import available_cores
+
+CONFIG = "configs/gpt_wt2.toml"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cost_model_strategies.json"))
+    args = ap.parse_args()
+    overrides = ("data.eval_fraction=0.02", "train.checkpoint_every=0")
+    cfg = _load_config(CONFIG, list(overrides))
+    task = _task(cfg, None)
+    b = cfg.train.batch_size
+    plans = [RunPlan("single", 1, b), RunPlan("single", 1, b, threads=1)]
+    plans += [RunPlan(s, n, b * n) for s in ("allreduce", "zero1", "fsdp") for n in (1, 2)]
+    plans += [RunPlan("pipeline", 1, b)]  # n counts replicas: 1 replica of 2 stages = 2 processes
+    spec = BenchSpec(config=CONFIG, strategies=("single", "allreduce", "zero1", "fsdp", "pipeline"), nprocs=(1, 2),
+                     scaling=("weak",), steps=args.steps, warmup_steps=args.steps // 3, overrides=overrides)
+    with tempfile.TemporaryDirectory(prefix="paratrain-costmodel-") as tmp:
+        recs = {(o.plan.strategy, o.plan.n, o.plan.threads): run_record(o) for o in run_sweep(spec, plans, Path(tmp))}
+    failed = [k for k, r in recs.items() if not r["ok"]]
+    if failed:
+        raise SystemExit(f"runs failed: {failed}")
+    units = recs[("single", 1, None)]["units_per_step"]
+    grads = model_gradient_bytes(task, cfg.train.dtype)
+    workloads = {recs[("single", 1, None)]["threads_per_process"]: workload_from_record(recs[("single", 1, None)],
+                                                                                      grads, units),
+                 1: workload_from_record(recs[("single", 1, 1)], grads, units)}
+    link = measured_link(2)
+    inputs = strategy_inputs(task, cfg)
+    cores = available_cores()
+    rows = []
+    for (strategy, n, threads), rec in sorted(recs.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if strategy == "single":
+            continue
+        n = 2 * n if strategy == "pipeline" else n  # processes
+        per_process, scale = cpu_share(n, cores)
+        w = workloads.get(per_process) or workloads[min(workloads, key=lambda t: abs(t - per_process))]
+        p = predict_strategy(strategy, w, n, link, cfg, inputs, compute_scale=scale)
+        measured = rec["train_step_ms"]
+        rows.append({"strategy": strategy, "n": n, "predicted_step_ms": 1000 * p.step_s, "measured_step_ms": measured,
+                     "predicted_exposed_comm_ms": 1000 * p.exposed_comm_s,
+                     "rel_error": relative_error(1000 * p.step_s, measured) if math.isfinite(measured) else math.nan})
+    result = {"config": CONFIG, "steps": args.steps, "cores": cores,
+              "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte},
+              "inputs": {k: v for k, v in inputs.items()}, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"link: alpha {link.alpha_s * 1e6:.1f} us, {1 / link.beta_s_per_byte / 1e9:.2f} GB/s; cores {cores}")
+    print("| strategy | N | predicted step ms | measured step ms | error |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['strategy']} | {r['n']} | {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
+              f"{100 * r['rel_error']:+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

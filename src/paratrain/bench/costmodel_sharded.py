@@ -1,0 +1,137 @@
+"""The alpha-beta cost model of :mod:`.costmodel` for the sharded and pipeline strategies.
+
+Pure arithmetic on a :class:`~.costmodel.Workload` (one replica's step measured on one device) and
+a :class:`~.costmodel.Link`. Collectives are ring algorithms (Patarasuk & Yuan 2009; Thakur et al.
+2005): an all-gather or a reduce-scatter of a message of ``nbytes`` (its whole, unsharded size) is
+n-1 steps of nbytes/n, so ``(n-1) alpha + (n-1)/n nbytes beta`` (+ ``(n-1)/n nbytes gamma`` for the
+reduction of a reduce-scatter); an all-reduce is the two in a row.
+
+* ``zero1`` (Rajbhandari et al. 2020, stage 1): DDP's bucketed all-reduce overlapped with backward
+  (:func:`~.costmodel.predict`), the optimizer on 1/n of the parameters, then the updated
+  parameters all-gathered (``ZeroRedundancyOptimizer`` broadcasts each rank's partition), not
+  overlapped.
+* ``fsdp`` (FSDP2, ZeRO-3 with ``reshard_after_forward``): per unit (block) an all-gather before its
+  forward, prefetched while the previous unit computes (one communication stream, one unit ahead);
+  in backward, in reverse, an all-gather again (when resharded) and a reduce-scatter of the unit's
+  gradients after its compute; the optimizer on 1/n of every parameter. Compute of a unit is
+  proportional to its parameter bytes.
+* ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S equal stages, M
+  micro-batches: ``(M + S - 1)`` micro-batch slots of ``(forward + backward) / (S M)`` each (the
+  bubble is (S-1)/(M+S-1) of them, for both schedules), plus the fill and drain transfers on the
+  critical path, 2 (S-1) point-to-point messages of one micro-batch's activations, plus the shared
+  parameters' all-reduce over the stages and each stage's gradient all-reduce over the D replicas
+  (not overlapped); the optimizer on 1/S of the parameters.
+
+Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.UsageError`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from ..errors import UsageError
+from .costmodel import MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
+
+
+def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring all-gather whose result is ``nbytes``: (n-1) alpha + (n-1)/n nbytes beta."""
+    _check_n(n)
+    return 0.0 if n == 1 else (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+
+
+def ring_reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring reduce-scatter of ``nbytes``: (n-1) alpha + (n-1)/n nbytes (beta + gamma)."""
+    _check_n(n)
+    return 0.0 if n == 1 else ((n - 1) * link.alpha_s
+                               + (n - 1) / n * nbytes * (link.beta_s_per_byte + link.gamma_s_per_byte))
+
+
+def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm: str, replicas: int | None = None,
+                bucket_mb: float = 0.0) -> Prediction:
+    """``compute_s``: the step on an infinitely fast link (this strategy's share of the optimizer; a
+    pipeline's bubble included), so that exposed communication = step - compute >= 0."""
+    replicas = n if replicas is None else replicas
+    words_per_s = replicas * w.tokens_per_step / step_s
+    speedup = words_per_s / (w.tokens_per_step / w.local_s())
+    return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n, bucket_mb,
+                      algorithm)
+
+
+def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0
+                  ) -> Prediction:
+    """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
+    parameters, plus the all-gather of the updated parameters."""
+    ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
+                  compute_scale=compute_scale)
+    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, link)
+    return _prediction(w, n, step, ddp.compute_s, "zero1", bucket_mb=bucket_mb)
+
+
+def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[float],
+                  after: Sequence[float] = ()) -> float:
+    """Seconds of one pass over the units in order, one communication stream beside compute: unit
+    i's all-gather ``gather[i]`` (none when ``gather`` is empty) must end before its compute
+    (``compute_s`` split by ``unit_bytes``) starts, and unit i+1's is issued when unit i's compute
+    starts (prefetch one unit ahead); ``after[i]`` (the backward's reduce-scatter) is issued when
+    unit i's compute ends. Returns when the last compute and communication end."""
+    total = sum(unit_bytes) or 1
+    k = len(unit_bytes)
+    ready = [0.0] * k  # when unit i's parameters are gathered
+    comm_free = gather[0] if gather else 0.0
+    ready[0] = comm_free
+    compute_end = 0.0
+    for i in range(k):
+        start = max(compute_end, ready[i])
+        if gather and i + 1 < k:
+            ready[i + 1] = comm_free = max(comm_free, start) + gather[i + 1]
+        compute_end = start + compute_s * unit_bytes[i] / total
+        if i < len(after):
+            comm_free = max(comm_free, compute_end) + after[i]
+    return max(compute_end, comm_free)
+
+
+def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], reshard: bool = True,
+                 compute_scale: float = 1.0) -> Prediction:
+    """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
+    sharded), in forward order (the root unit last)."""
+    _check_n(n)
+    if not unit_bytes or any(b < 0 for b in unit_bytes):
+        raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order")
+    ag = [ring_allgather_s(b, n, link) for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, link) for b in unit_bytes]
+    s = compute_scale
+    fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
+    back = list(reversed(unit_bytes))
+    bwd = fsdp_phases_s(w.backward_s * s, back, list(reversed(ag)) if reshard else [], list(reversed(rs)))
+    other = (w.data_s + w.optimizer_s / n) * s
+    return _prediction(w, n, fwd + bwd + other, (w.forward_s + w.backward_s) * s + other, "fsdp")
+
+
+def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
+                     activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0) -> Prediction:
+    """One ``pipeline`` step of ``replicas`` x ``stages`` processes with ``microbatches`` per replica.
+    ``activation_bytes``: what one stage sends the next for a replica's whole batch (forward; the
+    backward sends as many); ``shared_bytes``: parameters used by several stages (a tied embedding),
+    all-reduced over the stages."""
+    _check_n(replicas, "replicas")
+    _check_n(stages, "stages")
+    _check_n(microbatches, "microbatches")
+    s, S, M = compute_scale, stages, microbatches
+    slot = (w.forward_s + w.backward_s) * s / (S * M)
+    p2p = link.alpha_s + activation_bytes / M * link.beta_s_per_byte if S > 1 else 0.0
+    grads = sum(w.param_bytes) / S
+    compute = (M + S - 1) * slot + (w.data_s + w.optimizer_s / S) * s  # the bubble is idle compute, not comm
+    step = compute + 2 * (S - 1) * p2p + ring_allreduce_s(shared_bytes, S, link) + ring_allreduce_s(grads, replicas,
+                                                                                                     link)
+    return _prediction(w, replicas * S, step, compute, "pipeline", replicas=replicas)
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """(S-1)/(M+S-1): the idle part of a GPipe or 1F1B step of S equal stages, transfers aside."""
+    _check_n(stages, "stages")
+    _check_n(microbatches, "microbatches")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+__all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
+           "predict_pipeline", "bubble_fraction", "MIB"]

@@ -1,0 +1,73 @@
+"""The cost model of fsdp, zero1 and pipeline (bench/costmodel_sharded.py), against hand computation."""
+from __future__ import annotations
+
+import pytest
+
+from paratrain.bench.costmodel import MIB, Link, Workload, predict, ring_allreduce_s
+from paratrain.bench.costmodel_sharded import (bubble_fraction, fsdp_phases_s, predict_fsdp, predict_pipeline,
+                                               predict_zero1, ring_allgather_s, ring_reduce_scatter_s)
+
+LINK = Link(name="t", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=2e-10)
+FREE = Link(name="free", alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
+W = Workload(forward_s=0.1, backward_s=0.2, data_s=0.01, optimizer_s=0.04, param_bytes=(8 * MIB, 8 * MIB),
+             tokens_per_step=1000)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_reduce_scatter_then_all_gather_is_the_ring_all_reduce(n):
+    nbytes = 10 * MIB
+    assert ring_allgather_s(nbytes, n, LINK) == pytest.approx((n - 1) * 1e-5 + (n - 1) / n * nbytes * 1e-9)
+    assert ring_reduce_scatter_s(nbytes, n, LINK) + ring_allgather_s(nbytes, n, LINK) == \
+        pytest.approx(ring_allreduce_s(nbytes, n, LINK), rel=1e-12)
+    assert ring_allgather_s(nbytes, 1, LINK) == ring_reduce_scatter_s(nbytes, 1, LINK) == 0.0
+
+
+def test_fsdp_phase_compute_bound_exposes_only_the_first_gather():
+    # units of 1, 1, 2 bytes; compute 4 s split 1, 1, 2; gathers 0.5 s each fit inside the compute
+    assert fsdp_phases_s(4.0, [1, 1, 2], [0.5, 0.5, 0.5]) == pytest.approx(0.5 + 4.0)
+
+
+def test_fsdp_phase_communication_bound_is_the_gathers_plus_the_last_compute():
+    # gathers of 3 s each dominate: unit i computes right after its gather; the last unit's 2 s follow
+    assert fsdp_phases_s(4.0, [1, 1, 2], [3.0, 3.0, 3.0]) == pytest.approx(9.0 + 2.0)
+
+
+def test_fsdp_backward_reduce_scatters_queue_behind_prefetched_gathers():
+    # two units of equal size, compute 1 s each; backward: AG0 (0.5) | C0 [0.5, 1.5], AG1 issued at 0.5 -> 1.0,
+    # RS0 issued at 1.5 -> 2.0 | C1 [1.5, 2.5], RS1 at 2.5 -> 3.0
+    assert fsdp_phases_s(2.0, [1, 1], [0.5, 0.5], [0.5, 0.5]) == pytest.approx(3.0)
+    # without resharding (no gathers): C0 [0, 1], RS0 [1, 1.5], C1 [1, 2], RS1 [2, 2.5]
+    assert fsdp_phases_s(2.0, [1, 1], [], [0.5, 0.5]) == pytest.approx(2.5)
+
+
+def test_fsdp_and_zero1_on_one_rank_are_the_single_step():
+    assert predict_fsdp(W, 1, LINK, unit_bytes=[8 * MIB, 8 * MIB]).step_s == pytest.approx(W.local_s())
+    assert predict_zero1(W, 1, LINK).step_s == pytest.approx(W.local_s())
+
+
+def test_zero1_is_allreduce_with_a_sharded_optimizer_plus_the_parameter_all_gather():
+    z = predict_zero1(W, 4, LINK, bucket_mb=25)
+    ddp = predict(W, 4, LINK, bucket_mb=25)
+    assert z.step_s == pytest.approx(ddp.step_s - W.optimizer_s * 3 / 4 + ring_allgather_s(16 * MIB, 4, LINK))
+
+
+def test_fsdp_on_a_free_link_saves_the_optimizer_share():
+    p = predict_fsdp(W, 4, FREE, unit_bytes=[8 * MIB, 8 * MIB])
+    assert p.step_s == pytest.approx(W.forward_s + W.backward_s + W.data_s + W.optimizer_s / 4)
+
+
+@pytest.mark.parametrize("stages, m", [(2, 4), (4, 4), (2, 16)])
+def test_pipeline_on_a_free_link_is_the_bubble_formula(stages, m):
+    p = predict_pipeline(W, 1, stages, m, FREE, activation_bytes=1e6)
+    compute = (W.forward_s + W.backward_s) / stages
+    assert p.step_s == pytest.approx(compute / (1 - bubble_fraction(stages, m)) + W.data_s + W.optimizer_s / stages)
+    assert bubble_fraction(stages, m) == pytest.approx((stages - 1) / (m + stages - 1))
+
+
+def test_pipeline_adds_fill_and_drain_transfers_and_the_replicas_all_reduce():
+    free = predict_pipeline(W, 2, 2, 4, FREE, activation_bytes=4e6)
+    slow = predict_pipeline(W, 2, 2, 4, LINK, activation_bytes=4e6, shared_bytes=2e6)
+    p2p = 2 * (1e-5 + 1e6 * 1e-9)
+    expected = p2p + ring_allreduce_s(2e6, 2, LINK) + ring_allreduce_s(8 * MIB, 2, LINK)
+    assert slow.step_s - free.step_s == pytest.approx(expected, rel=1e-12)
+    assert slow.n == 4 and slow.words_per_s == pytest.approx(2 * W.tokens_per_step / slow.step_s)
