@@ -3,7 +3,8 @@
 Measures, one run after the other: ``single`` on gpt_wt2 at the default threads (N = 1's compute)
 and at 1 thread (each of 2 processes' compute on 2 cores), then ``allreduce``, ``zero1``, ``fsdp`` at
 N = 1 and 2 (weak scaling: each replica the recipe's batch) and ``pipeline`` with 2 processes (1
-replica of 2 stages, the recipe's batch; N counts processes in the table); fits the link with the gloo all-reduce micro-benchmark;
+replica of 2 stages, the recipe's batch; N counts processes in the table); fits the link with the
+gloo all-reduce micro-benchmark;
 predicts each step with ``paratrain.bench.strategy_model`` and prints predicted vs measured step
 time (train_step_ms, rank 0) as a markdown table. Writes benchmarks/results/cost_model_strategies.json.
 
@@ -38,9 +39,11 @@ def main() -> None:
     cfg = _load_config(CONFIG, list(overrides))
     task = _task(cfg, None)
     b = cfg.train.batch_size
-    plans = [RunPlan("single", 1, b), RunPlan("single", 1, b, threads=1)]
-    plans += [RunPlan(s, n, b * n) for s in ("allreduce", "zero1", "fsdp") for n in (1, 2)]
-    plans += [RunPlan("pipeline", 1, b)]  # n counts replicas: 1 replica of 2 stages = 2 processes
+    plans = [RunPlan(strategy="single", n=1, global_batch=b),
+             RunPlan(strategy="single", n=1, global_batch=b, threads=1)]
+    plans += [RunPlan(strategy=s, n=n, global_batch=b * n)
+              for s in ("allreduce", "zero1", "fsdp") for n in (1, 2)]
+    plans += [RunPlan(strategy="pipeline", n=1, global_batch=b)]  # n = replicas: 1 of 2 stages, 2 processes
     spec = BenchSpec(config=CONFIG, strategies=("single", "allreduce", "zero1", "fsdp", "pipeline"), nprocs=(1, 2),
                      scaling=("weak",), steps=args.steps, warmup_steps=args.steps // 3, overrides=overrides)
     with tempfile.TemporaryDirectory(prefix="paratrain-costmodel-") as tmp:

@@ -347,6 +347,11 @@ class Strategy(JobSpec, MixedPrecision, ABC):
         """Make :attr:`module` hold the whole current model on every rank (pipeline: each stage's
         parameters broadcast to the other stages). Every rank calls it. Default: it already does."""
 
+    def eval_context(self) -> ContextManager:
+        """Context the evaluation forwards of :attr:`module` run in. Default: none (float32, whatever
+        the training precision; fsdp with bf16 needs autocast, its layers' outputs are float32)."""
+        return nullcontext()
+
     def before_eval(self) -> None:
         """Make the parameters evaluation reads current (every rank calls it before evaluating)."""
 

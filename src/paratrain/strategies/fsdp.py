@@ -190,6 +190,11 @@ class FSDP(ShardedCheckpoints, AllReduce):
         finally:
             self._torch_view = False
 
+    def eval_context(self) -> ContextManager:
+        """Under bf16 the shards are gathered in bf16 and each unit returns float32
+        (``MixedPrecisionPolicy``): evaluation runs under the training autocast too."""
+        return self.autocast()
+
     @staticmethod
     def plain_tensors(obj: Any) -> Any:
         """DTensors in ``obj`` (tensors, tuples, lists, dicts) as plain tensors: a replicated one is its

@@ -59,8 +59,9 @@ def evaluate(task, strategy, split: str,
         count = torch.tensor([float(len(batches))], device=strategy.device, dtype=torch.float64)
         padding = int(reduce(count, "max").item()) - len(batches)
     if share is not None:
-        acc = local_sums(task, strategy.module, batches, strategy.device, padding,
-                         lambda: task.eval_batches(split, (0, 1)))
+        with strategy.eval_context():
+            acc = local_sums(task, strategy.module, batches, strategy.device, padding,
+                             lambda: task.eval_batches(split, (0, 1)))
     if reduce is not None:  # ranks without batches add zeros of the agreed length
         size = torch.tensor([0 if acc is None else acc.numel()], device=strategy.device, dtype=torch.float64)
         n = reduce(size, "max")
