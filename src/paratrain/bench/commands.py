@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
-from ..strategies import REFERENCE
+from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from ..strategies.comm_hooks import HOOKS
 from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
@@ -51,7 +51,8 @@ def add_bench_parser(sub) -> None:
 
 def add_predict_parser(sub) -> None:
     from .costmodel import ALGORITHMS, PRESETS
-    from .strategy_model import PREDICTED
+    from ..strategies import DEFAULT
+    from .strategy_model import predicted
 
     p = sub.add_parser("predict", help="predict scaling with the alpha-beta cost model",
                        description="Predict step time, words/s and scaling efficiency for N = 1, 2, 4, ... up to "
@@ -62,9 +63,9 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
                    help="link preset, or 'measured' (fit a gloo all-reduce micro-benchmark here)")
     p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")
-    p.add_argument("--strategy", default="allreduce", choices=PREDICTED,
-                   help="allreduce (with --algorithm), or zero1, fsdp, pipeline (the recipe's [dist] keys: "
-                        "reshard_after_forward, pipeline_stages, microbatches); default allreduce")
+    p.add_argument("--strategy", default=DEFAULT, choices=predicted(),
+                   help=f"a strategy the cost model covers (default {DEFAULT}, with --algorithm); the recipe's "
+                        f"[dist] keys apply (reshard_after_forward, pipeline_stages, microbatches)")
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server shards for --algorithm ps")
     p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
     p.add_argument("--comm-hook", choices=HOOKS, help="gradient compression (default: the recipe's dist.comm_hook); "
@@ -188,11 +189,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if hook != "none" and args.algorithm == "ps":
         raise UsageError(f"--comm-hook {hook}: communication hooks compress all-reduce (ring, tree), not the "
                          f"parameter server; drop one of the two")
-    if args.strategy != "allreduce" and args.algorithm != "ring":
-        raise UsageError(f"--algorithm {args.algorithm} applies to --strategy allreduce; {args.strategy} is "
-                         f"modelled with ring collectives")
-    if hook != "none" and args.strategy in ("fsdp", "pipeline"):
-        raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's (allreduce, zero1), not {args.strategy}'s")
+    cls = STRATEGIES[args.strategy]
+    if cls.cost_model != "ring" and args.algorithm != "ring":
+        raise UsageError(f"--algorithm {args.algorithm} applies to an all-reduce strategy "
+                         f"({', '.join(modelled('ring'))}); {args.strategy} is modelled with ring collectives")
+    if hook != "none" and "comm_hook" not in cls.dist_keys:
+        raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's ({', '.join(owners('comm_hook'))}), "
+                         f"not {args.strategy}'s")
     task = _task(cfg, args.data_dir)
     rec, source = _single_step(args, cfg)
     tokens = _units_per_step(rec)
@@ -223,7 +226,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
           f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
-          f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if args.strategy == "allreduce" else "")
+          f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if cls.cost_model == "ring" else "")
           + "; weak scaling, each replica on a device like the measured one")
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
@@ -232,7 +235,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         more = f" {plain[i].words_per_s:>14,.0f} {p.words_per_s / plain[i].words_per_s:>6.2f}" if plain else ""
         print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
               f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}{more}")
-    if args.algorithm != "ps" and args.strategy == "allreduce":
+    if args.algorithm != "ps" and cls.cost_model == "ring":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
         _plot_curve(preds, args.plot, f"{link.name}, {args.strategy}", unit)
@@ -246,13 +249,14 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     from .costmodel import predict_curve
     from .strategy_model import predict_strategy, strategy_inputs
 
-    if args.strategy == "allreduce":
+    model = STRATEGIES[args.strategy].cost_model
+    if model == "ring":
         return lambda w: predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                        num_ps=args.num_ps)
     inputs = strategy_inputs(task, cfg)
-    if args.strategy == "pipeline" and "activation_bytes" not in inputs:
-        raise UsageError(f"--strategy pipeline: the model of task {cfg.task.entry!r} does not pipeline")
-    points = [n for n in ns if args.strategy != "pipeline" or n % cfg.dist.pipeline_stages == 0]
+    if model == "pipeline" and "activation_bytes" not in inputs:
+        raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
+    points = [n for n in ns if model != "pipeline" or n % cfg.dist.pipeline_stages == 0]
     if not points:
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
                          f"{cfg.dist.pipeline_stages} processes")
@@ -264,12 +268,12 @@ def _hook_payload(args: argparse.Namespace, hook: str) -> float:
     """Bytes per step one rank hands to all-reduce under ``hook``: the hook's own count
     (``comm_bytes_per_step``) in a 2-process ``allreduce`` run of 4 steps (PowerSGD from step 2)."""
     overrides = (*args.overrides, f"dist.comm_hook={hook}", "dist.start_powerSGD_iter=2", "train.log_every=1")
-    spec = BenchSpec(config=args.config, task=args.task, strategies=("allreduce",), nprocs=(2,), scaling=("weak",),
+    spec = BenchSpec(config=args.config, task=args.task, strategies=(MODELLED,), nprocs=(2,), scaling=("weak",),
                      steps=4, warmup_steps=1, overrides=overrides, data_dir=args.data_dir)
     cfg = _load_config(args.config, list(overrides), args.task)
-    print(f"[predict] measuring the payload of dist.comm_hook {hook}: 4 steps of allreduce, 2 processes", flush=True)
+    print(f"[predict] measuring the payload of dist.comm_hook {hook}: 4 steps of {MODELLED}, 2 processes", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-predict-") as tmp:
-        plans = [p for p in plan_runs(spec, cfg.train.batch_size) if p.strategy == "allreduce"]
+        plans = [p for p in plan_runs(spec, cfg.train.batch_size) if p.strategy == MODELLED]
         outcome = run_sweep(spec, plans, Path(tmp), progress=False)[0]
         payload = outcome.summary.get("comm_bytes_per_step") if outcome.ok else None
         if not payload:

@@ -1,7 +1,7 @@
 """Predictions for every modelled strategy from one measured single-device step: the model's own
-numbers the cost model needs (:func:`strategy_inputs`) and the dispatch to the right formula
-(:func:`predict_strategy`: ``allreduce`` by :mod:`.costmodel`, ``zero1``, ``fsdp`` and ``pipeline``
-by :mod:`.costmodel_sharded`)."""
+numbers the cost model needs (:func:`strategy_inputs`) and the dispatch to the right formula by the
+strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmodel`, ``zero1``,
+``fsdp`` and ``pipeline`` by :mod:`.costmodel_sharded`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +9,14 @@ from typing import Any
 from .costmodel import Link, Prediction, Workload, predict
 from .costmodel_sharded import predict_fsdp, predict_pipeline, predict_zero1
 
-PREDICTED = ("allreduce", "zero1", "fsdp", "pipeline")
+MODELS = ("ring", "zero1", "fsdp", "pipeline")  # Strategy.cost_model values predict_strategy handles
+
+
+def predicted() -> list[str]:
+    """Registered strategies :func:`predict_strategy` can predict (from the registry)."""
+    from ..strategies import STRATEGIES
+
+    return [n for n, cls in STRATEGIES.items() if cls.cost_model in MODELS]
 
 
 def strategy_inputs(task, cfg) -> dict[str, Any]:
@@ -52,19 +59,22 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
     """The predicted step of ``strategy`` with ``n`` processes (weak scaling: each replica with the
     measured per-replica batch), or None where it has no such layout (a pipeline needs a multiple of
     its stages; a model that does not pipeline). ``bucket_mb``: DDP's bucket (default the recipe's)."""
+    from ..strategies import STRATEGIES
+
     d = cfg.dist
     bucket = bucket_mb or d.bucket_mb
-    if strategy == "allreduce":
+    model = STRATEGIES[strategy].cost_model
+    if model == "ring":
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale)
-    if strategy == "zero1":
+    if model == "zero1":
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale)
-    if strategy == "fsdp":
+    if model == "fsdp":
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale)
-    if strategy == "pipeline":
+    if model == "pipeline":
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
         return predict_pipeline(w, n // d.pipeline_stages, d.pipeline_stages, d.microbatches, link,
                                 activation_bytes=inputs["activation_bytes"], shared_bytes=inputs["shared_bytes"],
                                 compute_scale=compute_scale)
-    raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(PREDICTED)}")
+    raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")

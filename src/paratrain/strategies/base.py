@@ -44,15 +44,11 @@ from ..env import DistEnv
 from .job import JobSpec
 from .precision import MixedPrecision
 from .step import StepRecord, StepResult
-from .wrapping import (
-    ReplicaModule,
-    base_load_state_dict,
-    base_state_dict,
-    distribute_optimizer,
-)
+from .state import StrategyState
+from .wrapping import ReplicaModule, distribute_optimizer
 
 
-class Strategy(JobSpec, MixedPrecision, ABC):
+class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
     """Base class. Subclasses set ``name``, implement ``_wrap`` and the collectives.
 
     Options (keyword arguments, all optional): ``timing`` (mark step spans on
@@ -68,7 +64,7 @@ class Strategy(JobSpec, MixedPrecision, ABC):
     merged_before_step: bool = True  # .grad holds the merged gradient after backward (not so for a parameter server)
     dist_keys: tuple[str, ...] = ()  # dist.* config keys that only this strategy (and others naming them) reads
     launch_env: dict[str, str] = {}  # environment variables the launcher sets for this strategy's jobs
-    cost_model: str | None = None  # the algorithm of paratrain.bench.costmodel that describes its step
+    cost_model: str | None = None  # the cost model of its step (paratrain.bench.strategy_model.MODELS)
     sharded: bool = False  # ranks hold different parts of the state: DCP checkpoints written by every rank
     collective_forward: bool = False  # every forward is a collective (fsdp): ranks run as many forwards
 
@@ -343,10 +339,6 @@ class Strategy(JobSpec, MixedPrecision, ABC):
         """True when training should stop; synchronous replicas stop after ``total_steps`` of their own."""
         return local_steps >= total_steps
 
-    def gather_whole(self) -> None:
-        """Make :attr:`module` hold the whole current model on every rank (pipeline: each stage's
-        parameters broadcast to the other stages). Every rank calls it. Default: it already does."""
-
     def eval_context(self) -> ContextManager:
         """Context the evaluation forwards of :attr:`module` run in. Default: none (float32, whatever
         the training precision; fsdp with bf16 needs autocast, its layers' outputs are float32)."""
@@ -366,31 +358,6 @@ class Strategy(JobSpec, MixedPrecision, ABC):
     def describe(self) -> list[str]:
         """Lines for the placement log (towers, servers); default none."""
         return []
-
-    # ---- state ---------------------------------------------------------------------------------------
-    def optimizer_state_dict(self) -> dict:
-        """The optimizer's state_dict for the whole model (what a checkpoint stores)."""
-        return base_state_dict(self.optimizer)
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        """Load a whole-model optimizer state_dict (from any strategy)."""
-        base_load_state_dict(self.optimizer, state)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The plain model's state_dict (no wrapper prefixes); same on every rank."""
-        return self.module.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
-        """Load a plain model state_dict (from any strategy or world_size) on every rank."""
-        return self.module.load_state_dict(state, strict=strict)
-
-    def comm_state_dict(self) -> dict:
-        """State of the gradient communication that a checkpoint keeps (PowerSGD's memory: every rank's).
-        Every rank must call it (it may gather). Default: none."""
-        return {}
-
-    def load_comm_state_dict(self, state: dict) -> None:
-        """Load :meth:`comm_state_dict` (every rank, its own part)."""
 
     def teardown(self) -> None:
         """Release communication resources. Every rank must call it."""

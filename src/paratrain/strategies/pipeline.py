@@ -61,7 +61,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
 
     name = "pipeline"
     dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule")
-    cost_model = None
+    cost_model = "pipeline"  # paratrain.bench.costmodel_sharded
     supports_fp16 = False  # the loss scale would have to be applied inside the schedule's backward
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
     join = Strategy.join  # refused with several ranks

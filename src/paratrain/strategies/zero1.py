@@ -25,7 +25,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
     """Options: those of ``allreduce`` (``bucket_mb``, the communication hook)."""
 
     name = "zero1"
-    cost_model = None
+    cost_model = "zero1"  # paratrain.bench.costmodel_sharded
     zero = None  # torch.distributed.optim.ZeroRedundancyOptimizer, made by setup
 
     def _after_setup(self) -> None:
