@@ -9,14 +9,13 @@ cd "$(dirname "$0")/.."
 OUT=benchmarks/results/comm_hooks
 RUNS=${RUNS:-/tmp/comm-hook-runs}
 START=${START:-100}
-mkdir -p "$OUT" "$RUNS"
+source benchmarks/_runs_lib.sh
 run() {  # name, extra --set arguments
   local name=$1; shift
   rm -rf "$RUNS/$name"
   paratrain train configs/ptb_small.toml --nproc 2 --set train.epochs=1 "$@" --run-dir "$RUNS/$name" \
     > "$OUT/$name.log" 2>&1
-  cp "$RUNS/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
-  grep '"kind": "summary"' "$RUNS/$name/metrics.jsonl" | tail -1 > "$OUT/$name.summary.json"
+  keep "$name"
 }
 run none --set 'dist.comm_hook="none"'
 run fp16 --set 'dist.comm_hook="fp16"'

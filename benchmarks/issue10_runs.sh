@@ -6,11 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results/issue10
 RUNS=${RUNS:-/tmp/issue10-runs}
-mkdir -p "$OUT" "$RUNS"
-keep() {  # keep a run's metrics and summary
-  cp "$RUNS/$1/metrics.jsonl" "$OUT/$1.metrics.jsonl"
-  grep '"kind": "summary"' "$RUNS/$1/metrics.jsonl" | tail -1 > "$OUT/$1.summary.json"
-}
+source benchmarks/_runs_lib.sh
 # 1. the minimal-change port against the same script ported to plain DDP (speed ratio, loss)
 python benchmarks/compare_ports.py --data-dir "$PARATRAIN_DATA" --repeats 5 --max-batches 400 \
   --json "$OUT/compare_ports.json" 2>&1 | tee "$OUT/compare_ports.txt"

@@ -10,11 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=benchmarks/results/precision
 RUNS=${RUNS:-/tmp/precision-runs}
 GPT_STEPS=${GPT_STEPS:-100}
-mkdir -p "$OUT" "$RUNS"
-keep() {
-  cp "$RUNS/$1/metrics.jsonl" "$OUT/$1.metrics.jsonl"
-  grep '"kind": "summary"' "$RUNS/$1/metrics.jsonl" | tail -1 > "$OUT/$1.summary.json"
-}
+source benchmarks/_runs_lib.sh
 for p in fp32 bf16; do
   paratrain train configs/ptb_small.toml --nproc 2 --set train.epochs=1 --set "train.precision=\"$p\"" \
     --run-dir "$RUNS/ptb_small_$p" > "$OUT/ptb_small_$p.log" 2>&1

@@ -9,14 +9,13 @@ cd "$(dirname "$0")/.."
 OUT=benchmarks/results/strategies_gpt
 RUNS=${RUNS:-/tmp/strategies-gpt-runs}
 STEPS=${STEPS:-80}
-mkdir -p "$OUT" "$RUNS"
+source benchmarks/_runs_lib.sh
 run() {  # name, arguments
   local name=$1; shift
   rm -rf "$RUNS/$name"
   paratrain train configs/gpt_wt2.toml --nproc 2 --set "train.max_steps=$STEPS" --set data.eval_fraction=0.1 \
     --set train.checkpoint_every=0 "$@" --run-dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
-  cp "$RUNS/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
-  grep '"kind": "summary"' "$RUNS/$name/metrics.jsonl" | tail -1 > "$OUT/$name.summary.json"
+  keep "$name"
 }
 for p in fp32 bf16; do
   for s in allreduce zero1 fsdp; do

@@ -97,6 +97,27 @@ def max_rel_diff(a: dict, b: dict) -> float:
                for k in b)
 
 
+def fit_rank(rank: int, world_size: int, cfg_dict: dict, data_dir: str, run_dir, resume: bool = False) -> dict:
+    """Train ``cfg_dict`` as ``rank`` of ``world_size`` (gloo, CPU; inside :func:`run_ranks`), resuming
+    from the newest checkpoint of ``run_dir`` when ``resume``. Every rank calls it. Returns the
+    summary and the whole final model (``state``; a collective for sharded strategies)."""
+    import torch
+
+    from paratrain.config import from_dict
+    from paratrain.env import DistEnv
+    from paratrain.train import Trainer
+    from paratrain.train.checkpoint import latest
+
+    env = DistEnv(rank, rank, world_size, world_size, "gloo", torch.device("cpu"))
+    tr = Trainer(from_dict(cfg_dict), env, run_dir, data_dir, verbose=False)
+    if resume:
+        tr.restore(latest(Path(run_dir)))
+    summary = tr.fit()
+    state = {k: v.detach().clone() for k, v in tr.strategy.state_dict().items()}
+    tr.close()
+    return {"summary": summary, "steps": summary["steps"], "state": state}
+
+
 def train_in_process(cfg_dict: dict, data, run_dir: Path, resume: bool = False) -> None:
     """Train ``cfg_dict`` in this process (one-process strategies), resuming from the newest
     checkpoint of ``run_dir`` when ``resume``."""

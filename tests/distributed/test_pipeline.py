@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from paratrain.config import from_dict
 from paratrain.env import DistEnv
 from paratrain.train import Trainer
 
-from .harness import max_rel_diff, run_ranks
+from .harness import fit_rank, max_rel_diff, run_ranks
 from .test_sharded import cfg_dict, train_here, whole_model
 
 pytestmark = pytest.mark.slow
@@ -28,12 +27,9 @@ def pipeline_cfg(world: int, schedule: str, microbatches: int) -> dict:
 
 
 def _job(rank: int, world_size: int, data_dir: str, work: str) -> list:
-    env = DistEnv(rank, rank, world_size, world_size, "gloo", torch.device("cpu"))
     for schedule, m in CASES[world_size]:
-        tr = Trainer(from_dict(pipeline_cfg(world_size, schedule, m)), env, f"{work}/w{world_size}-{schedule}-{m}",
-                     data_dir, verbose=False)
-        tr.fit()
-        tr.close()
+        fit_rank(rank, world_size, pipeline_cfg(world_size, schedule, m), data_dir,
+                 f"{work}/w{world_size}-{schedule}-{m}")
     return []
 
 

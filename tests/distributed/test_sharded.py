@@ -13,12 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.config import from_dict
-from paratrain.env import DistEnv
-from paratrain.train import Trainer
 from paratrain.train.checkpoint import latest, list_checkpoints
 
-from .harness import max_rel_diff, run_ranks, train_in_process
+from .harness import fit_rank, max_rel_diff, run_ranks, train_in_process
 
 STEPS = 10
 SHARDED = [("fsdp", True), ("fsdp", False), ("zero1", True)]
@@ -58,25 +55,16 @@ def train_here(d: dict, data, run_dir: Path, resume: bool = False) -> dict:
 
 
 def _sharded_job(rank: int, world_size: int, data_dir: str, work: str) -> list:
-    env = DistEnv(rank, rank, world_size, world_size, "gloo", torch.device("cpu"))
     for task in TASKS:
         for strategy, reshard in SHARDED:
-            tr = Trainer(from_dict(cfg_dict(task, strategy, world_size, 2, reshard=reshard)), env,
-                         f"{work}/{task}-{strategy}-{reshard}", data_dir, verbose=False)
-            tr.fit()
-            tr.close()
+            fit_rank(rank, world_size, cfg_dict(task, strategy, world_size, 2, reshard=reshard), data_dir,
+                     f"{work}/{task}-{strategy}-{reshard}")
     return []
 
 
 def _resume_job(rank: int, world_size: int, data_dir: str, work: str, strategy: str, steps: int,
                 resume: bool) -> list:
-    env = DistEnv(rank, rank, world_size, world_size, "gloo", torch.device("cpu"))
-    tr = Trainer(from_dict(cfg_dict("gpt", strategy, world_size, 1, steps)), env, f"{work}/chain", data_dir,
-                 verbose=False)
-    if resume:
-        tr.restore(latest(Path(work) / "chain"))
-    tr.fit()
-    tr.close()
+    fit_rank(rank, world_size, cfg_dict("gpt", strategy, world_size, 1, steps), data_dir, f"{work}/chain", resume)
     return []
 
 

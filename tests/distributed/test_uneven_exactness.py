@@ -6,13 +6,8 @@ result equals one process on the same lines, float64 to 1e-10."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from paratrain.config import from_dict
-from paratrain.env import DistEnv
-from paratrain.train import Trainer
-
-from .harness import max_rel_diff, run_ranks
+from .harness import fit_rank, max_rel_diff, run_ranks
 from .test_exactness import tiny_cfg
 
 pytestmark = pytest.mark.slow
@@ -27,24 +22,15 @@ def cfg(strategy: str, world_size: int, accumulation: int, drop_last: bool = Fal
     return c
 
 
-def _train(rank: int, world_size: int, cfg_dict: dict, data_dir: str, run_dir: str) -> dict:
-    env = DistEnv(rank, rank, world_size, world_size, "gloo", torch.device("cpu"))
-    tr = Trainer(from_dict(cfg_dict), env, run_dir, data_dir, verbose=False)
-    summary = tr.fit()
-    state = {k: v.detach().clone() for k, v in tr.strategy.state_dict().items()}
-    tr.close()
-    return {"state": state, "steps": summary["steps"]}
-
-
 def _ranks_job(rank: int, world_size: int, data_dir: str, workdir: str) -> dict:
-    return {s: _train(rank, world_size, cfg(s, world_size, 2), data_dir, f"{workdir}/{s}") for s in STRATEGIES}
+    return {s: fit_rank(rank, world_size, cfg(s, world_size, 2), data_dir, f"{workdir}/{s}") for s in STRATEGIES}
 
 
 @pytest.fixture(scope="module")
 def results(tiny_data, tmp_path_factory):
     work = tmp_path_factory.mktemp("uneven")
-    single = _train(0, 1, cfg("single", 1, 1), str(tiny_data), str(work / "single"))
-    dropped = _train(0, 1, cfg("single", 1, 1, drop_last=True), str(tiny_data), str(work / "dropped"))
+    single = fit_rank(0, 1, cfg("single", 1, 1), str(tiny_data), str(work / "single"))
+    dropped = fit_rank(0, 1, cfg("single", 1, 1, drop_last=True), str(tiny_data), str(work / "dropped"))
     dist = run_ranks(_ranks_job, 2, work, str(tiny_data), str(work), deadline_s=300)
     return single, dropped, dist
 

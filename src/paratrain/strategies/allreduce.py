@@ -116,6 +116,8 @@ class AllReduce(NoSyncMixin, Strategy):
         your own inside the context are not shadowed: keep them outside it."""
         from torch.distributed.algorithms import Join
 
+        if not isinstance(self.engine, DDP):  # fsdp, pipeline: nothing here answers a departed rank
+            return super().join()
         return Join([self.engine] if self.env.world_size > 1 else [])
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -70,7 +70,6 @@ class CommHook:
         self.step_bytes = 0  # payload of the step in progress
         self.last_step_bytes = 0  # payload of the last finished step (all its buckets)
         self.total_bytes = 0
-        self.steps = 0
         self.layout: dict[int, tuple] = {}  # bucket -> ((parameter index, shape, offset), ...) of its memory
         self._index: dict[int, int] = {}  # id(parameter) -> its index in the model (set by register)
         self._moved: dict | None = None  # the memory by parameter, while buckets change their layout
@@ -128,7 +127,6 @@ class CommHook:
         if bucket.is_last():
             self.last_step_bytes, self.step_bytes = self.step_bytes, 0
             self.total_bytes += self.last_step_bytes
-            self.steps += 1
         return fut
 
     def metrics(self) -> dict[str, float]:

@@ -29,7 +29,6 @@ from torch import nn
 
 from ..errors import UsageError
 from .allreduce import AllReduce
-from .base import Strategy
 from .sharded import ShardedCheckpoints, by_index, by_name, parameter_names
 
 # FSDP2 warns when a wrapped module returns a view (nn.LSTM's outputs); paratrain does no in-place op on them
@@ -63,8 +62,6 @@ class FSDP(ShardedCheckpoints, AllReduce):
     cost_model = "fsdp"  # paratrain.bench.costmodel_sharded
     supports_fp16 = False  # a GradScaler's inf check sees one shard: ranks could disagree on a skip
     collective_forward = True  # every forward all-gathers: ranks run the same number of forwards
-
-    join = Strategy.join  # FSDP2 has no Join hook: refused with several ranks
 
     @classmethod
     def options(cls, cfg) -> dict[str, Any]:

@@ -27,6 +27,7 @@ folders (:mod:`.sharded`): each stage writes its own parameters and optimizer st
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,8 +36,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .allreduce import AllReduce
-from .base import Strategy
-from .sharded import ShardedCheckpoints, by_index, parameter_names, read_whole
+from .sharded import ShardedCheckpoints, by_index, local_by_name, parameter_names, read_whole
 from .step import StepResult
 from .wrapping import base_load_state_dict
 
@@ -64,8 +64,6 @@ class Pipeline(ShardedCheckpoints, AllReduce):
     cost_model = "pipeline"  # paratrain.bench.costmodel_sharded
     supports_fp16 = False  # the loss scale would have to be applied inside the schedule's backward
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
-    join = Strategy.join  # refused with several ranks
-
     @classmethod
     def options(cls, cfg) -> dict[str, Any]:
         return {k: getattr(cfg.dist, k) for k in cls.dist_keys}
@@ -162,8 +160,6 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         return module
 
     def _timed(self, fn: Callable) -> Callable:
-        import time
-
         def run(*args, **kwargs):
             t0 = time.perf_counter()
             try:
@@ -212,12 +208,10 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         losses: list[torch.Tensor] = []
         t0 = c.mark()
         first, last = self.pp_stage.is_first, self.pp_stage.is_last
-        import time
-
         self._busy_s, w0 = 0.0, time.perf_counter()
         with self.autocast():
-            x = self.task.pipeline_input(self._batch) if first else None
-            index = torch.arange(x.size(0) if first else self._rows(), device=self.device)
+            x = self.task.pipeline_input(self._batch)  # every stage: the rows' count; stage 0 feeds it
+            index = torch.arange(x.size(0), device=self.device)
             if first:
                 self.schedule.step(x, target=index if last else None, losses=losses)
             elif last:
@@ -245,11 +239,6 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         rec = self.last_step
         spans = [("compute", t0, t1), ("comm", t1, t2), ("optimizer", t3, t4)]
         return StepResult(total, rec.norm, spans + rec.spans, (t1, t2), skipped=rec.skipped)
-
-    def _rows(self) -> int:
-        """Rows (batch entries along the stage input's dim 0) of this replica's batch, on a stage
-        without the input."""
-        return self.task.pipeline_input(self._batch).size(0)
 
     def _merge(self) -> None:
         """Shared parameters: sum of their stages' gradients (pp group; stages without them add zeros).
@@ -331,16 +320,9 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         own = {id(p) for p in self.stage_params}
         model = {n: t for n, t in self.module.state_dict(keep_vars=True).items()
                  if not isinstance(t, nn.Parameter) or id(t) in own}
-        names = parameter_names(self.module, self.optimizer)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        name_of = {id(p): n for p, n in zip(params, names)}
-        groups, start = [], 0
-        for g in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": names[start:start + len(g["params"])]})
-            start += len(g["params"])
-        state = {name_of[id(p)]: dict(s) for p, s in self.optimizer.state.items() if id(p) in own}
-        return {"model": {n: t.detach() for n, t in model.items()}, "optim": {"state": state, "param_groups": groups}}
+        state = {p: s for p, s in self.optimizer.state.items() if id(p) in own}
+        return {"model": {n: t.detach() for n, t in model.items()},
+                "optim": local_by_name(self.optimizer, parameter_names(self.module, self.optimizer), state)}
 
     def load_sharded(self, path) -> None:
         whole = read_whole(path)

@@ -49,6 +49,20 @@ def by_index(state: dict, names: list[str]) -> dict:
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
+def local_by_name(optimizer: torch.optim.Optimizer, names: list[str], state: dict) -> dict:
+    """This rank's part of the optimizer state by name: ``state`` ({parameter: its state}, the
+    parameters this rank updates) with the whole model's ``param_groups`` (``names[i]`` is the
+    optimizer's parameter ``i``) as :func:`by_name` lays them out."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    name_of = {id(p): n for p, n in zip(params, names)}
+    groups, start = [], 0
+    for g in optimizer.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": names[start:start + len(g["params"])]})
+        start += len(g["params"])
+    return {"state": {name_of[id(p)]: dict(s) for p, s in state.items()}, "param_groups": groups}
+
+
 def read_whole(path: Path) -> dict:
     """Every entry of the DCP checkpoint folder ``path`` as plain CPU tensors, in this process alone
     (no process group): ``{"model": state_dict, "optim": by-name optimizer state}``. Uses

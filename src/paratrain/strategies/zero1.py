@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UsageError
 from .allreduce import AllReduce
-from .sharded import ShardedCheckpoints, by_index, parameter_names, read_whole
+from .sharded import ShardedCheckpoints, by_index, local_by_name, parameter_names, read_whole
 
 
 class Zero1(ShardedCheckpoints, AllReduce):
@@ -78,19 +78,9 @@ class Zero1(ShardedCheckpoints, AllReduce):
         for g, loaded in zip(self.optimizer.param_groups, state["param_groups"]):
             g.update({k: v for k, v in loaded.items() if k != "params"})
 
-    def _local_by_name(self) -> dict:
-        """This rank's part of the optimizer state, by parameter name; param_groups of the whole model."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        name_of = {id(p): n for p, n in zip(params, self._names)}
-        groups, start = [], 0
-        for g in self.optimizer.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": self._names[start:start + len(g["params"])]})
-            start += len(g["params"])
-        return {"state": {name_of[id(p)]: dict(s) for p, s in self.zero.optim.state.items()}, "param_groups": groups}
-
     def sharded_state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optim": self._local_by_name()}
+        return {"model": self.module.state_dict(),
+                "optim": local_by_name(self.optimizer, self._names, self.zero.optim.state)}
 
     def load_sharded(self, path: Path) -> None:
         whole = read_whole(path)
