@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, strategy: str, data: str, work: str, port: int,
     def step(optimizer, base, closure=None):  # after the update, before zero_grad: all three are live
         out = base_step(optimizer, base, closure)
         params = list(s.module.parameters())
-        opt = s.zero.optim if getattr(s, "zero", None) is not None else s.optimizer
+        opt = s.shard_optimizer if getattr(s, "shard_optimizer", None) is not None else s.optimizer
         states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         seen.update(params=storages_bytes(params), grads=storages_bytes(p.grad for p in params),
                     optimizer=storages_bytes(states))

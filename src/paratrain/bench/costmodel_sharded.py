@@ -8,8 +8,7 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
 
 * ``zero1`` (Rajbhandari et al. 2020, stage 1): DDP's bucketed all-reduce overlapped with backward
   (:func:`~.costmodel.predict`), the optimizer on 1/n of the parameters, then the updated
-  parameters all-gathered (``ZeroRedundancyOptimizer`` broadcasts each rank's partition), not
-  overlapped.
+  parameters all-gathered (each rank's rows of every parameter), not overlapped.
 * ``fsdp`` (FSDP2, ZeRO-3 with ``reshard_after_forward``): per unit (block) an all-gather before its
   forward, prefetched while the previous unit computes (one communication stream, one unit ahead);
   in backward, in reverse, an all-gather again (when resharded) and a reduce-scatter of the unit's
