@@ -34,7 +34,7 @@ config keys (--set section.key=value; values are TOML literals):
   dist.memory_fraction  dist.expandable_segments
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
   dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr
-  dist.pipeline_stages  dist.microbatches  dist.pipeline_schedule gpipe|1f1b
+  dist.pipeline_stages  dist.microbatches  dist.pipeline_schedule gpipe|1f1b  dist.pipeline_split "3,1"
   dist.slow_rank  dist.slow_ms  dist.fault  dist.check_sync_every
 
 data: --data-dir, else $PARATRAIN_DATA, else ~/.cache/paratrain (downloaded and sha256-checked).

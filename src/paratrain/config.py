@@ -130,6 +130,7 @@ class DistConfig:
     pipeline_stages: int = 2  # pipeline: stages S; dist.nproc x nnodes = replicas x S processes
     microbatches: int = 4  # pipeline: micro-batches M of each replica's batch per step
     pipeline_schedule: str = "1f1b"  # pipeline: gpipe | 1f1b
+    pipeline_split: str = ""  # pipeline: blocks per stage, e.g. "3,1"; "" = as even as the model cuts itself
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3); false: ZeRO-2
     num_ps: int = 1  # ps-*: parameter-server processes per node
     backup_workers: int = 0  # ps-sync: aggregate the first W - b gradients of a step (Chen et al. 2016)

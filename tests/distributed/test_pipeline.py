@@ -1,6 +1,7 @@
 """Pipeline parallelism computes what one device computes: ``gpt`` cut into S=2 stages (embeddings
 + block 0 | block 1 + head, the tied embedding in both) with M micro-batches under gpipe and 1f1b,
-and the hybrid of 2 data-parallel replicas x 2 stages (4 processes on a 2-D DeviceMesh), equal
+and with the stage plan "2,0" (both blocks on stage 0, the head alone on stage 1), and the hybrid
+of 2 data-parallel replicas x 2 stages (4 processes on a 2-D DeviceMesh), equal
 ``single`` with the same global batch after 10 steps (float64 to 1e-10; SGD with momentum and
 weight decay, clipping active). The DCP checkpoint of a pipeline run resumes under allreduce."""
 from __future__ import annotations
@@ -17,18 +18,20 @@ from .harness import fit_rank, max_rel_diff, run_ranks
 from .test_sharded import cfg_dict, train_here, whole_model
 
 pytestmark = pytest.mark.slow
-CASES = {2: [("gpipe", 4), ("1f1b", 4), ("1f1b", 2)], 4: [("1f1b", 2), ("gpipe", 2)]}
+# (schedule, micro-batches, stage plan): "" = blocks spread evenly; "2,0" = both blocks on stage 0,
+# stage 1 only the final LayerNorm and the (tied) head
+CASES = {2: [("gpipe", 4, ""), ("1f1b", 4, ""), ("1f1b", 2, "2,0")], 4: [("1f1b", 2, ""), ("gpipe", 2, "")]}
 
 
-def pipeline_cfg(world: int, schedule: str, microbatches: int) -> dict:
+def pipeline_cfg(world: int, schedule: str, microbatches: int, split: str = "") -> dict:
     d = cfg_dict("gpt", "pipeline", world, 1)
-    d["dist"].update(pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule)
+    d["dist"].update(pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split)
     return d
 
 
 def _job(rank: int, world_size: int, data_dir: str, work: str) -> list:
-    for schedule, m in CASES[world_size]:
-        fit_rank(rank, world_size, pipeline_cfg(world_size, schedule, m), data_dir,
+    for schedule, m, split in CASES[world_size]:
+        fit_rank(rank, world_size, pipeline_cfg(world_size, schedule, m, split), data_dir,
                  f"{work}/w{world_size}-{schedule}-{m}")
     return []
 
@@ -42,7 +45,7 @@ def runs(tiny_data, tmp_path_factory):
     return work, single
 
 
-@pytest.mark.parametrize("world, schedule, m", [(w, s, m) for w, cases in CASES.items() for s, m in cases])
+@pytest.mark.parametrize("world, schedule, m", [(w, s, m) for w, cases in CASES.items() for s, m, _ in cases])
 def test_pipeline_matches_single(runs, world, schedule, m):
     work, single = runs
     got = whole_model(work / f"w{world}-{schedule}-{m}")

@@ -73,6 +73,8 @@ def test_two_replicas_of_two_stages_from_the_command_line(tmp_path, tiny_data):
     ("gpt.toml", ("--nproc", "3"), "divide the number of processes"),
     ("gpt.toml", ("--set", "train.accumulation=2"), "train.accumulation = 1"),
     ("gpt.toml", ("--set", "dist.pipeline_stages=4", "--nproc", "4"), "pipeline stages"),
+    ("gpt.toml", ("--set", "dist.pipeline_split=1,x"), "whole numbers >= 0"),
+    ("gpt.toml", ("--set", "dist.pipeline_split=3,0"), "add up to 2"),
 ])
 def test_what_cannot_be_pipelined_is_one_line(tmp_path, tiny_data, config, extra, words):
     (tmp_path / "tiny.toml").write_text(TINY)

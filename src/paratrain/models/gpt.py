@@ -94,21 +94,26 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
-    def pipeline_stages(self, num_stages: int) -> list[nn.Module]:
+    def pipeline_stages(self, num_stages: int, blocks: list[int] | None = None) -> list[nn.Module]:
         """The model cut into ``num_stages`` consecutive stages for pipeline parallelism: stage 0 the
-        embeddings and the first blocks, the last stage the last blocks, ``ln_f`` and ``lm_head``;
-        blocks spread as evenly as possible (earlier stages take the remainder). The stages share
-        this model's modules (and so its parameters; the tied embedding is in the first and the last
-        stage). ValueError for fewer than 2 stages or more stages than blocks + 1."""
-        if not 2 <= num_stages <= len(self.blocks) + 1:
-            raise ValueError(f"{num_stages} pipeline stages for a GPT of {len(self.blocks)} blocks: use 2 to "
-                             f"{len(self.blocks) + 1}")
-        per, extra = divmod(len(self.blocks), num_stages)
+        embeddings and its blocks, the last stage its blocks, ``ln_f`` and ``lm_head``. ``blocks``:
+        the number of blocks of each stage (>= 0 each, summing to ``n_layer``); default as even as
+        possible (earlier stages take the remainder). The stages share this model's modules (and so
+        its parameters; the tied embedding is in the first and the last stage). ValueError for fewer
+        than 2 stages, more stages than blocks + 1 without ``blocks``, or ``blocks`` that do not add up."""
+        n = len(self.blocks)
+        if blocks is None:
+            if not 2 <= num_stages <= n + 1:
+                raise ValueError(f"{num_stages} pipeline stages for a GPT of {n} blocks: use 2 to {n + 1}")
+            per, extra = divmod(n, num_stages)
+            blocks = [per + (1 if s < extra else 0) for s in range(num_stages)]
+        if num_stages < 2 or len(blocks) != num_stages or sum(blocks) != n or min(blocks) < 0:
+            raise ValueError(f"blocks per stage {list(blocks)} for {num_stages} stages of a GPT of {n} blocks: "
+                             f"give {num_stages} counts >= 0 that add up to {n}")
         stages, start = [], 0
-        for s in range(num_stages):
-            n = per + (1 if s < extra else 0)
-            stages.append(GPTStage(self, start, start + n, first=s == 0, last=s == num_stages - 1))
-            start += n
+        for s, k in enumerate(blocks):
+            stages.append(GPTStage(self, start, start + k, first=s == 0, last=s == num_stages - 1))
+            start += k
         return stages
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 = D x S processes on a 2-D DeviceMesh ``("dp", "pp")``), on ``torch.distributed.pipelining``.
 
 The model is cut into S = ``dist.pipeline_stages`` consecutive stages by its ``pipeline_stages(S)``
-method (the ``gpt`` model: embeddings + first blocks, ..., last blocks + head). Process ``d x S + s``
+method (the ``gpt`` model: embeddings + first blocks, ..., last blocks + head), with
+``blocks=[n_0, ..., n_{S-1}]`` when ``dist.pipeline_split = "n_0,...,n_{S-1}"`` gives the blocks of
+each stage (the stage plan; e.g. fewer blocks on the stage that holds a large output layer). Process ``d x S + s``
 runs stage s of data-parallel replica d. Each replica's share of the global batch (B / D windows)
 is split into M = ``dist.microbatches`` micro-batches that flow through the stages under the
 ``dist.pipeline_schedule``: ``gpipe`` (all forwards, then all backwards; Huang et al. 2019,
@@ -43,6 +45,21 @@ from .wrapping import base_load_state_dict
 SCHEDULES = ("gpipe", "1f1b")
 
 
+def split_blocks(text: str, stages: int) -> list[int] | None:
+    """``dist.pipeline_split`` ("3,1": blocks per stage) as a list of S counts, or None for "".
+    UsageError for a count that is not a whole number >= 0 or a list of another length than S."""
+    if not text.strip():
+        return None
+    try:
+        blocks = [int(x) for x in text.split(",")]
+    except ValueError:
+        blocks = [-1]
+    if len(blocks) != stages or min(blocks) < 0:
+        raise UsageError(f"dist.pipeline_split = {text!r}: give {stages} whole numbers >= 0 separated by commas, "
+                         f"the blocks of each of the dist.pipeline_stages = {stages} stages (e.g. \"3,1\")")
+    return blocks
+
+
 class _Given(nn.Module):
     """A "model" whose forward returns the stage output it was made with: the task's loss function
     runs unchanged on the pipeline's output for one micro-batch."""
@@ -60,7 +77,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
     ``pipeline_schedule`` (``gpipe`` or ``1f1b``, default ``1f1b``)."""
 
     name = "pipeline"
-    dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule")
+    dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule", "pipeline_split")
     cost_model = "pipeline"  # paratrain.bench.costmodel_sharded
     supports_fp16 = False  # the loss scale would have to be applied inside the schedule's backward
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
@@ -86,6 +103,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
                              f"train.batch_size or change dist.microbatches")
         if cfg.placement:
             raise UsageError("strategy 'pipeline' places the stages on processes itself; remove [placement]")
+        split_blocks(d.pipeline_split, d.pipeline_stages)
 
     @classmethod
     def data_parallel_ranks(cls, dist) -> int:
@@ -131,10 +149,15 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         if not all(hasattr(self.task, k) for k in ("pipeline_input", "pipeline_chunk")):
             raise UsageError(f"strategy 'pipeline' needs the task to feed and cut micro-batches: "
                              f"{type(self.task).__name__} has no pipeline_input / pipeline_chunk")
+        split = split_blocks(self.options.get("pipeline_split", ""), self.stages)
         try:
-            parts = module.pipeline_stages(self.stages)
+            parts = module.pipeline_stages(self.stages, **({"blocks": split} if split else {}))
         except ValueError as e:
-            raise UsageError(f"dist.pipeline_stages = {self.stages}: {e}") from None
+            raise UsageError(f"dist.pipeline_stages = {self.stages}, dist.pipeline_split = "
+                             f"{self.options.get('pipeline_split', '')!r}: {e}") from None
+        except TypeError:
+            raise UsageError(f"dist.pipeline_split needs {type(module).__name__}.pipeline_stages to take "
+                             f"blocks=[blocks per stage]; remove dist.pipeline_split") from None
         self.mesh = init_device_mesh(self.device.type, (self.num_replicas, self.stages), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         owners: dict[int, list[int]] = {}
