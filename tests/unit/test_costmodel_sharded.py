@@ -6,6 +6,7 @@ import pytest
 from paratrain.bench.costmodel import MIB, Link, Workload, predict, ring_allreduce_s
 from paratrain.bench.costmodel_sharded import (bubble_fraction, fsdp_phases_s, predict_fsdp, predict_pipeline,
                                                predict_zero1, ring_allgather_s, ring_reduce_scatter_s)
+from paratrain.errors import UsageError
 
 LINK = Link(name="t", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=2e-10)
 FREE = Link(name="free", alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
@@ -62,6 +63,31 @@ def test_pipeline_on_a_free_link_is_the_bubble_formula(stages, m):
     compute = (W.forward_s + W.backward_s) / stages
     assert p.step_s == pytest.approx(compute / (1 - bubble_fraction(stages, m)) + W.data_s + W.optimizer_s / stages)
     assert bubble_fraction(stages, m) == pytest.approx((stages - 1) / (m + stages - 1))
+
+
+def test_an_unequal_pipeline_is_paced_by_its_slowest_stage():
+    # stage times per micro-batch: 0.25 T / 4 and 0.75 T / 4; the first micro-batch passes both,
+    # the other 3 come one slowest-stage time apart
+    t = W.forward_s + W.backward_s
+    p = predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=1e6, stage_fractions=[1, 3])
+    assert p.step_s == pytest.approx(t / 4 + 3 * 0.75 * t / 4 + W.data_s + W.optimizer_s / 2)
+    even = predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=1e6, stage_fractions=[0.5, 0.5])
+    assert even.step_s == pytest.approx(predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=1e6).step_s)
+    with pytest.raises(UsageError):
+        predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=1e6, stage_fractions=[1.0])
+
+
+def test_the_largest_stage_paces_the_optimizer_and_the_replicas_all_reduce():
+    # a tied embedding of 12 MiB in both stages of a 16 MiB model: stages of 14 and 14 MiB
+    stages = [14 * MIB, 14 * MIB]
+    free = predict_pipeline(W, 2, 2, 4, FREE, activation_bytes=0, stage_param_bytes=stages)
+    t = W.forward_s + W.backward_s
+    assert free.step_s == pytest.approx(5 * t / 8 + W.data_s + W.optimizer_s * 14 / 16)
+    slow = predict_pipeline(W, 2, 2, 4, LINK, activation_bytes=0, stage_param_bytes=stages)
+    assert slow.step_s - free.step_s == pytest.approx(2 * 1e-5 + ring_allreduce_s(14 * MIB, 2, LINK), rel=1e-12)
+    # micro-batches measured 1.2x slower than the whole batch stretch every stage's time
+    slower = predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=0, microbatch_factor=1.2)
+    assert slower.step_s == pytest.approx(1.2 * 5 * t / 8 + W.data_s + W.optimizer_s / 2)
 
 
 def test_pipeline_adds_fill_and_drain_transfers_and_the_replicas_all_reduce():

@@ -14,12 +14,15 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   in backward, in reverse, an all-gather again (when resharded) and a reduce-scatter of the unit's
   gradients after its compute; the optimizer on 1/n of every parameter. Compute of a unit is
   proportional to its parameter bytes.
-* ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S equal stages, M
-  micro-batches: ``(M + S - 1)`` micro-batch slots of ``(forward + backward) / (S M)`` each (the
-  bubble is (S-1)/(M+S-1) of them, for both schedules), plus the fill and drain transfers on the
+* ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
+  shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
+  time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
+  the bubble (S-1)/(M+S-1) of them, for both schedules), plus the fill and drain transfers on the
   critical path, 2 (S-1) point-to-point messages of one micro-batch's activations, plus the shared
-  parameters' all-reduce over the stages and each stage's gradient all-reduce over the D replicas
-  (not overlapped); the optimizer on 1/S of the parameters.
+  parameters' all-reduce over the stages and the largest stage's gradient all-reduce over the D
+  replicas (not overlapped); the optimizer on the largest stage's parameters (a tied embedding is
+  in two stages and updated by both); micro-batches cost the measured ``microbatch_factor`` more
+  than the whole batch.
 
 Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.UsageError`.
 """
@@ -107,21 +110,37 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
 
 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
-                     activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0) -> Prediction:
+                     activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0,
+                     stage_fractions: Sequence[float] | None = None, stage_param_bytes: Sequence[float] | None = None,
+                     microbatch_factor: float = 1.0) -> Prediction:
     """One ``pipeline`` step of ``replicas`` x ``stages`` processes with ``microbatches`` per replica.
     ``activation_bytes``: what one stage sends the next for a replica's whole batch (forward; the
     backward sends as many); ``shared_bytes``: parameters used by several stages (a tied embedding),
-    all-reduced over the stages."""
+    all-reduced over the stages; ``stage_fractions``: each stage's share of the forward + backward
+    (measured; default equal); ``stage_param_bytes``: each stage's parameters, shared ones in each
+    stage that holds them (default 1/S of the model's): the largest stage's optimizer step and
+    gradient all-reduce over the replicas pace the step; ``microbatch_factor``: the forward +
+    backward of M micro-batches over that of the whole batch (measured; smaller products are
+    slower). With t_s = stage s's forward + backward of one micro-batch, the schedule's compute is
+    sum_s t_s (the first micro-batch through every stage) + (M-1) max_s t_s (the slowest stage
+    paces the rest): (M+S-1) t for S equal stages, the bubble (S-1)/(M+S-1)."""
     _check_n(replicas, "replicas")
     _check_n(stages, "stages")
     _check_n(microbatches, "microbatches")
     s, S, M = compute_scale, stages, microbatches
-    slot = (w.forward_s + w.backward_s) * s / (S * M)
+    fractions = list(stage_fractions) if stage_fractions is not None else [1.0 / S] * S
+    if len(fractions) != S or min(fractions) < 0 or not sum(fractions) > 0:
+        raise UsageError(f"stage_fractions {fractions}: give {S} shares >= 0 of the forward + backward")
+    total = sum(w.param_bytes)
+    largest = max(stage_param_bytes) if stage_param_bytes else total / S
+    if not microbatch_factor > 0 or largest < 0:
+        raise UsageError(f"microbatch_factor = {microbatch_factor} must be > 0 and stage_param_bytes >= 0")
+    per_mb = [(w.forward_s + w.backward_s) * s * microbatch_factor * f / sum(fractions) / M for f in fractions]
     p2p = link.alpha_s + activation_bytes / M * link.beta_s_per_byte if S > 1 else 0.0
-    grads = sum(w.param_bytes) / S
-    compute = (M + S - 1) * slot + (w.data_s + w.optimizer_s / S) * s  # the bubble is idle compute, not comm
-    step = compute + 2 * (S - 1) * p2p + ring_allreduce_s(shared_bytes, S, link) + ring_allreduce_s(grads, replicas,
-                                                                                                     link)
+    optimizer = w.optimizer_s * min(1.0, largest / total) if total else w.optimizer_s / S
+    compute = sum(per_mb) + (M - 1) * max(per_mb) + (w.data_s + optimizer) * s  # the bubble is idle compute
+    shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
+    step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
     return _prediction(w, replicas * S, step, compute, "pipeline", replicas=replicas)
 
 

@@ -23,8 +23,10 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
     """From the task's model (built on the CPU in the run's dtype): ``units``, fsdp's shard units'
     parameter bytes in forward order (the root's own parameters first: its embeddings gather
     first); for a model that pipelines, ``activation_bytes`` (what stage 0 sends stage 1 for one
-    replica's batch, measured by running stage 0 on the task's first training batch) and
-    ``shared_bytes`` (parameters in several stages)."""
+    replica's batch, measured by running stage 0 on the task's first training batch),
+    ``shared_bytes`` (parameters in several stages), ``stage_param_bytes`` (each stage's, shared ones
+    in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
+    ``microbatch_factor``, for the stage plan ``dist.pipeline_split``."""
     import torch
 
     from ..strategies.fsdp import shard_units
@@ -39,7 +41,10 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
     root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in seen)
     out: dict[str, Any] = {"units": [root, *units]}
     if hasattr(model, "pipeline_stages") and hasattr(task, "pipeline_input"):
-        stages = model.pipeline_stages(cfg.dist.pipeline_stages)
+        from ..strategies.pipeline import split_blocks
+
+        split = split_blocks(cfg.dist.pipeline_split, cfg.dist.pipeline_stages)
+        stages = model.pipeline_stages(cfg.dist.pipeline_stages, **({"blocks": split} if split else {}))
         batch = next(iter(task.train_steps(1, 0))).micro_batches[0]
         x = task.pipeline_input(batch)
         with torch.no_grad():
@@ -51,7 +56,43 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
         # for one replica's batch of train.batch_size rows (the measured single-device step's)
         out["activation_bytes"] = act.numel() * act.element_size() * cfg.train.batch_size / x.size(0)
         out["shared_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if owners.get(id(p), 0) > 1)
+        out["stage_param_bytes"] = [sum(p.numel() * p.element_size() for p in part.parameters()) for part in stages]
+        out.update(stage_profile(stages, x, cfg.dist.microbatches))
     return out
+
+
+def stage_profile(stages, x, microbatches: int, repeats: int = 3) -> dict[str, Any]:
+    """The stages' forward + backward timed here on the first stage's input ``x`` (a replica's batch;
+    median of ``repeats`` after one untimed pass): ``stage_fractions``, each stage's share for one
+    micro-batch (``x``'s first rows / ``microbatches``), and ``microbatch_factor``, the time of
+    ``microbatches`` micro-batches through every stage over the time of ``x`` whole (what splitting
+    the batch costs: smaller matrix products). The last stage's backward starts from a log-softmax
+    sum (a cross-entropy's cost), the others' from ones."""
+    import statistics
+    import time
+
+    import torch
+
+    def chain(inp) -> list[float]:
+        spent, h = [], inp
+        for s, stage in enumerate(stages):
+            h = h.detach().requires_grad_(h.is_floating_point())
+            t0 = time.perf_counter()
+            out = stage(h)
+            (out.float().log_softmax(-1) if s == len(stages) - 1 else out).sum().backward()
+            spent.append(time.perf_counter() - t0)
+            h = out
+        for stage in stages:
+            stage.zero_grad(set_to_none=True)
+        return spent
+
+    rows = max(1, x.size(0) // microbatches)
+    chain(x)
+    per_stage = [statistics.median(t) for t in zip(*(chain(x[:rows]) for _ in range(repeats)))]
+    whole = statistics.median(sum(chain(x)) for _ in range(repeats))
+    split = statistics.median(sum(sum(chain(x[i * rows:(i + 1) * rows])) for i in range(microbatches))
+                              for _ in range(repeats))
+    return {"stage_fractions": [t / sum(per_stage) for t in per_stage], "microbatch_factor": split / whole}
 
 
 def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
@@ -76,5 +117,7 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
             return None
         return predict_pipeline(w, n // d.pipeline_stages, d.pipeline_stages, d.microbatches, link,
                                 activation_bytes=inputs["activation_bytes"], shared_bytes=inputs["shared_bytes"],
-                                compute_scale=compute_scale)
+                                compute_scale=compute_scale, stage_fractions=inputs.get("stage_fractions"),
+                                stage_param_bytes=inputs.get("stage_param_bytes"),
+                                microbatch_factor=inputs.get("microbatch_factor", 1.0))
     raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")
