@@ -83,6 +83,8 @@ def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data,
     assert f"strategy {strategy};" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(row[0]) for row in rows] == ns
+    if strategy == "pipeline":  # the stages' measured shares, which the prediction is paced by
+        assert "2 stages (dist.pipeline_split 'even'): share of a micro-batch's forward + backward" in r.stdout
     if ns[0] == 1:
         assert float(rows[0][2]) == 0.0  # one device: nothing exposed
     assert all(float(row[2]) > 0 for row in rows if int(row[0]) > 1)

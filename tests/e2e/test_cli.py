@@ -44,8 +44,12 @@ def paratrain(*args, cwd: Path, timeout: float = 180) -> subprocess.CompletedPro
 
 
 def final_model(run_dir: Path) -> dict:
-    last = sorted(run_dir.glob("checkpoint-*.pt"))[-1]
-    return torch.load(last, weights_only=True)["model"]
+    """The newest checkpoint's model (a ``.pt`` file, or a sharded strategy's DCP folder read whole)."""
+    from paratrain.strategies.sharded import read_whole
+    from paratrain.train.checkpoint import latest
+
+    last = latest(run_dir)
+    return read_whole(last)["model"] if last.is_dir() else torch.load(last, weights_only=True)["model"]
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -52,6 +52,8 @@ def user(tmp_path_factory):
                                  "--run-dir", "ps-sync", cwd=tmp),
             "replicate": paratrain("train", "user.toml", "--strategy", "replicate", "--devices", "cpu:0,cpu:1",
                                    "--run-dir", "replicate", cwd=tmp),
+            **{s: paratrain("train", "user.toml", "--strategy", s, "--nproc", 2, "--run-dir", s, cwd=tmp)
+               for s in ("fsdp", "zero1", "pipeline")},
             "part": paratrain("train", "user.toml", "--nproc", 2, "--run-dir", "part", "--set", "train.max_steps=7",
                               cwd=tmp)}
     runs["resumed"] = paratrain("train", "--resume", "part", "--strategy", "single", "--set", "train.max_steps=12",
@@ -59,7 +61,7 @@ def user(tmp_path_factory):
     return tmp, runs
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "replicate"])
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "replicate", "fsdp", "zero1", "pipeline"])
 def test_user_task_every_strategy_equals_single(user, strategy):
     tmp, runs = user
     for name in ("single", strategy):

@@ -22,7 +22,7 @@ def predicted() -> list[str]:
 def strategy_inputs(task, cfg) -> dict[str, Any]:
     """From the task's model (built on the CPU in the run's dtype): ``units``, fsdp's shard units'
     parameter bytes in forward order (the root's own parameters first: its embeddings gather
-    first); for a model that pipelines, ``activation_bytes`` (what stage 0 sends stage 1 for one
+    first); for a model that pipelines (:func:`~paratrain.strategies.stages.cut_stages`), ``activation_bytes`` (what stage 0 sends stage 1 for one
     replica's batch, measured by running stage 0 on the task's first training batch),
     ``shared_bytes`` (parameters in several stages), ``stage_param_bytes`` (each stage's, shared ones
     in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
@@ -40,13 +40,17 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
         units.append(sum(p.numel() * p.element_size() for p in own))
     root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in seen)
     out: dict[str, Any] = {"units": [root, *units]}
-    if hasattr(model, "pipeline_stages") and hasattr(task, "pipeline_input"):
-        from ..strategies.pipeline import split_blocks
+    from ..errors import UsageError
+    from ..strategies.stages import cut_stages, task_hooks
 
-        split = split_blocks(cfg.dist.pipeline_split, cfg.dist.pipeline_stages)
-        stages = model.pipeline_stages(cfg.dist.pipeline_stages, **({"blocks": split} if split else {}))
+    try:
+        stages = cut_stages(model, cfg.dist.pipeline_stages, cfg.dist.pipeline_split)
+        feed, _ = task_hooks(task)  # (UsageError: this model or task does not pipeline)
+    except UsageError:
+        stages = None
+    if stages:
         batch = next(iter(task.train_steps(1, 0))).micro_batches[0]
-        x = task.pipeline_input(batch)
+        x = feed(batch)
         with torch.no_grad():
             act = stages[0](x)
         owners: dict[int, int] = {}
@@ -70,8 +74,6 @@ def stage_profile(stages, x, microbatches: int, repeats: int = 3) -> dict[str, A
     sum (a cross-entropy's cost), the others' from ones."""
     import statistics
     import time
-
-    import torch
 
     def chain(inp) -> list[float]:
         spent, h = [], inp

@@ -1,10 +1,11 @@
 """``pipeline``: pipeline parallelism across processes, with data parallelism beside it (``dist.nproc``
 = D x S processes on a 2-D DeviceMesh ``("dp", "pp")``), on ``torch.distributed.pipelining``.
 
-The model is cut into S = ``dist.pipeline_stages`` consecutive stages by its ``pipeline_stages(S)``
-method (the ``gpt`` model: embeddings + first blocks, ..., last blocks + head), with
-``blocks=[n_0, ..., n_{S-1}]`` when ``dist.pipeline_split = "n_0,...,n_{S-1}"`` gives the blocks of
-each stage (the stage plan; e.g. fewer blocks on the stage that holds a large output layer). Process ``d x S + s``
+The model is cut into S = ``dist.pipeline_stages`` consecutive stages by :mod:`.stages`: its
+``pipeline_stages(S)`` method (the ``gpt`` model: embeddings + first blocks, ..., last blocks +
+head), else an ``nn.Sequential``'s children, with ``dist.pipeline_split = "n_0,...,n_{S-1}"`` the
+blocks (layers) of each stage (the stage plan; e.g. fewer blocks on the stage that holds a large
+output layer). Process ``d x S + s``
 runs stage s of data-parallel replica d. Each replica's share of the global batch (B / D windows)
 is split into M = ``dist.microbatches`` micro-batches that flow through the stages under the
 ``dist.pipeline_schedule``: ``gpipe`` (all forwards, then all backwards; Huang et al. 2019,
@@ -39,25 +40,11 @@ from torch import nn
 from ..errors import UsageError
 from .allreduce import AllReduce
 from .sharded import ShardedCheckpoints, by_index, local_by_name, parameter_names, read_whole
+from .stages import cut_stages, split_blocks, task_hooks
 from .step import StepResult
 from .wrapping import base_load_state_dict
 
 SCHEDULES = ("gpipe", "1f1b")
-
-
-def split_blocks(text: str, stages: int) -> list[int] | None:
-    """``dist.pipeline_split`` ("3,1": blocks per stage) as a list of S counts, or None for "".
-    UsageError for a count that is not a whole number >= 0 or a list of another length than S."""
-    if not text.strip():
-        return None
-    try:
-        blocks = [int(x) for x in text.split(",")]
-    except ValueError:
-        blocks = [-1]
-    if len(blocks) != stages or min(blocks) < 0:
-        raise UsageError(f"dist.pipeline_split = {text!r}: give {stages} whole numbers >= 0 separated by commas, "
-                         f"the blocks of each of the dist.pipeline_stages = {stages} stages (e.g. \"3,1\")")
-    return blocks
 
 
 class _Given(nn.Module):
@@ -142,22 +129,8 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         if self.task is None:
             raise UsageError("strategy 'pipeline' runs under paratrain train (the Task API): its schedule runs "
                              "forward and backward itself; in your own loop use allreduce, fsdp or zero1")
-        reason = getattr(module, "no_pipeline_reason", None)
-        if reason or not hasattr(module, "pipeline_stages"):
-            raise UsageError(reason or f"strategy 'pipeline' needs the model to cut itself into stages: "
-                                       f"{type(module).__name__} has no pipeline_stages(num_stages) method")
-        if not all(hasattr(self.task, k) for k in ("pipeline_input", "pipeline_chunk")):
-            raise UsageError(f"strategy 'pipeline' needs the task to feed and cut micro-batches: "
-                             f"{type(self.task).__name__} has no pipeline_input / pipeline_chunk")
-        split = split_blocks(self.options.get("pipeline_split", ""), self.stages)
-        try:
-            parts = module.pipeline_stages(self.stages, **({"blocks": split} if split else {}))
-        except ValueError as e:
-            raise UsageError(f"dist.pipeline_stages = {self.stages}, dist.pipeline_split = "
-                             f"{self.options.get('pipeline_split', '')!r}: {e}") from None
-        except TypeError:
-            raise UsageError(f"dist.pipeline_split needs {type(module).__name__}.pipeline_stages to take "
-                             f"blocks=[blocks per stage]; remove dist.pipeline_split") from None
+        parts = cut_stages(module, self.stages, self.options.get("pipeline_split", ""))  # the model's reason first
+        self._input, self._chunk = task_hooks(self.task)
         self.mesh = init_device_mesh(self.device.type, (self.num_replicas, self.stages), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         owners: dict[int, list[int]] = {}
@@ -217,7 +190,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         """The schedule's loss of one micro-batch (last stage): the trainer's loss function on the
         micro-batch's rows ``index`` of this replica's batch, with the stage output as the model's."""
         lo, hi = int(index[0]), int(index[-1]) + 1
-        return self._step_loss(_Given(output), self.task.pipeline_chunk(self._batch, lo, hi))
+        return self._step_loss(_Given(output), self._chunk(self._batch, lo, hi))
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                    clip: float = 0.0) -> StepResult:
@@ -233,7 +206,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         first, last = self.pp_stage.is_first, self.pp_stage.is_last
         self._busy_s, w0 = 0.0, time.perf_counter()
         with self.autocast():
-            x = self.task.pipeline_input(self._batch)  # every stage: the rows' count; stage 0 feeds it
+            x = self._input(self._batch)  # every stage: the rows' count; stage 0 feeds it
             index = torch.arange(x.size(0), device=self.device)
             if first:
                 self.schedule.step(x, target=index if last else None, losses=losses)

@@ -160,6 +160,23 @@ class TaskBase:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def pipeline_input(self, micro_batch: Any) -> torch.Tensor:
+        """What strategy ``pipeline``'s first stage reads: the first tensor of a tuple/list micro-batch
+        ((inputs, targets, ...)), or the micro-batch itself if it is a tensor; rows along dim 0.
+        UsageError for other micro-batches (write your own ``pipeline_input``/``pipeline_chunk``)."""
+        first = micro_batch[0] if isinstance(micro_batch, (tuple, list)) and micro_batch else micro_batch
+        if not isinstance(first, torch.Tensor):
+            raise UsageError(f"strategy 'pipeline' cannot feed a micro-batch of type {type(micro_batch).__name__}: "
+                             f"give your task pipeline_input(mb) and pipeline_chunk(mb, lo, hi)")
+        return first
+
+    def pipeline_chunk(self, micro_batch: Any, lo: int, hi: int) -> Any:
+        """Rows [lo, hi) (dim 0) of every tensor of a tuple/list micro-batch, or of a tensor one, as a
+        micro-batch of the same kind (what the task's ``loss`` gets for one pipeline micro-batch)."""
+        if isinstance(micro_batch, torch.Tensor):
+            return micro_batch[lo:hi]
+        return type(micro_batch)(t[lo:hi] if isinstance(t, torch.Tensor) else t for t in micro_batch)
+
 
 def check_task(task: Any, entry: str) -> None:
     """Raise UsageError naming ``entry`` and every required method ``task`` lacks."""
