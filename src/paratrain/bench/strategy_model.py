@@ -22,8 +22,9 @@ def predicted() -> list[str]:
 def strategy_inputs(task, cfg) -> dict[str, Any]:
     """From the task's model (built on the CPU in the run's dtype): ``units``, fsdp's shard units'
     parameter bytes in forward order (the root's own parameters first: its embeddings gather
-    first); for a model that pipelines (:func:`~paratrain.strategies.stages.cut_stages`), ``activation_bytes`` (what stage 0 sends stage 1 for one
-    replica's batch, measured by running stage 0 on the task's first training batch),
+    first); for a model that pipelines (:func:`~paratrain.strategies.stages.cut_stages`),
+    ``activation_bytes`` (what stage 0 sends stage 1 for one replica's batch, measured by running
+    stage 0 on the task's first training batch),
     ``shared_bytes`` (parameters in several stages), ``stage_param_bytes`` (each stage's, shared ones
     in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
     ``microbatch_factor``, for the stage plan ``dist.pipeline_split``."""
