@@ -7,9 +7,9 @@ head), else an ``nn.Sequential``'s children, with ``dist.pipeline_split = "n_0,.
 blocks (layers) of each stage (the stage plan; e.g. fewer blocks on the stage that holds a large
 output layer). Process ``d x S + s`` runs stage s of data-parallel replica d. Each replica's share
 of the global batch (B / D windows) is split into M = ``dist.microbatches`` micro-batches that flow
-through the stages under the ``dist.pipeline_schedule``: ``gpipe`` (all forwards, then all backwards; Huang et al. 2019,
-"GPipe") or ``1f1b`` (one forward, one backward in the steady state, at most S micro-batches in
-flight; Narayanan et al. 2019, "PipeDream"). Activations travel between stages by point-to-point
+through the stages under the ``dist.pipeline_schedule``: ``gpipe`` (all forwards, then all
+backwards; Huang et al. 2019, "GPipe") or ``1f1b`` (one forward, one backward in the steady state,
+at most S micro-batches in flight; Narayanan et al. 2019, "PipeDream"). Activations travel between stages by point-to-point
 send/recv; an idle stage waits (the bubble, (S-1)/(M+S-1) of a step for both schedules).
 
 The last stage computes the task's own loss on each micro-batch's output (normalised by the global
