@@ -9,8 +9,9 @@ output layer). Process ``d x S + s`` runs stage s of data-parallel replica d. Ea
 of the global batch (B / D windows) is split into M = ``dist.microbatches`` micro-batches that flow
 through the stages under the ``dist.pipeline_schedule``: ``gpipe`` (all forwards, then all
 backwards; Huang et al. 2019, "GPipe") or ``1f1b`` (one forward, one backward in the steady state,
-at most S micro-batches in flight; Narayanan et al. 2019, "PipeDream"). Activations travel between stages by point-to-point
-send/recv; an idle stage waits (the bubble, (S-1)/(M+S-1) of a step for both schedules).
+at most S micro-batches in flight; Narayanan et al. 2019, "PipeDream"). Activations travel between
+stages by point-to-point send/recv; an idle stage waits (the bubble, (S-1)/(M+S-1) of a step for
+both schedules).
 
 The last stage computes the task's own loss on each micro-batch's output (normalised by the global
 batch's units / D, as every strategy does), the schedule sums the micro-batch gradients
