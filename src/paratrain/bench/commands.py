@@ -247,23 +247,23 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     """Workload -> predictions at each N of ``ns`` for ``--strategy`` (a pipeline: the N that are a
     multiple of its stages)."""
     from .costmodel import predict_curve
-    from .strategy_model import predict_strategy, strategy_inputs
+    from .strategy_model import STAGES, predict_strategy, strategy_inputs
 
     model = STRATEGIES[args.strategy].cost_model
     if model == "ring":
         return lambda w: predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                        num_ps=args.num_ps)
     inputs = strategy_inputs(task, cfg)
-    if model == "pipeline" and "activation_bytes" not in inputs:
+    if model == STAGES and "activation_bytes" not in inputs:
         raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
-    if model == "pipeline":
+    if model == STAGES:
         shares = " / ".join(f"{f:.2f}" for f in inputs["stage_fractions"])
         mib = " / ".join(f"{b / 2**20:.1f}" for b in inputs["stage_param_bytes"])
         plan = cfg.dist.pipeline_split or "even"
         print(f"[predict] {cfg.dist.pipeline_stages} stages (dist.pipeline_split {plan!r}): share of a micro-batch's "
               f"forward + backward {shares}; parameters {mib} MiB; {cfg.dist.microbatches} micro-batches cost "
               f"{inputs['microbatch_factor']:.2f}x the whole batch (measured here)", flush=True)
-    points = [n for n in ns if model != "pipeline" or n % cfg.dist.pipeline_stages == 0]
+    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]
     if not points:
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
                          f"{cfg.dist.pipeline_stages} processes")

@@ -66,7 +66,7 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale)
     step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, link)
-    return _prediction(w, n, step, ddp.compute_s, "zero1", bucket_mb=bucket_mb)
+    return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
 
 
 def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[float],
@@ -106,7 +106,7 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     back = list(reversed(unit_bytes))
     bwd = fsdp_phases_s(w.backward_s * s, back, list(reversed(ag)) if reshard else [], list(reversed(rs)))
     other = (w.data_s + w.optimizer_s / n) * s
-    return _prediction(w, n, fwd + bwd + other, (w.forward_s + w.backward_s) * s + other, "fsdp")
+    return _prediction(w, n, fwd + bwd + other, (w.forward_s + w.backward_s) * s + other, "sharded_parameters")
 
 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
@@ -141,7 +141,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     compute = sum(per_mb) + (M - 1) * max(per_mb) + (w.data_s + optimizer) * s  # the bubble is idle compute
     shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
     step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
-    return _prediction(w, replicas * S, step, compute, "pipeline", replicas=replicas)
+    return _prediction(w, replicas * S, step, compute, "stages", replicas=replicas)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -1,7 +1,8 @@
 """Predictions for every modelled strategy from one measured single-device step: the model's own
 numbers the cost model needs (:func:`strategy_inputs`) and the dispatch to the right formula by the
-strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmodel`, ``zero1``,
-``fsdp`` and ``pipeline`` by :mod:`.costmodel_sharded`)."""
+strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmodel`,
+``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP) and ``stages`` (a pipeline) by
+:mod:`.costmodel_sharded`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 from .costmodel import Link, Prediction, Workload, predict
 from .costmodel_sharded import predict_fsdp, predict_pipeline, predict_zero1
 
-MODELS = ("ring", "zero1", "fsdp", "pipeline")  # Strategy.cost_model values predict_strategy handles
+RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES = "ring", "sharded_optimizer", "sharded_parameters", "stages"
+MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES)  # Strategy.cost_model values predict_strategy handles
 
 
 def predicted() -> list[str]:
@@ -108,14 +110,14 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
     d = cfg.dist
     bucket = bucket_mb or d.bucket_mb
     model = STRATEGIES[strategy].cost_model
-    if model == "ring":
+    if model == RING:
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale)
-    if model == "zero1":
+    if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale)
-    if model == "fsdp":
+    if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale)
-    if model == "pipeline":
+    if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
         return predict_pipeline(w, n // d.pipeline_stages, d.pipeline_stages, d.microbatches, link,

@@ -59,7 +59,7 @@ class FSDP(ShardedCheckpoints, AllReduce):
 
     name = "fsdp"
     dist_keys = ("reshard_after_forward",)
-    cost_model = "fsdp"  # paratrain.bench.costmodel_sharded
+    cost_model = "sharded_parameters"  # paratrain.bench.costmodel_sharded.predict_fsdp
     supports_fp16 = False  # a GradScaler's inf check sees one shard: ranks could disagree on a skip
     collective_forward = True  # every forward all-gathers: ranks run the same number of forwards
 

@@ -65,7 +65,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
 
     name = "pipeline"
     dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule", "pipeline_split")
-    cost_model = "pipeline"  # paratrain.bench.costmodel_sharded
+    cost_model = "stages"  # paratrain.bench.costmodel_sharded.predict_pipeline
     supports_fp16 = False  # the loss scale would have to be applied inside the schedule's backward
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
     @classmethod
