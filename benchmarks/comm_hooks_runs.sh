@@ -24,16 +24,5 @@ for r in 1 4; do
   run "powersgd_r$r" --set 'dist.comm_hook="powersgd"' --set "dist.matrix_approximation_rank=$r" \
     --set "dist.start_powerSGD_iter=$START"
 done
-python - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-print("| dist.comm_hook | payload bytes/step/rank | vs none | words/s | vs none | comm ms/step | valid ppl | test ppl |")
-print("|---|---|---|---|---|---|---|---|")
-base = None
-for name in ("none", "fp16", "bf16", "powersgd_r1", "powersgd_r4"):
-    s = json.loads(open(f"{out}/{name}.summary.json").read())
-    base = base or s
-    print(f"| {name} | {s['comm_bytes_per_step']:,} | {s['comm_bytes_per_step'] / base['comm_bytes_per_step']:.3f} | "
-          f"{s['words_per_s']:,.0f} | {s['words_per_s'] / base['words_per_s']:.3f} | {s['comm_ms']:.1f} | "
-          f"{s['valid_ppl']:.2f} | {s['test_ppl']:.2f} |")
-PY
+python benchmarks/_table.py "$OUT" none fp16 bf16 powersgd_r1 powersgd_r4 -- comm_bytes_per_step \
+  comm_bytes_per_step/ words_per_s words_per_s/ comm_ms valid_ppl test_ppl

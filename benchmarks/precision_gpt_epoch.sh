@@ -13,15 +13,5 @@ for p in fp32 bf16; do
     --set "train.precision=\"$p\"" --run-dir "$RUNS/gpt_wt2_epoch_$p" > "$OUT/gpt_wt2_epoch_$p.log" 2>&1
   keep "gpt_wt2_epoch_$p"
 done
-python - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-print("| run | precision | steps | words/s | vs fp32 | valid ppl | test ppl | skipped steps | train step ms |")
-print("|---|---|---|---|---|---|---|---|---|")
-base = None
-for p in ("fp32", "bf16"):
-    s = json.loads(open(f"{out}/gpt_wt2_epoch_{p}.summary.json").read())
-    base = base or s["words_per_s"]
-    print(f"| gpt_wt2, 1 epoch | {p} | {s['steps']} | {s['words_per_s']:,.0f} | {s['words_per_s'] / base:.3f} | "
-          f"{s['valid_ppl']:.2f} | {s['test_ppl']:.2f} | {s.get('nonfinite_steps', 0)} | {s['train_step_ms']:.1f} |")
-PY
+python benchmarks/_table.py "$OUT" gpt_wt2_epoch_fp32 gpt_wt2_epoch_bf16 -- steps words_per_s words_per_s/ valid_ppl \
+  test_ppl nonfinite_steps train_step_ms
