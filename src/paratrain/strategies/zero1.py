@@ -69,6 +69,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
         accepted = inspect.signature(cls.__init__).parameters  # defaults may hold more (AdamW's decoupled_...)
         self.shard_optimizer = cls(groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
         self._names = parameter_names(self.module, opt)
+        self._layout = self._row_layout()
 
     def _dtensor(self, rows: torch.Tensor, p: torch.Tensor):
         """``rows``, this rank's rows of a tensor of ``p``'s shape (all of it for a 0-dim ``p``), as a
@@ -97,23 +98,31 @@ class Zero1(ShardedCheckpoints, AllReduce):
 
         return super().optimizer_step(optimizer, step, closure)
 
-    def _gather_rows(self) -> None:
-        """Every rank's updated rows to every rank: one ``all_gather`` per parameter dtype of the
-        padded rows (ceil(d0 / W) per parameter) each rank updated."""
-        world, rank = self.env.world_size, self.env.rank
-        if world == 1:
-            return
+    def _row_layout(self) -> list[tuple[torch.dtype, list[nn.Parameter], list[int]]]:
+        """Per parameter dtype: the parameters with rows (0-dim ones are replicated) and their
+        offsets in an all-gather buffer of ceil(d0 / W) padded rows each (the last offset: its size).
+        Fixed by the model and W: computed once."""
+        world = self.env.world_size
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p, _, _, _ in self._pairs:
             if p.dim():
                 by_dtype.setdefault(p.dtype, []).append(p)
+        layout = []
         for dtype, params in by_dtype.items():
-            per = [-(-p.shape[0] // world) for p in params]  # rows a rank sends, padded
-            width = [p.numel() // p.shape[0] if p.shape[0] else 0 for p in params]  # elements per row
             offsets = [0]
-            for n, w in zip(per, width):
-                offsets.append(offsets[-1] + n * w)
-            send = torch.zeros(offsets[-1], dtype=dtype, device=self.device)
+            for p in params:
+                offsets.append(offsets[-1] + -(-p.shape[0] // world) * (p.numel() // p.shape[0] if p.shape[0] else 0))
+            layout.append((dtype, params, offsets))
+        return layout
+
+    def _gather_rows(self) -> None:
+        """Every rank's updated rows to every rank: one ``all_gather`` per parameter dtype of the
+        padded rows each rank updated (:meth:`_row_layout`)."""
+        world, rank = self.env.world_size, self.env.rank
+        if world == 1:
+            return
+        for dtype, params, offsets in self._layout:
+            send = torch.empty(offsets[-1], dtype=dtype, device=self.device)  # padding is never read
             for p, off in zip(params, offsets):
                 lo, hi = row_range(p.shape[0], rank, world)
                 send[off:off + p[lo:hi].numel()].copy_(p.detach()[lo:hi].reshape(-1))
