@@ -99,8 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     from .bench.commands import add_bench_parser, add_predict_parser
     from .verify import add_parser as add_verify_parser
 
+    from .bench.plan import add_plan_parser
+
     add_bench_parser(sub)
     add_predict_parser(sub)
+    add_plan_parser(sub)
     add_verify_parser(sub)
     sub.add_parser("devices", help="list the devices this machine has",
                    description="List the CPU (cores) and every visible CUDA device (memory).")
@@ -172,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import commands
 
             return commands.cmd_bench(args) if args.command == "bench" else commands.cmd_predict(args)
+        if args.command == "plan":
+            from .bench.plan_report import cmd_plan
+
+            return cmd_plan(args)
         if args.command == "verify":
             from .verify import cmd_verify
 

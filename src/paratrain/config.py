@@ -76,12 +76,13 @@ class TrainConfig:
     timing_warmup_steps: int = 5  # steps left out of the step-time breakdown in the summary
     on_nonfinite: str = "skip"  # NaN/Inf loss or gradient: skip the step (counted) | stop the run
     max_nonfinite_steps: int = 10  # consecutive skipped steps after which the run stops (it cannot recover)
+    track_memory_step: int = 0  # > 0: that step runs under torch's MemTracker; summary: tracked_peak_memory_mb
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "accumulation", "log_every", "keep_checkpoints", "max_nonfinite_steps"):
             check_at_least("train", key, getattr(self, key), 1)
         for key in ("max_steps", "warmup_steps", "ref_batch_size", "checkpoint_every",
-                    "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps"):
+                    "decay_start_epoch", "plateau_patience", "eval_every", "timing_warmup_steps", "track_memory_step"):
             check_at_least("train", key, getattr(self, key), 0)
         check_choice("train", "lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
         check_choice("train", "optimizer", self.optimizer, ("sgd", "adam"))

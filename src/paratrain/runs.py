@@ -216,12 +216,14 @@ def _check_strict_placement(cfg: config.Config) -> None:
         resolve(device, strict=True)
 
 
-def build_task(cfg: config.Config, data_dir: str | None, download: bool = False, rank: int = 0):
-    """The run's task as rank ``rank`` of its data-parallel ranks would build it (CPU)."""
+def build_task(cfg: config.Config, data_dir: str | None, download: bool = False, rank: int = 0,
+               world_size: int | None = None):
+    """The run's task as rank ``rank`` of its data-parallel ranks would build it (CPU); ``world_size``
+    replaces the recipe's ranks (1: the whole global batch on one device)."""
     import torch
 
     t = cfg.train
-    env = tasks.TaskEnv(rank=rank, world_size=cfg.world_size, accumulation=t.accumulation, global_batch=t.batch_size,
+    env = tasks.TaskEnv(rank=rank, world_size=world_size or cfg.world_size, accumulation=t.accumulation, global_batch=t.batch_size,
                         seed=t.seed, dtype=getattr(torch, t.dtype), data_dir=data_dir, download=download)
     return tasks.build(cfg.task.entry, cfg.task_section(), env)
 

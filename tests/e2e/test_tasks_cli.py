@@ -61,6 +61,18 @@ def user(tmp_path_factory):
     return tmp, runs
 
 
+@pytest.mark.parametrize("strategy", ["single", "allreduce", "ps-sync", "fsdp", "zero1", "pipeline"])
+def test_user_task_summary_counts_its_model_flops_for_mfu(user, strategy):
+    """The MLP 8 -> 12 -> 1 on a global batch of 40: forward 2 x 40 x (8 x 12 + 12 x 1) FLOPs; backward
+    the weights' gradients (as many) and the hidden layer's input gradient (2 x 40 x 12): 38 x 40 x 12
+    per step, whatever the strategy splits (summed over the ranks)."""
+    tmp, runs = user
+    assert runs[strategy].returncode == 0, runs[strategy].stderr[-3000:]
+    summary = records(tmp / strategy)[-1]
+    assert summary["model_flops_per_step"] == 38 * 40 * 12 and summary["flops_per_sample"] == 38 * 12
+    assert 0 < summary["mfu"] < 1 and summary["peak_flops_source"].startswith("measured: float64")
+
+
 @pytest.mark.parametrize("strategy", ["allreduce", "ps-sync", "replicate", "fsdp", "zero1", "pipeline"])
 def test_user_task_every_strategy_equals_single(user, strategy):
     tmp, runs = user

@@ -144,7 +144,7 @@ def make_buckets(param_bytes_backward_order: Sequence[int], bucket_bytes: float)
 
 
 def overlapped_step_s(*, forward_s: float, backward_s: float, other_s: float, bucket_bytes: Sequence[int],
-                      comm_s: Callable[[float], float]) -> tuple[float, float]:
+                      comm_s: Callable[[float], float], overlap: bool = True) -> tuple[float, float]:
     """(step_s, exposed_comm_s) with each bucket's all-reduce overlapping the rest of backward.
 
     Backward produces gradient bytes at a constant rate, buckets in order: bucket i is ready at
@@ -152,7 +152,12 @@ def overlapped_step_s(*, forward_s: float, backward_s: float, other_s: float, bu
     at max(ready_i, end of all-reduce i-1) (one collective at a time, as DDP) and lasts
     ``comm_s(bytes_i)``. step = forward + max(backward, last all-reduce end) + other;
     exposed = step - (forward + backward + other) = max(0, last end - backward).
+    ``overlap=False``: no bucket overlaps compute (the cores that compute also run the collectives,
+    as gloo on a CPU whose cores are all busy computing): exposed = the sum of the all-reduces.
     """
+    if not overlap:
+        exposed = sum(comm_s(b) for b in bucket_bytes)
+        return forward_s + backward_s + other_s + exposed, exposed
     total = sum(bucket_bytes)
     end, cumulative = 0.0, 0
     for b in bucket_bytes:
@@ -227,14 +232,15 @@ def _collective(algorithm: str) -> Callable[[float, int, Link], float]:
 
 
 def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_mb: float | None = None,
-            num_ps: int = 1, compute_scale: float = 1.0) -> Prediction:
+            num_ps: int = 1, compute_scale: float = 1.0, overlap: bool = True) -> Prediction:
     """Predict one step of ``n`` replicas over ``link``.
 
     "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
     and optimizer are not overlapped); ``bucket_mb`` None picks one with :func:`pick_bucket`.
     "ps": ``num_ps`` server shards, no overlap: step = local + :func:`ps_step_s`. n == 1 is one
     device: no communication for any algorithm. ``compute_scale`` multiplies the four measured
-    times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1.
+    times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1. ``overlap``:
+    see :func:`overlapped_step_s`.
     """
     _check_n(n)
     _check_n(num_ps, "num_ps")
@@ -248,13 +254,13 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
         step_s = compute_s + (ps_step_s(sum(w.param_bytes), n, num_ps, link) if n > 1 else 0.0)
     else:
         if bucket_mb is None:
-            bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale)
+            bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale, overlap=overlap)
         collective = _collective(algorithm)
         step_s, _ = overlapped_step_s(
             forward_s=w.forward_s * compute_scale, backward_s=w.backward_s * compute_scale,
             other_s=(w.data_s + w.optimizer_s) * compute_scale,
             bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB),
-            comm_s=lambda b: collective(b * w.payload_ratio, n, link))
+            comm_s=lambda b: collective(b * w.payload_ratio, n, link), overlap=overlap)
     words_per_s = n * w.tokens_per_step / step_s
     speedup = words_per_s / (w.tokens_per_step / w.local_s())
     return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n,
@@ -262,11 +268,13 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
 
 
 def pick_bucket(w: Workload, n: int, link: Link, algorithm: str = "ring",
-                candidates_mb: Sequence[float] = BUCKET_CANDIDATES_MB, *, compute_scale: float = 1.0) -> float:
+                candidates_mb: Sequence[float] = BUCKET_CANDIDATES_MB, *, compute_scale: float = 1.0,
+                overlap: bool = True) -> float:
     """The candidate bucket size (MiB) with the least predicted step time; ties go to the larger."""
     if not candidates_mb:
         raise UsageError("candidates_mb is empty; give at least one bucket size in MiB")
-    steps = {mb: predict(w, n, link, algorithm=algorithm, bucket_mb=mb, compute_scale=compute_scale).step_s
+    steps = {mb: predict(w, n, link, algorithm=algorithm, bucket_mb=mb, compute_scale=compute_scale,
+                         overlap=overlap).step_s
              for mb in candidates_mb}
     return float(min(sorted(steps, reverse=True), key=steps.__getitem__))
 

@@ -59,13 +59,14 @@ def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm:
                       algorithm)
 
 
-def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0
-                  ) -> Prediction:
+def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
+                  overlap: bool = True, gather_link: Link | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
-    parameters, plus the all-gather of the updated parameters."""
+    parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
+    were measured apart, else ``link``)."""
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
-                  compute_scale=compute_scale)
-    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, link)
+                  compute_scale=compute_scale, overlap=overlap)
+    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, gather_link or link)
     return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
 
 
@@ -93,15 +94,22 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
 
 
 def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], reshard: bool = True,
-                 compute_scale: float = 1.0) -> Prediction:
+                 compute_scale: float = 1.0, overlap: bool = True, gather_link: Link | None = None,
+                 scatter_link: Link | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
-    sharded), in forward order (the root unit last)."""
+    sharded), in forward order (the root unit last). ``gather_link`` / ``scatter_link``: the
+    all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at the
+    all-reduce's alpha, beta, gamma). ``overlap=False``: no collective overlaps compute (all exposed)."""
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
         raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order")
-    ag = [ring_allgather_s(b, n, link) for b in unit_bytes]
-    rs = [ring_reduce_scatter_s(b, n, link) for b in unit_bytes]
+    ag = [ring_allgather_s(b, n, gather_link or link) for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) for b in unit_bytes]
     s = compute_scale
+    if not overlap:
+        other = (w.data_s + w.optimizer_s / n) * s
+        compute = (w.forward_s + w.backward_s) * s + other
+        return _prediction(w, n, compute + sum(ag) * (2 if reshard else 1) + sum(rs), compute, "sharded_parameters")
     fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
     back = list(reversed(unit_bytes))
     bwd = fsdp_phases_s(w.backward_s * s, back, list(reversed(ag)) if reshard else [], list(reversed(rs)))
@@ -112,7 +120,7 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
                      activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0,
                      stage_fractions: Sequence[float] | None = None, stage_param_bytes: Sequence[float] | None = None,
-                     microbatch_factor: float = 1.0) -> Prediction:
+                     microbatch_factor: float = 1.0, p2p_link: Link | None = None) -> Prediction:
     """One ``pipeline`` step of ``replicas`` x ``stages`` processes with ``microbatches`` per replica.
     ``activation_bytes``: what one stage sends the next for a replica's whole batch (forward; the
     backward sends as many); ``shared_bytes``: parameters used by several stages (a tied embedding),
@@ -123,7 +131,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     backward of M micro-batches over that of the whole batch (measured; smaller products are
     slower). With t_s = stage s's forward + backward of one micro-batch, the schedule's compute is
     sum_s t_s (the first micro-batch through every stage) + (M-1) max_s t_s (the slowest stage
-    paces the rest): (M+S-1) t for S equal stages, the bubble (S-1)/(M+S-1)."""
+    paces the rest): (M+S-1) t for S equal stages, the bubble (S-1)/(M+S-1). ``p2p_link``: a
+    point-to-point send's own measured link for the activations (default ``link``)."""
     _check_n(replicas, "replicas")
     _check_n(stages, "stages")
     _check_n(microbatches, "microbatches")
@@ -136,7 +145,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     if not microbatch_factor > 0 or largest < 0:
         raise UsageError(f"microbatch_factor = {microbatch_factor} must be > 0 and stage_param_bytes >= 0")
     per_mb = [(w.forward_s + w.backward_s) * s * microbatch_factor * f / sum(fractions) / M for f in fractions]
-    p2p = link.alpha_s + activation_bytes / M * link.beta_s_per_byte if S > 1 else 0.0
+    hop = p2p_link or link
+    p2p = hop.alpha_s + activation_bytes / M * hop.beta_s_per_byte if S > 1 else 0.0
     optimizer = w.optimizer_s * min(1.0, largest / total) if total else w.optimizer_s / S
     compute = sum(per_mb) + (M - 1) * max(per_mb) + (w.data_s + optimizer) * s  # the bubble is idle compute
     shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message

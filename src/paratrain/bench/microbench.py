@@ -36,7 +36,7 @@ FLOAT32_BYTES = 4
 
 
 def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[int], repeats: int,
-               warmup: int, timeout_s: float) -> None:
+               warmup: int, timeout_s: float, op: str = "all_reduce") -> None:
     """One rank (spawned): time every size, rank 0 writes ``results.json``; errors to ``error-<rank>.txt``."""
     import torch.distributed as dist
 
@@ -47,7 +47,9 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            results = [(int(size), _time_allreduce(size, repeats, warmup)) for size in sizes_bytes]
+            timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
+                     "reduce_scatter": _time_reduce_scatter}[op]
+            results = [(int(size), timer(size, repeats, warmup)) for size in sizes_bytes]
         finally:
             dist.destroy_process_group()
         if rank == 0:
@@ -77,6 +79,72 @@ def _time_allreduce(nbytes: int, repeats: int, warmup: int) -> float:
     return statistics.median(slowest)
 
 
+def _time_collective(run, repeats: int, warmup: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for ``run()`` (a collective)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        run()
+    slowest = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        slowest.append(float(dt))
+    return statistics.median(slowest)
+
+
+def _time_all_gather(nbytes: int, repeats: int, warmup: int) -> float:
+    """Seconds of an all-gather whose result is ``nbytes`` (FSDP's parameter gather, ZeRO's update)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    out = torch.zeros(max(n, nbytes // FLOAT32_BYTES) // n * n, dtype=torch.float32)
+    part = torch.zeros(out.numel() // n, dtype=torch.float32)
+    return _time_collective(lambda: dist.all_gather_single(out, part), repeats, warmup)
+
+
+def _time_reduce_scatter(nbytes: int, repeats: int, warmup: int) -> float:
+    """Seconds of a reduce-scatter (sum) of ``nbytes`` (FSDP's gradient reduction)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    whole = torch.zeros(max(n, nbytes // FLOAT32_BYTES) // n * n, dtype=torch.float32)
+    part = torch.zeros(whole.numel() // n, dtype=torch.float32)
+    return _time_collective(lambda: dist.reduce_scatter_single(part, whole), repeats, warmup)
+
+
+def _time_p2p(nbytes: int, repeats: int, warmup: int) -> float:
+    """Median over ``repeats`` of half a round trip (rank 0 sends ``nbytes`` to rank 1, which sends
+    them back): the seconds of one point-to-point message. Ranks 0 and 1 call it."""
+    import torch.distributed as dist
+
+    x = torch.zeros(max(1, nbytes // FLOAT32_BYTES), dtype=torch.float32)
+    rank = dist.get_rank()
+
+    def round_trip() -> None:
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    for _ in range(warmup):
+        round_trip()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        round_trip()
+        times.append((time.perf_counter() - t0) / 2)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return float(t)
+
+
 def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
     """The error message for ranks that hung (killed here) or failed, None if all exited 0."""
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -97,13 +165,14 @@ def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
 
 
 def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 10,
-                      warmup: int = 2, timeout_s: float = 120.0) -> list[tuple[int, float]]:
+                      warmup: int = 2, timeout_s: float = 120.0, op: str = "all_reduce") -> list[tuple[int, float]]:
     """[(bytes, median seconds)] of a gloo all-reduce (sum) of float32 tensors among
     ``world_size`` local processes, one per size in ``sizes_bytes`` (rounded down to whole
     float32 elements, at least one; the bytes returned are the ones sent).
 
     Raises RuntimeError when a rank fails, or when the ranks have not finished within
     ``timeout_s`` seconds of starting (they are killed); the message holds their tracebacks.
+    ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip).
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
@@ -112,7 +181,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="paratrain-allreduce-") as tmp:
         workdir = Path(tmp)
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, tmp, sizes, repeats, warmup, timeout_s),
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, tmp, sizes, repeats, warmup, timeout_s, op),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
@@ -153,3 +222,105 @@ def measured_link(world_size: int = 2, *, sizes_bytes: Sequence[int] = DEFAULT_S
     points = measure_allreduce(world_size, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s)
     alpha, beta = fit_alpha_beta([s for s, _ in points], [t for _, t in points], world_size, gamma)
     return Link(name="measured", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
+
+
+def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
+    """(alpha_s, beta_s_per_byte) of one message, t = alpha + beta * bytes (Hockney), least squares of
+    the relative error, both >= 0 (a negative one is set to 0 and the other refitted)."""
+    import numpy as np
+
+    x, t = np.asarray(sizes_bytes, dtype=float), np.asarray(times_s, dtype=float)
+    a = np.column_stack([np.ones_like(x), x]) / t[:, None]
+    alpha, beta = np.linalg.lstsq(a, np.ones_like(t), rcond=None)[0]
+    if alpha < 0:
+        alpha, beta = 0.0, float(a[:, 1] @ np.ones_like(t) / (a[:, 1] @ a[:, 1]))
+    elif beta < 0:
+        alpha, beta = float(a[:, 0] @ np.ones_like(t) / (a[:, 0] @ a[:, 0])), 0.0
+    return float(alpha), float(beta)
+
+
+def measured_p2p(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 10, warmup: int = 2,
+                 timeout_s: float = 120.0) -> Link:
+    """``Link(name="measured-p2p")``: alpha and beta of one gloo send between two local processes
+    (:func:`fit_latency_bandwidth` on half round trips); no reduction (gamma 0)."""
+    points = measure_allreduce(2, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s, op="p2p")
+    alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
+    return Link(name="measured-p2p", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
+def measured_collective(op: str, world_size: int = 2, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+                        repeats: int = 10, warmup: int = 2, timeout_s: float = 120.0) -> Link:
+    """``Link(name=f"measured-{op}")`` for ``op`` = all_gather or reduce_scatter among ``world_size``
+    local gloo processes: alpha and beta fitted to the ring model of that collective,
+    t = (n-1) alpha + (n-1)/n bytes beta (:func:`fit_latency_bandwidth` on (n-1) alpha and
+    (n-1)/n bytes); a reduce-scatter's reduction is in its beta (gamma 0)."""
+    points = measure_allreduce(world_size, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s, op=op)
+    k = world_size - 1
+    alpha, beta = fit_latency_bandwidth([s * k / world_size for s, _ in points], [t for _, t in points])
+    return Link(name=f"measured-{op}", alpha_s=alpha / k, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
+def _echo(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int, warmup: int,
+              timeout_s: float) -> None:
+    """One of two RPC agents (spawned): rank 0 times ``rpc_sync`` round trips of each size."""
+    import torch.distributed.rpc as rpc
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
+                                               rpc_timeout=timeout_s, num_worker_threads=4)
+        import warnings
+
+        with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
+            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+            rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        results = []
+        if rank == 0:
+            for size in sizes_bytes:
+                x = torch.zeros(max(1, size // FLOAT32_BYTES), dtype=torch.float32)
+                for _ in range(warmup):
+                    rpc.rpc_sync("agent1", _echo, args=(x,))
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    rpc.rpc_sync("agent1", _echo, args=(x,))
+                    times.append((time.perf_counter() - t0) / 2)
+                results.append((int(size), statistics.median(times)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+            rpc.shutdown()
+        if rank == 0:
+            (Path(workdir) / "results.json.tmp").write_text(json.dumps(results))
+            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES[:-1], repeats: int = 5, warmup: int = 2,
+                 timeout_s: float = 120.0) -> Link:
+    """``Link(name="measured-rpc")``: alpha and beta of one ``torch.distributed.rpc`` message (TensorPipe,
+    what the parameter server's push and pull are) between two local processes, fitted to half round
+    trips of an echo (:func:`fit_latency_bandwidth`); gamma 0."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    sizes = [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes]
+    with tempfile.TemporaryDirectory(prefix="paratrain-rpc-") as tmp:
+        procs = [ctx.Process(target=_rpc_main, args=(r, tmp, sizes, repeats, warmup, timeout_s), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        message = _failure(procs, Path(tmp), timeout_s)
+        if message:
+            raise RuntimeError(message.replace("all-reduce benchmark", "rpc benchmark"))
+        points = json.loads((Path(tmp) / "results.json").read_text())
+    alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
+    return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)

@@ -42,7 +42,8 @@ def run_record(o: RunOutcome) -> dict[str, Any]:
                 "per_rank_ms": ranks["per_rank"],
                 "compute_skew": ranks["compute_skew"], "slowest_rank": ranks["slowest_rank"],
                 "breakdown_coverage": parts / measured if finite(measured) and measured > 0 else math.nan,
-                "valid_loss": o.summary.get("valid_loss"), "valid_ppl": o.summary.get("valid_ppl")})
+                "valid_loss": o.summary.get("valid_loss"), "valid_ppl": o.summary.get("valid_ppl"),
+                "mfu": o.summary.get("mfu", math.nan), "peak_flops_source": o.summary.get("peak_flops_source")})
     return rec
 
 
@@ -84,7 +85,8 @@ def _row(scaling: str, strategy: str, n: int, g: int, recs: list[dict], base: di
     row.update({"unit": med.get("unit", "words"), "units_per_s": statistics.median(wps), "units_per_s_min": min(wps),
                 "units_per_s_max": max(wps),
                 **{k: med[k] for k in ("train_step_ms", "breakdown_ms", "per_rank_ms", "breakdown_coverage",
-                                       "compute_skew", "slowest_rank", "threads_per_process")}})
+                                       "compute_skew", "slowest_rank", "threads_per_process")},
+                "mfu": med.get("mfu", math.nan), "peak_flops_source": med.get("peak_flops_source")})
     if base is not None:
         from .costmodel import scaling
 
@@ -109,13 +111,18 @@ def markdown(results: dict) -> str:
              "", f"Speedup S(N) = {unit}/s(N) / {unit}/s of the measured single-device run (same per-replica batch for "
              "weak scaling, same global batch for strong); efficiency = S(N)/N. Step-time columns are ms per step, "
              "mean over ranks, warm-up steps left out; coverage = rank 0's (data+compute+comm+idle+optimizer) / its "
-             "wall time per step (logging included); skew = (max - min) / mean of the ranks' compute.", ""]
+             "wall time per step (logging included); skew = (max - min) / mean of the ranks' compute; MFU = model "
+             "FLOPs per step (counted) / step time / (N x peak FLOP/s of a device).", ""]
+    sources = sorted({str(r["peak_flops_source"]) for rows in results["scaling"].values() for r in rows
+                      if r.get("peak_flops_source")})
+    if sources:
+        lines += ["Peak FLOP/s for MFU: " + "; ".join(sources) + ".", ""]
     if any(r.get("n", 0) > m["cpu_cores"] for rows in results["scaling"].values() for r in rows):
         lines += [f"N above {m['cpu_cores']} is oversubscribed: more processes than cores.", ""]
     head = (f"| strategy | N | global batch | per-replica | {unit}/s (min-max) | speedup | efficiency | step ms "
-            "| data | compute | comm | idle | optimizer | other | coverage | skew |")
+            "| data | compute | comm | idle | optimizer | other | coverage | skew | MFU |")
     for scaling, rows in results["scaling"].items():
-        lines += [f"## {scaling} scaling", "", head, "|" + "---|" * 16]
+        lines += [f"## {scaling} scaling", "", head, "|" + "---|" * 17]
         for r in rows:
             b = r.get("breakdown_ms", {})
             lines.append(
@@ -124,7 +131,8 @@ def markdown(results: dict) -> str:
                 f"({_fmt(r.get('units_per_s_min'), 0)}-{_fmt(r.get('units_per_s_max'), 0)}) | "
                 f"{_fmt(r.get('speedup'), 2)} | {_fmt(r.get('efficiency'), 2)} | {_fmt(r.get('train_step_ms'))} | "
                 + " | ".join(_fmt(b.get(k)) for k in PARTS)
-                + f" | {_fmt(r.get('breakdown_coverage'), 3)} | {_fmt(r.get('compute_skew'), 3)} |")
+                + f" | {_fmt(r.get('breakdown_coverage'), 3)} | {_fmt(r.get('compute_skew'), 3)} "
+                f"| {_fmt(r.get('mfu'), 3)} |")
         lines.append("")
     per_rank = [r for rows in results["scaling"].values() for r in rows if len(r.get("per_rank_ms", [])) > 1]
     if per_rank:

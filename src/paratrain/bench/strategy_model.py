@@ -101,22 +101,37 @@ def stage_profile(stages, x, microbatches: int, repeats: int = 3) -> dict[str, A
 
 
 def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
-                     compute_scale: float = 1.0, bucket_mb: float | None = None) -> Prediction | None:
+                     compute_scale: float = 1.0, bucket_mb: float | None = None, **kw: Any) -> Prediction | None:
     """The predicted step of ``strategy`` with ``n`` processes (weak scaling: each replica with the
     measured per-replica batch), or None where it has no such layout (a pipeline needs a multiple of
-    its stages; a model that does not pipeline). ``bucket_mb``: DDP's bucket (default the recipe's)."""
+    its stages; a model that does not pipeline). ``bucket_mb``: DDP's bucket (default the recipe's);
+    ``kw``: :func:`predict_model`'s."""
     from ..strategies import STRATEGIES
 
-    d = cfg.dist
-    bucket = bucket_mb or d.bucket_mb
     model = STRATEGIES[strategy].cost_model
+    if model not in MODELS:
+        raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")
+    return predict_model(model, w, n, link, cfg, inputs, compute_scale=compute_scale, bucket_mb=bucket_mb, **kw)
+
+
+def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
+                  compute_scale: float = 1.0, bucket_mb: float | None = None, overlap: bool = True,
+                  links: dict[str, Link] | None = None) -> Prediction | None:
+    """:func:`predict_strategy` by the formula's name (a ``Strategy.cost_model`` of :data:`MODELS`).
+    ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
+    ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``), else
+    ``link``'s ring algorithms."""
+    d, links = cfg.dist, links or {}
+    bucket = bucket_mb or d.bucket_mb
     if model == RING:
-        return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale)
+        return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
     if model == SHARDED_OPTIMIZER:
-        return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale)
+        return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
+                             gather_link=links.get("all_gather"))
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
-                            compute_scale=compute_scale)
+                            compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
+                            scatter_link=links.get("reduce_scatter"))
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
@@ -124,5 +139,5 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
                                 activation_bytes=inputs["activation_bytes"], shared_bytes=inputs["shared_bytes"],
                                 compute_scale=compute_scale, stage_fractions=inputs.get("stage_fractions"),
                                 stage_param_bytes=inputs.get("stage_param_bytes"),
-                                microbatch_factor=inputs.get("microbatch_factor", 1.0))
-    raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")
+                                microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"))
+    raise ValueError(f"no cost model named {model!r}; use one of {', '.join(MODELS)}")

@@ -44,6 +44,8 @@ class Bookkeeper:
         self._interval_start = 0  # first step of the current logging interval
         self._interval_time, self._interval_units = 0.0, 0  # train_time_s and units at its start
         self._measured_units, self._measured_time_s = 0, 0.0  # intervals after timing warm-up
+        self.flops_per_step: float | None = None  # this rank's model FLOPs in one step (counted in its first)
+        self.tracked_memory: dict[str, float] = {}  # train.track_memory_step: this rank's peak bytes, by kind
 
     # ---- inside a step ----------------------------------------------------------------------------
     def add_loss(self, loss_sum: torch.Tensor, count: Any) -> None:
@@ -134,12 +136,38 @@ class Bookkeeper:
         # wall time per measured step by the throughput clock (logging included): what the breakdown must add up to
         summary["train_step_ms"] = (1000.0 * self._measured_time_s / timing["measured_steps"]
                                     if timing["measured_steps"] and self.log else math.nan)
+        step_ms = summary["train_step_ms"]  # too short a run for a timed interval: its whole clock per step
+        step_ms = step_ms if math.isfinite(step_ms) else 1000.0 * pos.train_time_s / max(pos.step, 1)
+        summary.update(self._utilisation(step_ms, summary["units_per_step"]))
         if self.log:
             summary.update(self.strategy.metrics())
             self.log.write("summary", pos.step, **summary)
             if self.verbose:
                 print(format_summary([("run dir", str(self.run_dir)), *summary.items()]), flush=True)
         return summary
+
+    def _utilisation(self, step_ms: float, units_per_step: float) -> dict[str, Any]:
+        """MFU (:mod:`paratrain.bench.mfu`): the model FLOPs of one step summed over the ranks that
+        step together (each counted its first step), over the step time and their peak FLOP/s. Every
+        rank of the group calls it (a sum all-reduce)."""
+        from ..bench.mfu import mfu, peak_flops
+
+        local = self.flops_per_step if self.flops_per_step is not None else math.nan
+        acc = torch.tensor([local, 1.0], dtype=torch.float64, device=self.env.device)
+        mem = torch.tensor([self.tracked_memory.get("peak", math.nan)], dtype=torch.float64, device=self.env.device)
+        if self.reduce is not None:
+            acc, mem = self.reduce(acc, "sum"), self.reduce(mem, "max")
+        flops, ranks = float(acc[0]), int(round(float(acc[1])))
+        if not self.log:
+            return {}
+        tracked = ({"tracked_peak_memory_mb": round(float(mem[0]) / 2**20, 2),  # the largest rank's
+                    "rank0_tracked_memory_mb": {k: round(v / 2**20, 2) for k, v in self.tracked_memory.items()}}
+                   if self.train.track_memory_step else {})
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(self.train.precision, self.train.dtype)
+        peak, source = peak_flops(self.env.device, dtype)
+        return {"model_flops_per_step": flops, f"flops_per_{self.unit.rstrip('s')}": flops / units_per_step,
+                "mfu": mfu(flops, step_ms / 1000, ranks, peak), "peak_flops_per_device": peak,
+                "peak_flops_source": source, **tracked}
 
     def close(self) -> None:
         if self.log:

@@ -19,12 +19,15 @@ from __future__ import annotations
 import os
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .. import tasks
+from ..bench.memory import ddp_bucket_bytes, track_memory
+from ..bench.mfu import count_flops
 from ..config import Config
 from ..consistency import check_ranks, check_sync, config_text
 from ..data import batch_source
@@ -106,6 +109,7 @@ class Trainer:
         if cfg.dist.log_placement:
             self._log_placement()
         self.pos = Position()
+        self._steps_here = 0  # steps this process has run (a resumed run starts at 0 again)
         self.results: dict[str, float] = {}
         self.book = Bookkeeper(self.run_dir, env, self.strategy, tasks.optional(self.task, "unit"), t, self.reduce,
                                verbose)
@@ -259,7 +263,15 @@ class Trainer:
                 extra, poison = self.guards.before_step(pos.step)
                 self.watchdog.at(pos.step, "gradient all-reduce")
                 # 3-6. forward/backward per micro-batch, merge, clip, update (the strategy's one implementation)
-                res = s.train_step(step.micro_batches, self._loss_fn(step.global_count, poison), self.clip)
+                run = partial(s.train_step, step.micro_batches, self._loss_fn(step.global_count, poison), self.clip)
+                if self.book.flops_per_step is None and self._steps_here == 1:
+                    # this process' second step (the first may set up: a pipeline infers its shapes): model FLOPs
+                    res, self.book.flops_per_step = count_flops(run)
+                elif pos.step + 1 == self.cfg.train.track_memory_step:
+                    res, self.book.tracked_memory = track_memory(run, s.module, s.optimizer, ddp_bucket_bytes(s.engine))
+                else:
+                    res = run()
+                self._steps_here += 1
                 if res.skipped:
                     self.guards.nonfinite(pos.step, res.loss, s.scaler.get_scale() if s.scaler is not None else None)
                 else:

@@ -1,0 +1,171 @@
+"""Model FLOPs utilisation (MFU): achieved model FLOP/s over the device's peak FLOP/s.
+
+Definition (as torchtitan and PaLM, Chowdhery et al. 2022, appendix B): MFU = (model FLOPs per
+step) x (steps per second) / (devices x peak FLOP/s of one device). Model FLOPs are counted, not
+estimated: :class:`torch.utils.flop_counter.FlopCounterMode` over one training step (the forward and
+backward matrix products, convolutions and attention, and the fused CPU LSTM/GRU layers it lacks;
+element-wise ops are not counted, as in ``6 N`` per token). With activation checkpointing the recomputed forward is counted too (that is
+hardware FLOPs utilisation, HFU, for those blocks).
+
+The peak comes from :data:`PEAK_TFLOPS` (dense, from the vendors' datasheets) for a known GPU, or on
+a CPU from a matrix-product micro-benchmark (:func:`measured_cpu_peak`: the best FLOP/s of square
+products at this process' thread count, cached per CPU model, threads and dtype in
+``$XDG_CACHE_HOME/paratrain/peak_flops.json``); :func:`peak_flops` says which it used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# Dense peak TFLOP/s by device-name substring (most specific first) and dtype, from NVIDIA's datasheets
+# (float32 without TF32; bfloat16/float16 on tensor cores without sparsity).
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9}),
+    ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.2}),
+    ("H100", {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9}),  # SXM5
+    ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    ("L40S", {"bfloat16": 362.1, "float16": 362.1, "float32": 91.6}),
+    ("L4", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),
+    ("A10", {"bfloat16": 125.0, "float16": 125.0, "float32": 31.2}),
+    ("V100", {"float16": 125.0, "float32": 15.7}),
+    ("T4", {"float16": 65.0, "float32": 8.1}),
+)
+
+
+def _rnn_layer_flop(inp, w_ih, w_hh, *args, out_shape=None, **kwargs) -> int:
+    """One LSTM/GRU layer on the CPU (``aten.mkldnn_rnn_layer``): per time step and sequence, the
+    input and recurrent products, 2 (G H x I + G H x H) FLOPs for G gates (w_ih: G H x I)."""
+    steps = inp[0] * inp[1]  # (T, B, I) or (B, T, I): the product is what counts
+    return 2 * steps * (w_ih[0] * w_ih[1] + w_hh[0] * w_hh[1])
+
+
+def _rnn_layer_backward_flop(inp, w_ih, w_hh, *args, out_shape=None, **kwargs) -> int:
+    """Its backward: the gradients of the input (and hidden state) and of both weights, twice the forward."""
+    return 2 * _rnn_layer_flop(inp, w_ih, w_hh)
+
+
+def _custom_flops() -> dict:
+    """Formulas torch's counter lacks: fused CPU RNN layers (``nn.LSTM``, ``nn.GRU`` on the CPU)."""
+    aten = torch.ops.aten
+    out = {}
+    if hasattr(aten, "mkldnn_rnn_layer"):
+        out[aten.mkldnn_rnn_layer] = _rnn_layer_flop
+        out[aten.mkldnn_rnn_layer_backward] = _rnn_layer_backward_flop
+    return out
+
+
+def _counter():
+    """torch's :class:`~torch.utils.flop_counter.FlopCounterMode` without its per-module breakdown:
+    the module tracker registers backward hooks that ``torch.distributed.pipelining``'s
+    ``autograd.grad`` refuses ("A leaf node was passed to _will_engine_execute_node"); the total is
+    all paratrain reads."""
+    from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+
+    class Totals(FlopCounterMode):
+        def __enter__(self):
+            self.flop_counts.clear()
+            self.mode = _FlopCounterMode(self)
+            self.mode.__enter__()
+            return self
+
+        def __exit__(self, *args):
+            done, self.mode = self.mode.__exit__(*args), None
+            return done
+
+    return Totals(display=False, custom_mapping=_custom_flops())
+
+
+def count_flops(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), FLOPs it ran) counted by torch's flop counter (:func:`_counter`, plus the fused CPU RNN
+    layers, :func:`_custom_flops`); NaN where the counter cannot follow the call (the result is kept
+    either way)."""
+    try:
+        counter = _counter()
+        counter.__enter__()
+    except Exception:  # noqa: BLE001 - counting is optional
+        return fn(), math.nan
+    try:
+        out = fn()
+    finally:
+        counter.__exit__(None, None, None)
+    return out, float(counter.get_total_flops())
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "paratrain" / "peak_flops.json"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_cpu_peak(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of the fastest ``size`` x ``size`` matrix product (2 size^3 FLOPs) at this process'
+    intra-op threads, best of repeats for about ``seconds``; cached (see the module)."""
+    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|{size}"
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), (int, float)):
+        return float(cached[key])
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end or best == 0.0:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size ** 3 / max(time.perf_counter() - t0, 1e-9))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**cached, key: best}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return best
+
+
+def table_peak(name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of the GPU called ``name`` in ``dtype`` from :data:`PEAK_TFLOPS` (the first, most
+    specific, entry whose key is in the name), or None."""
+    for part, table in PEAK_TFLOPS:
+        if part in name:
+            return table[dtype] * 1e12 if dtype in table else None
+    return None
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s of one ``device`` in ``dtype`` (a torch dtype name), where it comes from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak(name, dtype)
+        if peak is not None:
+            return peak, f"datasheet: {name}, {dtype} dense {peak / 1e12:g} TFLOP/s"
+        return math.nan, f"{name} ({dtype}) is not in paratrain's peak table; no MFU"
+    dt = getattr(torch, dtype)
+    peak = measured_cpu_peak(dt)
+    return peak, (f"measured: {dtype} 1024x1024 matrix product on {torch.get_num_threads()} thread(s), "
+                  f"{peak / 1e9:.1f} GFLOP/s")
+
+
+def mfu(flops_per_step: float, step_s: float, devices: int, peak: float) -> float:
+    """flops_per_step / step_s / (devices x peak); NaN when any input is unknown or not positive."""
+    if not all(math.isfinite(x) and x > 0 for x in (flops_per_step, step_s, devices, peak)):
+        return math.nan
+    return flops_per_step / step_s / (devices * peak)

@@ -1,0 +1,258 @@
+"""``paratrain plan``: profile the model once (cached), predict every registered strategy and layout at
+every N on a cluster, mark what does not fit the device memory, rank, and recommend a command.
+
+Layouts per strategy come from the registry (no strategy is named here): ``Strategy.cost_model``
+picks the step formula (:mod:`.plan_model`), ``dist_keys`` the variants: DDP's bucket (the best
+predicted) and a bf16 compression hook where ``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
+``reshard_after_forward`` is; 2 and 4 stages (2 S micro-batches, 1F1B) where the model pipelines;
+K = 1, 2, 4 servers where ``num_ps`` is. Asynchronous strategies are listed with their staleness and
+never recommended in place of a synchronous one (they train a different model per step).
+
+Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
+batch: each replica gets B / replicas, and compute and activations scale linearly with it.
+Predictions for this machine (``--interconnect measured``) give N processes their share of the
+cores (:func:`~.validate.cpu_share`); presets put each device on its own like the profiled one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .costmodel import PRESETS, Link, Workload
+from .plan_model import PS, Layout, MemoryInputs, best_bucket, memory_per_device, step_parts
+from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES
+
+OBJECTIVES = ("words_per_s", "cost")
+MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, PS)
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="profile once, predict every strategy at every N, recommend the fastest that fits",
+                       description="Profile the model on this machine (cached in --out), predict step time, "
+                                   "throughput, scaling efficiency and memory per device for every strategy and "
+                                   "layout at each N, and recommend the best that fits; --validate measures "
+                                   "N = 1, 2 here against the predictions.")
+    p.add_argument("config", help="TOML recipe, e.g. configs/gpt_wt2.toml")
+    p.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
+    p.add_argument("--nproc", help="device counts N, comma-separated (default 1,2,4,...,64 for a preset "
+                                   "interconnect; 1,2,4 for this machine, where N > cores is oversubscribed)")
+    p.add_argument("--interconnect", default="measured",
+                   help=f"{' | '.join(PRESETS)} | measured (this machine's gloo, the default)")
+    p.add_argument("--device-memory-gb", type=float, help="memory of one device in GB (10^9 bytes); layouts that "
+                   "need more are infeasible (default: the GPU's, none on a CPU)")
+    p.add_argument("--global-batch", type=int, help="fixed global batch (strong scaling; default: each replica the "
+                   "recipe's train.batch_size)")
+    p.add_argument("--objective", default="words_per_s", help="words_per_s (fastest) | cost (most per device)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="also plan with every block checkpointed")
+    p.add_argument("--out", type=Path, help="folder for profile.json (the cache), plan.json, plan.md, plots "
+                   "(default runs/plan-<config name>)")
+    p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches")
+    p.add_argument("--profile-steps", type=int, default=30,
+                   help="steps of each one-device run of the profile (default 30; a third is warm-up)")
+    p.add_argument("--validate", action="store_true",
+                   help="run every strategy at N = 1, 2 here and compare with the predictions (minutes)")
+    p.add_argument("--validate-steps", type=int, default=30, help="steps per validation run (default 30)")
+    p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+
+
+def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
+    """Checked --nproc, --objective, --interconnect (None: measured), --device-memory-gb."""
+    from .commands import _ints
+
+    default = "1,2,4" if args.interconnect == "measured" else "1,2,4,8,16,32,64"
+    ns = sorted(set(_ints(args.nproc or default, "--nproc")))
+    if not ns or ns[0] < 1:
+        raise UsageError(f"--nproc {args.nproc!r}: give device counts >= 1, e.g. --nproc 1,2,4,8")
+    if args.objective not in OBJECTIVES:
+        raise UsageError(f"--objective {args.objective!r}: use {' or '.join(OBJECTIVES)}")
+    if args.interconnect != "measured" and args.interconnect not in PRESETS:
+        raise UsageError(f"--interconnect {args.interconnect!r} is unknown; use one of {', '.join(PRESETS)}, measured")
+    if args.device_memory_gb is not None and not args.device_memory_gb > 0:
+        raise UsageError(f"--device-memory-gb {args.device_memory_gb}: give the memory of one device in GB, > 0")
+    if args.global_batch is not None:
+        bad = [n for n in ns if args.global_batch % n]
+        if args.global_batch < 1 or bad:
+            raise UsageError(f"--global-batch {args.global_batch} does not divide among N = {bad or ns}; give a "
+                             f"global batch that is a multiple of every N (e.g. {math.lcm(*ns)}) or other --nproc")
+    return ns, (None if args.interconnect == "measured" else PRESETS[args.interconnect])
+
+
+def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, bool]:
+    """The cached profile in ``out`` or a new one (with a progress bar)."""
+    from tqdm import tqdm
+
+    from ..consistency import config_text
+    from ..env import available_cores
+    from .profile import cached_profile, loop_workloads, profile_key, profile_model
+
+    path = out / "profile.json"
+    key = profile_key(config_text(cfg), available_cores())
+    if args.reprofile and path.exists():
+        path.unlink()
+    phases = 7
+
+    def measure() -> dict:
+        with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
+            def progress(what: str) -> None:
+                bar.set_postfix_str(what)
+                bar.update(1)
+
+            prof = profile_model(task, cfg, progress=progress)
+            progress("the training loop's step: one-device runs")
+            threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
+            prof["workloads_in_process"] = prof["workloads"]
+            prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
+                                               cfg.train.batch_size, args.profile_steps, threads,
+                                               concurrent=prof["cores"])
+            bar.update(phases - bar.n)
+            return prof
+
+    return cached_profile(path, key, measure)
+
+
+def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
+    """The profile's one-device step (at ``threads`` intra-op threads, default the default) with the
+    per-replica batch scaled by ``ratio`` (compute linear in the batch)."""
+    w = prof["workloads"].get(str(threads or prof["default_threads"])) or prof["workloads"][str(prof["default_threads"])]
+    return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
+                    optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
+                    tokens_per_step=prof["tokens_per_step"] * ratio)
+
+
+def memory_inputs(prof: dict) -> MemoryInputs:
+    mem = prof["memory_measured"]
+    return MemoryInputs(params=prof["param_total_bytes"] + prof.get("buffer_bytes", 0),
+                        optimizer=prof["optimizer_state_bytes"], activations=prof["activation_bytes"],
+                        temporaries=mem.get("temporaries", 0.0),
+                        largest_unit=max(prof["strategy_inputs"]["units"] or [0]),
+                        blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
+                        blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]))
+
+
+def layouts(n: int, prof: dict, cfg) -> list[Layout]:
+    """Every layout of every registered, modelled strategy at n devices (see the module)."""
+    from ..strategies import REFERENCE, STRATEGIES
+
+    out = []
+    for name, cls in STRATEGIES.items():
+        model = cls.cost_model
+        if name == REFERENCE:
+            if n == 1:
+                out.append(Layout(name, 1, {}, name))
+            continue
+        if model not in MODELS or n < 2:
+            continue
+        keys = cls.dist_keys
+        if model == STAGES:
+            for s, got in sorted(prof["strategy_inputs"].get("pipeline", {}).items()):
+                if n % int(s) == 0:
+                    out.append(Layout(name, n, {"pipeline_stages": int(s), "microbatches": 2 * int(s),
+                                                "pipeline_schedule": "1f1b"}, f"{name} {n // int(s)}x{s}"))
+            continue
+        if model == PS:
+            for k in (1, 2, 4):
+                if k <= n:
+                    out.append(Layout(name, n, {"num_ps": k}, f"{name} K={k}"))
+            continue
+        out.append(Layout(name, n, {}, name))
+        if "reshard_after_forward" in keys:
+            out.append(Layout(name, n, {"reshard_after_forward": False}, f"{name} (no reshard, ZeRO-2)"))
+        if "comm_hook" in keys:
+            out.append(Layout(name, n, {"comm_hook": "bf16"}, f"{name} + bf16 hook"))
+    return out
+
+
+def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,
+                   checkpointing: bool = False) -> dict[str, Any] | None:
+    """One plan row: the layout's predicted step parts, throughput, speedup and efficiency (against
+    one device with the same global batch under --global-batch, else the same per-replica batch) and
+    memory per device; None where the layout does not exist."""
+    from ..strategies import STRATEGIES
+    from .validate import cpu_share
+
+    cls = STRATEGIES[layout.strategy]
+    n = layout.n
+    stages = layout.overrides.get("pipeline_stages", 1)
+    replicas = n // stages
+    b0 = prof["batch_size"]
+    ratio = (global_batch / replicas / b0) if global_batch else 1.0
+    servers = layout.overrides.get("num_ps", 0)
+    threads, scale = cpu_share(n + servers, prof["cores"]) if on_this_machine else (None, 1.0)
+    w = workload(prof, threads, ratio)
+    overrides = dict(layout.overrides)
+    # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
+    overlap = not (on_this_machine and prof["device"] == "cpu")
+    links = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()} if on_this_machine else {}
+    if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
+        overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
+    parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg,
+                       prof["strategy_inputs"], compute_scale=scale, overlap=overlap, links=links)
+    if parts is None:
+        return None
+    base = workload(prof, None, (global_batch / b0) if global_batch else 1.0)
+    one = base.tokens_per_step / base.local_s()
+    pipe = prof["strategy_inputs"].get("pipeline", {}).get(str(stages), {})
+    stage_params = max(pipe.get("stage_param_bytes") or [0]) or None
+    share = max(pipe.get("stage_fractions") or [1.0])
+    mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
+                            checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
+                            stage_share=share, stage_params=stage_params, num_ps=overrides.get("num_ps", 1),
+                            batch_ratio=ratio)
+    speedup = parts["units_per_s"] / one
+    row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),
+           "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
+           **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
+           "per_replica_batch": (global_batch // replicas) if global_batch else b0,
+           "staleness": (n - 1) if not cls.synchronous else 0}
+    flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
+    row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
+    return row
+
+
+def command_line(row: dict, config: str, extra: list[str]) -> str:
+    """The ``paratrain train`` command of a plan row."""
+    parts = ["paratrain", "train", config, "--nproc", str(row["n"]), "--strategy", row["strategy"]]
+    for k, v in row["overrides"].items():
+        value = str(v).lower() if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else f"{v:g}")
+        parts += ["--set", f"dist.{k}={value}"]
+    if row["checkpointing"]:
+        parts += ["--set", "model.activation_checkpointing=true"]
+    if row.get("global_batch"):
+        parts += ["--set", f"train.batch_size={row['global_batch']}"]
+    for o in extra:
+        parts += ["--set", o]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def rank(rows: list[dict], objective: str) -> list[dict]:
+    """Feasible synchronous rows best first by the objective (words/s, or words/s per device for
+    cost; ties: fewer devices), then the asynchronous ones, then the infeasible ones."""
+    def key(r):
+        value = r["units_per_s"] / (r["n"] if objective == "cost" else 1)
+        return (not r["feasible"], not r["synchronous"], -value, r["n"])
+
+    return sorted(rows, key=key)
+
+
+def read_validation(out: Path) -> dict[str, dict]:
+    """{strategy: {"error": max |step error| at N <= 2, "max_n": largest N measured}} from a previous
+    ``--validate`` in ``out`` (empty when none)."""
+    try:
+        v = json.loads((out / "validation.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    errs: dict[str, dict] = {}
+    for r in v.get("rows", []):
+        e = errs.setdefault(r["strategy"], {"error": 0.0, "memory_error": 0.0, "max_n": 0})
+        if math.isfinite(r.get("step_error", math.nan)):
+            e["error"] = max(e["error"], abs(r["step_error"]))
+        if math.isfinite(r.get("memory_error", math.nan)):
+            e["memory_error"] = max(e["memory_error"], abs(r["memory_error"]))
+        e["max_n"] = max(e["max_n"], r["n"])
+    return errs

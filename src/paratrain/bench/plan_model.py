@@ -1,0 +1,195 @@
+"""``paratrain plan``'s model: per strategy and layout, the step time split into compute, exposed
+communication, bubble and optimizer, and the peak memory per device. Pure arithmetic on a profile
+(:mod:`.profile`) and a :class:`~.costmodel.Link`; the step formulas are :mod:`.costmodel` and
+:mod:`.costmodel_sharded`'s (with their sources).
+
+Memory per device (bytes; P parameters, G gradients = P in the parameters' dtype, O optimizer
+state, A the bytes the forward saves for the backward, T the step's other temporaries measured at
+one device, U the largest FSDP unit, all for one replica's batch):
+
+* the peak is the larger of two phases (Rajbhandari et al. 2020, "ZeRO", section 3, counts the same
+  terms): the end of the forward, ``P_d + G_kept + O_d + A_d + T_d``, and the optimizer step,
+  ``P_d + G_d + O_d + buffers``;
+* one device / all-reduce: ``P_d = P``, ``O_d = O``; DDP keeps its gradient buckets between steps
+  (``gradient_as_bucket_view``: G_kept = G), one device frees them (G_kept = 0);
+* ZeRO-1 (``sharded_optimizer``): ``O_d = O / n`` and the all-gather of the updated rows (P) in the
+  optimizer phase;
+* FSDP (``sharded_parameters``): ``P_d = P / n``, ``G_d = G / n``, ``O_d = O / n``; the forward ends
+  with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward), and a third
+  phase, the backward's start, holds the last unit gathered again and its unsharded gradient beside
+  the activations: ``P_d + O_d + A + 2 U``;
+* pipeline (``stages``): the largest stage's P, G and O; its activations ``A x share`` for the
+  micro-batches in flight (GPipe: all M; 1F1B: min(S, M) of M, Narayanan et al. 2019); the
+  temporaries (the loss's logits) on the last stage;
+* parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
+  P/K and O/K (reported apart);
+* activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
+  inputs) + max(block's saved) (one block recomputed at a time).
+
+Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
+rate is the smaller of the workers' (n / (local + push + pull)) and the servers' (K servers each
+receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma)`` seconds per update);
+the staleness of an update is about n - 1 versions (each of the other workers pushes once while
+one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et al. 2013, SSP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import UsageError
+from .costmodel import Link, Workload, pick_bucket, ps_step_s
+from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, predict_model
+
+PS = "ps"
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """One replica's memory terms in bytes (see the module)."""
+
+    params: float
+    optimizer: float
+    activations: float
+    temporaries: float = 0.0
+    largest_unit: float = 0.0
+    blocks_saved: tuple[float, ...] = ()
+    blocks_input: tuple[float, ...] = ()
+
+    def checkpointed_activations(self) -> float:
+        """A with every block checkpointed (see the module); A when there are no blocks."""
+        if not self.blocks_saved:
+            return self.activations
+        return max(0.0, self.activations - sum(self.blocks_saved) + sum(self.blocks_input) + max(self.blocks_saved))
+
+
+def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
+                      checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
+                      stage_share: float = 1.0, stage_params: float | None = None, schedule: str = "1f1b",
+                      num_ps: int = 1, batch_ratio: float = 1.0) -> dict[str, float]:
+    """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
+    ``total``; ``server`` too for a parameter server. ``batch_ratio``: this layout's per-replica
+    batch over the profiled one (activations and temporaries scale with it)."""
+    if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
+        raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
+    act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
+    tmp = m.temporaries * batch_ratio
+    p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
+    out: dict[str, float] = {}
+    if model == SHARDED_OPTIMIZER:
+        o, gather = m.optimizer / n, m.params * (1 + 1 / n)
+    elif model == SHARDED_PARAMETERS:
+        p, o, g_kept = m.params / n, m.optimizer / n, 0.0
+        # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
+        out["backward_start"] = p + o + act + 2 * m.largest_unit
+    elif model == STAGES:
+        share = m.params / stages if stage_params is None else stage_params
+        o = m.optimizer * (share / m.params if m.params else 1 / stages)
+        p = share
+        g_kept = p if synchronous_buckets and n > stages else 0.0
+        in_flight = microbatches if schedule == "gpipe" else min(stages, microbatches)
+        act = act * stage_share * in_flight / microbatches
+    elif model == PS:
+        o, g_kept = 0.0, 0.0
+        out["server"] = (m.params + m.optimizer) / num_ps
+    g = p if model != SHARDED_PARAMETERS else m.params / n
+    forward_end = p + g_kept + o + act + tmp
+    optimizer_phase = p + g + o + gather
+    out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "temporaries": tmp,
+                "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
+    return out
+
+
+@dataclass
+class Layout:
+    """A strategy with its layout: the ``dist`` keys it sets (``overrides``), devices ``n``."""
+
+    strategy: str
+    n: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+
+def ps_async_rate(w: Workload, n: int, k: int, link: Link) -> tuple[float, float]:
+    """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
+    workers and k servers (see the module)."""
+    nbytes = sum(w.param_bytes)
+    worker_step = w.local_s() + (ps_step_s(nbytes, 1, k, link) if n > 1 or k > 0 else 0.0)
+    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte)
+    rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
+    return rate, worker_step
+
+
+def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
+               compute_scale: float = 1.0, overlap: bool = True, links: dict[str, Link] | None = None
+               ) -> dict[str, float] | None:
+    """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data),
+    ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
+    the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
+    :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages."""
+    s, n, model = compute_scale, layout.n, cls.cost_model or RING
+    links = links or {}
+    ps_link = links.get("rpc") or link
+    compute = (w.forward_s + w.backward_s + w.data_s) * s
+    optimizer = w.optimizer_s * s
+    bubble, replicas = 0.0, n
+    if model == PS:
+        k = layout.overrides.get("num_ps", 1)
+        if cls.synchronous:
+            step = compute + (ps_step_s(sum(w.param_bytes), n, k, ps_link) if n > 1 else optimizer)
+            return _parts(step, compute, 0.0 if n > 1 else optimizer, 0.0, n * w.tokens_per_step / step, n)
+        scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s,
+                         optimizer_s=0.0)
+        rate, _ = ps_async_rate(scaled, n, k, ps_link)
+        return _parts(n / rate, compute, 0.0, 0.0, rate * w.tokens_per_step, n)
+    if model == STAGES:
+        stages = layout.overrides["pipeline_stages"]
+        got = inputs.get("pipeline", {}).get(str(stages))
+        if not got or n % stages:
+            return None
+        d = replace_dist(cfg, **layout.overrides)
+        p = predict_model(model, w, n, link, d, got, compute_scale=s, overlap=overlap, links=links)
+        replicas = n // stages
+        f = got.get("stage_fractions") or [1 / stages] * stages
+        per_mb = [(w.forward_s + w.backward_s) * s * got.get("microbatch_factor", 1.0) * x / sum(f) / d.dist.microbatches
+                  for x in f]
+        pipelined = sum(per_mb) + (d.dist.microbatches - 1) * max(per_mb)
+        bubble = max(0.0, pipelined - (w.forward_s + w.backward_s) * s)
+        optimizer = max(0.0, p.compute_s - pipelined - w.data_s * s)
+        return _parts(p.step_s, compute, optimizer, bubble, p.words_per_s, replicas)
+    d = replace_dist(cfg, **layout.overrides)
+    hook = layout.overrides.get("comm_hook", "none")
+    ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
+    p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
+                      overlap=overlap, links=links)
+    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
+        optimizer = optimizer / n
+    return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
+
+
+def _parts(step: float, compute: float, optimizer: float, bubble: float, rate: float, replicas: int) -> dict:
+    return {"step_s": step, "compute_s": compute, "optimizer_s": optimizer, "bubble_s": bubble,
+            "comm_s": max(0.0, step - compute - optimizer - bubble), "units_per_s": rate, "replicas": replicas}
+
+
+class _Dist:
+    """The recipe's ``dist`` keys with some replaced (what the step formulas read), no validation."""
+
+    def __init__(self, dist, **changes: Any) -> None:
+        self.__dict__.update({k: getattr(dist, k) for k in dist.__dataclass_fields__})
+        self.__dict__.update(changes)
+
+
+class _Cfg:
+    def __init__(self, cfg, **changes: Any) -> None:
+        self.train, self.task, self.dist = cfg.train, cfg.task, _Dist(cfg.dist, **changes)
+
+
+def replace_dist(cfg, **changes: Any) -> _Cfg:
+    """``cfg`` with ``dist`` keys replaced, for the step formulas (no config validation)."""
+    return _Cfg(cfg, **changes)
+
+
+def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, overlap: bool = True) -> float:
+    """DDP's bucket (MiB) the model predicts fastest at n (:func:`~.costmodel.pick_bucket`)."""
+    return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap)

@@ -1,0 +1,178 @@
+"""``paratrain plan``'s command: the flow (profile, predict, rank, recommend) and its outputs:
+the printed table, ``plan.json``, ``plan.md``, ``throughput.png`` (predicted words/s vs N per
+strategy) and ``memory.png`` (memory per device vs N against the device limit)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from . import plan as pl
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .commands import _load_config, _machine
+    from .costmodel import Link
+
+    ns, preset = pl._args(args)
+    cfg = _load_config(args.config, args.overrides, args.task)
+    from ..runs import build_task
+
+    task = build_task(cfg, args.data_dir, world_size=1)  # the whole global batch on one device
+    out = args.out or Path("runs") / f"plan-{Path(args.config).stem}"
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a folder")
+    prof, cached = pl.load_profile(args, cfg, task, out)
+    print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
+          + (" (--reprofile measures again)" if cached else ""), flush=True)
+    link = preset or Link(name="measured", **prof["links"]["all_reduce"])
+    limit = _device_limit(args.device_memory_gb, prof)
+    rows = []
+    for n in ns:
+        for layout in pl.layouts(n, prof, cfg):
+            for ckpt in ((False, True) if args.activation_checkpointing else (False,)):
+                row = pl.predict_layout(layout, prof, cfg, link, on_this_machine=preset is None,
+                                        global_batch=args.global_batch, checkpointing=ckpt)
+                if row is None:
+                    continue
+                need = row["memory"]["total"]
+                row["feasible"] = limit is None or need <= limit
+                row["reason"] = "" if row["feasible"] else (
+                    f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB")
+                row["global_batch"] = args.global_batch
+                rows.append(row)
+    if limit is not None and not any(r["feasible"] for r in rows):
+        least = min(rows, key=lambda r: r["memory"]["total"])
+        raise UsageError(f"no layout fits --device-memory-gb {args.device_memory_gb:g}: the smallest, {least['label']} "
+                         f"at N = {least['n']}, needs {least['memory']['total'] / 1e9:.2f} GB per device; give more "
+                         f"memory, more devices (--nproc) or --activation-checkpointing")
+    checked = pl.read_validation(out)
+    for r in rows:
+        v = checked.get(r["strategy"])
+        r["measured_error"] = v["error"] if v else None
+        r["extrapolated"] = (v is None) or r["n"] > v["max_n"] or preset is not None
+    ranked = pl.rank(rows, args.objective)
+    best = next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
+    extra = list(args.overrides)
+    for r in ranked:
+        r["command"] = pl.command_line(r, args.config, extra)
+    unit = prof["unit"]
+    result = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(), "config": args.config,
+              "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
+              "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
+                       "gamma_s_per_byte": link.gamma_s_per_byte},
+              "device_memory_bytes": limit, "objective": args.objective, "global_batch": args.global_batch,
+              "profile": {k: prof[k] for k in ("batch_size", "tokens_per_step", "flops_per_unit", "peak_flops",
+                                               "peak_flops_source", "param_total_bytes", "optimizer_state_bytes",
+                                               "activation_bytes", "device", "cores")},
+              "rows": ranked, "recommended": best}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
+    text = markdown(result)
+    (out / "plan.md").write_text(text)
+    written = plots(result, out)
+    print(text)
+    print(f"[plan] wrote {out / 'plan.json'}, {out / 'plan.md'}" + "".join(f", {p}" for p in written))
+    if args.validate:
+        from .plan_validate import validate
+
+        return validate(args, cfg, task, prof, out)
+    return 0
+
+
+def _device_limit(gb: float | None, prof: dict) -> float | None:
+    if gb is not None:
+        return gb * 1e9
+    if str(prof.get("device", "cpu")).startswith("cuda"):
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{nd}f}"
+
+
+def markdown(result: dict) -> str:
+    """The ranked table and the recommendation (also printed)."""
+    unit, rows = result["unit"], result["rows"]
+    p = result["profile"]
+    limit = result["device_memory_bytes"]
+    lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
+             f"Interconnect {result['interconnect']} (alpha {result['link']['alpha_s'] * 1e6:.1f} us, "
+             f"{_bw(result['link'])}); device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}; "
+             f"profiled on {p['device']} ({p['cores']} cores): {p['tokens_per_step']:g} {unit} per replica step, "
+             f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
+             f"objective {result['objective']}.", "",
+             "Step parts in ms: compute (forward + backward + data), exposed communication, pipeline bubble, "
+             "optimizer. Memory: predicted peak per device (GB). Error: this strategy's largest measured step-time "
+             "error at N <= 2 on this machine (`--validate`); extrapolated: beyond what was measured.", "",
+             f"| rank | layout | N | step ms | compute | comm | bubble | optimizer | {unit}/s | speedup | "
+             f"efficiency | MFU | memory GB | fits | error | note |", "|" + "---|" * 16]
+    for i, r in enumerate(rows, 1):
+        note = []
+        if not r["synchronous"]:
+            note.append(f"async: staleness ~{r['staleness']} versions")
+        if r["extrapolated"]:
+            note.append("extrapolated")
+        if r["reason"]:
+            note.append(r["reason"])
+        err = "-" if r["measured_error"] is None else f"{100 * r['measured_error']:.0f}%"
+        lines.append(f"| {i} | {r['label']} | {r['n']} | {_f(1000 * r['step_s'])} | {_f(1000 * r['compute_s'])} | "
+                     f"{_f(1000 * r['comm_s'])} | {_f(1000 * r['bubble_s'])} | {_f(1000 * r['optimizer_s'])} | "
+                     f"{_f(r['units_per_s'], 0)} | {_f(r['speedup'], 2)} | {_f(r['efficiency'], 2)} | "
+                     f"{_f(r['mfu'], 3)} | {_f(r['memory']['total'] / 1e9, 3)} | {'yes' if r['feasible'] else 'no'} | "
+                     f"{err} | {'; '.join(note)} |")
+    best = result["recommended"]
+    lines += [""]
+    if best:
+        lines += [f"Recommended: **{best['label']}** at N = {best['n']}: {_f(best['units_per_s'], 0)} {unit}/s "
+                  f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.", "", "```",
+                  best["command"], "```", ""]
+    else:
+        lines += ["No synchronous layout fits; see the table.", ""]
+    return "\n".join(lines)
+
+
+def _bw(link: dict) -> str:
+    return f"{1 / link['beta_s_per_byte'] / 1e9:.2f} GB/s" if link["beta_s_per_byte"] else "inf GB/s"
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    """throughput.png and memory.png (one line per layout label, best over checkpointing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        series.setdefault(r["label"], []).append(r)
+    paths = []
+    for name, ylabel, value, limit in (
+            ("throughput.png", f"predicted {result['unit']}/s", lambda r: r["units_per_s"], None),
+            ("memory.png", "predicted peak memory per device (GB)", lambda r: r["memory"]["total"] / 1e9,
+             result["device_memory_bytes"])):
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for label, rs in sorted(series.items()):
+            rs = sorted(rs, key=lambda r: r["n"])
+            ax.plot([r["n"] for r in rs], [value(r) for r in rs], marker="o", label=label,
+                    linestyle="-" if rs[0]["synchronous"] else "--")
+        if limit is not None:
+            ax.axhline(limit / 1e9, color="red", linestyle=":", label="device memory")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N (devices)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{result['config']}, {result['interconnect']}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths

@@ -1,0 +1,128 @@
+"""``paratrain plan --validate``: every modelled strategy run here at N = 1 and 2 (``paratrain train``
+through the bench sweep: weak scaling, the recipe's batch per replica, one layout each: a pipeline of
+2 stages, K = 1 server), its measured step time (rank 0's ``train_step_ms`` after warm-up) and peak
+memory (``train.track_memory_step``: torch's MemTracker over one step, the largest rank) against the
+plan's predictions for this machine (the profile's links and per-thread step, N processes sharing
+the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder; the next
+``paratrain plan`` there shows each strategy's error beside its predictions. Targets: |step error|
+<= 15% at N <= 2, |memory error| <= 20%, and the recommended layout at N = 2 measured within 5%
+of the fastest measured one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from pathlib import Path
+
+from . import plan as pl
+
+
+def _runs(prof: dict, cfg) -> list[tuple[pl.Layout, int]]:
+    """(layout, processes) to run: each modelled strategy's first layout at N = 1 (single) and 2."""
+    seen, out = set(), []
+    for n in (1, 2):
+        for lay in pl.layouts(n, prof, cfg):
+            if (lay.strategy, n) in seen or any(isinstance(v, bool) for v in lay.overrides.values()) \
+                    or lay.overrides.get("comm_hook"):
+                continue
+            seen.add((lay.strategy, n))
+            out.append((lay, n))
+    return out
+
+
+def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
+    from ..bench.costmodel import Link, relative_error
+    from .report import run_record
+    from .sweep import BenchSpec, RunPlan, run_sweep
+
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+    runs = _runs(prof, cfg)
+    steps = args.validate_steps
+    track = max(3, steps // 2)
+    base = (*args.overrides, "train.checkpoint_every=0", "data.eval_fraction=0.01", f"train.track_memory_step={track}",
+            f"train.timing_warmup_steps={max(2, steps // 3)}", f"train.log_every={max(1, steps // 6)}")
+    rows = []
+    print(f"[plan] validating {len(runs)} layouts here, {steps} steps each", flush=True)
+    with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
+        for i, (lay, n) in enumerate(runs):
+            overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
+            replicas = n // lay.overrides.get("pipeline_stages", 1)
+            spec = BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,), nprocs=(replicas,),
+                             scaling=("weak",), steps=steps, warmup_steps=max(2, steps // 3), overrides=overrides,
+                             data_dir=args.data_dir)
+            plan = RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas)
+            outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
+            rec = run_record(outcome)
+            pred = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
+            measured = rec.get("train_step_ms", math.nan) if rec["ok"] else math.nan
+            mem = outcome.summary.get("tracked_peak_memory_mb", math.nan) * 2 ** 20 if rec["ok"] else math.nan
+            row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"],
+                   "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
+                   "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
+                   "predicted_units_per_s": pred["units_per_s"], "measured_units_per_s": rec.get("units_per_s", math.nan),
+                   "synchronous": pred["synchronous"],
+                   # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
+                   "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")},
+                   "measured_ms": ({k[:-3]: rec["rank0_timing_ms"].get(k, math.nan)
+                                    for k in ("data_ms", "compute_ms", "forward_ms", "backward_ms", "comm_ms",
+                                              "idle_ms", "optimizer_ms")} if rec["ok"] else {}),
+                   "measured_memory_mb": outcome.summary.get("rank0_tracked_memory_mb", {}) if rec["ok"] else {}}
+            row["step_error"] = relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured) else math.nan
+            row["memory_error"] = (relative_error(row["predicted_memory_bytes"], mem)
+                                   if math.isfinite(mem) and mem > 0 else math.nan)
+            rows.append(row)
+            print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
+                  f"{measured:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
+                  f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured {mem / 2**20:7.1f} MiB "
+                  f"({_pct(row['memory_error'])})", flush=True)
+    result = {"config": args.config, "steps": steps, "link": prof["links"], "rows": rows,
+              "choice": _choice(rows)}
+    (out / "validation.json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (out / "validation.md").write_text(text)
+    print(text)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _choice(rows: list[dict]) -> dict:
+    """The predicted-fastest synchronous layout at N = 2 against the measured fastest."""
+    two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"]
+           and math.isfinite(r["measured_units_per_s"])]
+    if not two:
+        return {}
+    chosen = max(two, key=lambda r: r["predicted_units_per_s"])
+    fastest = max(two, key=lambda r: r["measured_units_per_s"])
+    return {"recommended": chosen["label"], "measured_fastest": fastest["label"],
+            "shortfall": 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"]}
+
+
+def _ms(x: float | None) -> str:
+    return f"{x:.0f}" if x is not None and math.isfinite(x) else "-"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%" if math.isfinite(x) else "-"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# paratrain plan --validate — {result['config']}", "",
+             "Step parts in ms, predicted (compute + comm + bubble + optimizer) and measured on rank 0 "
+             "(forward + backward + data, comm, idle, optimizer).", "",
+             "| layout | N | predicted step ms | measured step ms | step error | predicted memory MiB | "
+             "measured memory MiB | memory error | predicted parts | measured parts |", "|---|" * 10]
+    for r in result["rows"]:
+        p, m = r.get("predicted_ms", {}), r.get("measured_ms", {})
+        got = (f"{_ms(m.get('forward', 0) + m.get('backward', 0) + m.get('compute', 0) + m.get('data', 0))} + "
+               f"{_ms(m.get('comm'))} + {_ms(m.get('idle'))} + {_ms(m.get('optimizer'))}") if m else "-"
+        lines.append(f"| {r['label']} | {r['n']} | {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
+                     f"{_pct(r['step_error'])} | {r['predicted_memory_bytes'] / 2**20:.1f} | "
+                     f"{r['measured_memory_bytes'] / 2**20:.1f} | {_pct(r['memory_error'])} | "
+                     f"{_ms(p.get('compute'))} + {_ms(p.get('comm'))} + {_ms(p.get('bubble'))} + "
+                     f"{_ms(p.get('optimizer'))} | {got} |")
+    c = result.get("choice")
+    if c:
+        lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
+                      f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
+    return "\n".join(lines) + "\n"

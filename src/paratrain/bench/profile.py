@@ -1,0 +1,340 @@
+"""The one-device profile ``paratrain plan`` predicts from, measured once and cached.
+
+:func:`profile_model` runs the task's model in this process on the recipe's device: warm-up steps,
+then timed steps (median) of the forward (the task's loss), the backward and the optimizer, at the
+default intra-op threads and, on a CPU with several cores, at one thread (each of two processes'
+share). Per block (:func:`paratrain.models.checkpointing.blocks`: Transformer blocks, LSTM layers,
+a CNN's children): forward seconds (module hooks), backward seconds (the block's forward share of
+the whole backward), parameter bytes, the bytes its forward saves for the backward
+(``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters left out) and its
+input's bytes (what activation checkpointing keeps). The step's model FLOPs
+(:func:`~paratrain.bench.mfu.count_flops`), the optimizer's state bytes after a step, and the peak of
+one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker``: parameters,
+gradients, optimizer state, activations, temporaries). The links: :func:`~.microbench.measured_link`
+(gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's own
+(:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
+RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport). Pipeline stage
+profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`).
+
+:func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
+on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
+cluster reads it instead of measuring again. Units: seconds, bytes.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PROFILE_VERSION = 1
+STAGE_COUNTS = (2, 4)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _BlockProbe:
+    """Forward seconds, input bytes and saved-activation bytes per block over one forward."""
+
+    def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> None:
+        self.blocks, self.device = blocks, device
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.stack: list[int] = []
+        self.reset()
+        self.handles = []
+        for i, b in enumerate(blocks):
+            self.handles.append(b.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args)))
+            self.handles.append(b.register_forward_hook(lambda m, args, out, i=i: self._leave(i)))
+
+    def reset(self) -> None:
+        k = len(self.blocks)
+        self.forward_s, self.saved, self.inputs = [0.0] * k, [0] * k, [0] * k
+        self.seen: set[int] = set()
+        self.t0 = [0.0] * k
+        self.total_saved = 0
+
+    def _enter(self, i: int, args) -> None:
+        _sync(self.device)
+        self.stack.append(i)
+        self.inputs[i] += sum(_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        self.t0[i] = time.perf_counter()
+
+    def _leave(self, i: int) -> None:
+        _sync(self.device)
+        self.forward_s[i] += time.perf_counter() - self.t0[i]
+        self.stack.pop()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            n = t.untyped_storage().nbytes()
+            self.total_saved += n
+            if self.stack:
+                self.saved[self.stack[-1]] += n
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _timed_steps(model, optimizer, loss_fn: Callable[[], torch.Tensor], draw: Callable[[], Any], device,
+                 warmup: int, steps: int) -> dict[str, float]:
+    """Median seconds of data / forward / backward / optimizer over ``steps`` after ``warmup``."""
+    spans: dict[str, list[float]] = {"data_s": [], "forward_s": [], "backward_s": [], "optimizer_s": []}
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = draw()
+        _sync(device)
+        t1 = time.perf_counter()
+        loss = loss_fn(batch)
+        _sync(device)
+        t2 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t3 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        t4 = time.perf_counter()
+        if i >= warmup:
+            for key, dt in zip(spans, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                spans[key].append(dt)
+    return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def _memory_peak(model, optimizer, step: Callable[[], None]) -> dict[str, float]:
+    """One step under MemTracker (:func:`~.mfu.track_memory`): the peak bytes (``peak_bytes``) and
+    their split by kind at that moment."""
+    from .memory import track_memory
+
+    _, kinds = track_memory(step, model, optimizer, per_module=True)
+    return {("peak_bytes" if k == "peak" else k): v for k, v in kinds.items()}
+
+
+def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Callable[[str], None] = print,
+                  links: bool = True) -> dict[str, Any]:
+    """Measure the task's model on one device (see the module). ``task``: built for one rank
+    holding the whole global batch (``build_task(..., world_size=1)``). ``progress(what)`` is told
+    of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
+    from ..devices import resolve
+    from ..env import available_cores
+    from ..models.checkpointing import blocks as model_blocks
+    from ..train.optim import build_optimizer
+    from .mfu import count_flops, peak_flops
+    from .validate import model_gradient_bytes
+
+    device = resolve(cfg.dist.device)
+    dtype = getattr(torch, cfg.train.dtype)
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model().to(device=device, dtype=dtype)
+    model.train()
+    optimizer = build_optimizer(model.parameters(), cfg.train, cfg.train.lr)
+    it = iter(task.train_steps(0, 0))
+    first = next(it)
+    tokens = float(first.global_count)
+
+    def draw():
+        return [_to(mb, device) for mb in first.micro_batches]
+
+    def loss_fn(micro_batches) -> torch.Tensor:
+        total = 0
+        for mb in micro_batches:
+            loss_sum, _ = task.loss(model, mb)
+            total = total + loss_sum / tokens
+        return total
+
+    def one_step() -> None:
+        loss_fn(draw()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    out: dict[str, Any] = {"version": PROFILE_VERSION, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
+                           "task": cfg.task.entry, "unit": getattr(task, "unit", "samples"),
+                           "batch_size": cfg.train.batch_size, "tokens_per_step": tokens, "device": str(device),
+                           "dtype": cfg.train.dtype, "precision": cfg.train.precision, "cores": available_cores()}
+    progress("timing steps")
+    threads = torch.get_num_threads()
+    workloads = {str(threads): _timed_steps(model, optimizer, loss_fn, draw, device, warmup, steps)}
+    if device.type == "cpu" and threads > 1:
+        torch.set_num_threads(1)
+        try:
+            workloads["1"] = _timed_steps(model, optimizer, loss_fn, draw, device, 1, max(2, steps // 2))
+        finally:
+            torch.set_num_threads(threads)
+    out["workloads"] = workloads
+    out["default_threads"] = threads
+
+    progress("blocks, activations and FLOPs")
+    blocks = [b for b in model_blocks(model) if b is not model]
+    probe = _BlockProbe(model, blocks, device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+            loss_fn(draw()).backward()  # what each block saves for the backward, and its inputs
+        saved, inputs, total_saved = probe.saved, probe.inputs, probe.total_saved
+        optimizer.zero_grad(set_to_none=True)
+        probe.reset()
+        for _ in range(2):
+            loss_fn(draw()).backward()
+            optimizer.zero_grad(set_to_none=True)
+        block_forward = [t / 2 for t in probe.forward_s]
+    finally:
+        probe.close()
+    _, flops = count_flops(lambda: loss_fn(draw()).backward())
+    optimizer.zero_grad(set_to_none=True)
+    w = workloads[str(threads)]
+    names = {id(m): n for n, m in model.named_modules()}
+    out["blocks"] = [{"name": names.get(id(b), type(b).__name__),
+                      "param_bytes": sum(_bytes(p) for p in b.parameters()), "forward_s": block_forward[i],
+                      "backward_s": block_forward[i] * w["backward_s"] / max(w["forward_s"], 1e-12),
+                      "activation_bytes": saved[i], "input_bytes": inputs[i]} for i, b in enumerate(blocks)]
+    out["activation_bytes"] = total_saved
+    out["flops_per_step"], out["flops_per_unit"] = flops, flops / tokens
+    peak, source = peak_flops(device, {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype))
+    out["peak_flops"], out["peak_flops_source"] = peak, source
+
+    progress("memory of one step")
+    out["param_bytes"] = model_gradient_bytes(task, cfg.train.dtype)
+    out["param_total_bytes"] = sum(_bytes(p) for p in model.parameters())
+    out["buffer_bytes"] = sum(_bytes(b) for b in model.buffers())
+    out["memory_measured"] = _memory_peak(model, optimizer, one_step)
+    one_step()
+    out["optimizer_state_bytes"] = sum(_bytes(v) for st in optimizer.state.values() for v in st.values()
+                                       if isinstance(v, torch.Tensor))
+
+    progress("pipeline stages")
+    out["strategy_inputs"] = _stage_inputs(task, cfg)
+    if links:
+        from .microbench import measured_collective, measured_link, measured_p2p, measured_rpc
+
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc")
+        found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
+                 "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
+        out["links"] = {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte,
+                            "gamma_s_per_byte": v.gamma_s_per_byte} for k, v in found.items()}
+    return out
+
+
+def _to(mb: Any, device: torch.device) -> Any:
+    if isinstance(mb, torch.Tensor):
+        return mb.to(device)
+    if isinstance(mb, (tuple, list)):
+        return type(mb)(_to(x, device) for x in mb)
+    if isinstance(mb, dict):
+        return {k: _to(v, device) for k, v in mb.items()}
+    return mb
+
+
+def _stage_inputs(task, cfg) -> dict[str, Any]:
+    """:func:`~.strategy_model.strategy_inputs` (fsdp's units) and, per stage count S of
+    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches."""
+    from types import SimpleNamespace
+
+    from .strategy_model import strategy_inputs
+
+    def layout(stages: int) -> SimpleNamespace:  # the keys strategy_inputs reads, for S stages
+        return SimpleNamespace(train=cfg.train, dist=SimpleNamespace(pipeline_stages=stages, microbatches=2 * stages,
+                                                                     pipeline_split=""))
+
+    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "pipeline": {}}
+    for s in STAGE_COUNTS:
+        got = strategy_inputs(task, layout(s))
+        if "activation_bytes" in got:
+            out["pipeline"][str(s)] = {k: got[k] for k in ("activation_bytes", "shared_bytes", "stage_param_bytes",
+                                                           "stage_fractions", "microbatch_factor")}
+    return out
+
+
+def profile_key(config_text: str, cores: int) -> str:
+    """What a cached profile depends on: the recipe after overrides, versions, cores."""
+    import platform
+
+    from .. import __version__
+
+    text = json.dumps([PROFILE_VERSION, config_text, torch.__version__, __version__, cores, platform.node()])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cached_profile(path: Path, key: str, measure: Callable[[], dict]) -> tuple[dict, bool]:
+    """(profile, True if read from ``path``): the cached one when its key matches, else measured now
+    and written (atomically)."""
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached, True
+    except (OSError, ValueError):
+        pass
+    prof = {**measure(), "key": key}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(prof, indent=1))
+    tmp.replace(path)
+    return prof, False
+
+
+def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                   batch: int, steps: int, threads: tuple[int | None, ...], concurrent: int = 1
+                   ) -> dict[str, dict[str, float]]:
+    """The one-device step as ``paratrain train`` runs it (the training loop's clipping, checks and
+    bookkeeping included): a ``single`` run of ``steps`` per thread count (None: the default),
+    rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
+    (:func:`~.validate.workload_from_record`), keyed by the threads it ran with. One-thread runs go
+    ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
+    while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
+    SMT machines, the cores' execution units), as N processes of a job do."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..errors import UsageError
+    from ..strategies import REFERENCE
+    from .report import run_record
+    from .runner import run_cmd
+    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .validate import workload_from_record
+
+    spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE,), nprocs=(1,), scaling=("weak",),
+                     steps=steps, warmup_steps=max(1, steps // 3),
+                     overrides=(*overrides, "train.checkpoint_every=0", "data.eval_fraction=0.01",
+                                f"train.log_every={max(1, steps // 6)}"), data_dir=data_dir)
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
+        for t in threads:
+            copies = concurrent if t == 1 else 1
+            plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=t, repeat=r) for r in range(copies)]
+
+            def run(plan: RunPlan):
+                run_dir = Path(tmp) / plan.name
+                rc, _ = run_cmd(train_command(spec, plan, run_dir), Path(tmp) / f"{plan.name}.log", spec.timeout_s,
+                                dict(os.environ))
+                return plan, rc, read_outcome(plan, rc, run_dir)
+
+            with ThreadPoolExecutor(copies) as pool:
+                done = list(pool.map(run, plans))
+            parts = []
+            for plan, rc, outcome in done:
+                rec = run_record(outcome)
+                if not rec["ok"]:
+                    log = (Path(tmp) / f"{plan.name}.log").read_text()[-400:]
+                    raise UsageError(f"the one-device run for the profile failed (exit {rc}): {log.strip()[-300:]}")
+                w = workload_from_record(rec, [0], rec["units_per_step"])
+                parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
+                              "optimizer_s": w.optimizer_s})
+                key = str(rec["threads_per_process"])
+            out[key] = {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
+            if copies > 1:
+                out[key]["concurrent"] = copies
+    return out

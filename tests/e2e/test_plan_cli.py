@@ -1,0 +1,125 @@
+"""``paratrain plan`` as a user runs it, on the tiny corpus and a tiny GPT (which pipelines): the
+profile is measured once and read back, every modelled strategy is predicted at every N, the plan
+recommends a command that runs, bad input is one line with exit 2; ``--validate`` compares
+predictions with runs here; and training summaries carry MFU."""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import time
+
+import pytest
+
+from .test_cli import paratrain, records
+from .test_pipeline_cli import GPT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, tiny_data):
+    tmp = tmp_path_factory.mktemp("plan")
+    (tmp / "gpt.toml").write_text(GPT)
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--interconnect", "ib400", "--nproc", "1,2,4,8",
+                  "--profile-steps", "9", "--activation-checkpointing", "--out", "p", cwd=tmp, timeout=600)
+    return tmp, r
+
+
+def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
+    tmp, r = planned
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    plan = json.loads((tmp / "p" / "plan.json").read_text())
+    rows = plan["rows"]
+    from paratrain.bench.plan import MODELS
+    from paratrain.strategies import REFERENCE, STRATEGIES
+
+    modelled = {name for name, cls in STRATEGIES.items() if cls.cost_model in MODELS} | {REFERENCE}
+    assert {row["strategy"] for row in rows} == modelled
+    assert {row["n"] for row in rows} == {1, 2, 4, 8}
+    labels = {row["label"] for row in rows}
+    assert {"pipeline 1x2", "pipeline 2x2", "pipeline 1x4", "ps-sync K=2", "fsdp (no reshard, ZeRO-2)",
+            "allreduce + bf16 hook"} <= labels
+    for row in rows:
+        parts = row["compute_s"] + row["comm_s"] + row["bubble_s"] + row["optimizer_s"]
+        assert row["step_s"] == pytest.approx(parts, rel=1e-9) or not row["synchronous"], row
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["n"])
+        assert row["memory"]["total"] > 0 and row["extrapolated"]  # ib400: nothing measured on it
+    asyncs = [row for row in rows if not row["synchronous"]]
+    assert asyncs and all(row["staleness"] == row["n"] - 1 for row in asyncs)
+    assert plan["recommended"]["synchronous"] and plan["recommended"] == rows[0]
+    ckpt = {row["label"]: row for row in rows if row["n"] == 2}
+    assert ckpt["allreduce + checkpointing"]["memory"]["activations"] < ckpt["allreduce"]["memory"]["activations"]
+    for name in ("plan.md", "throughput.png", "memory.png", "profile.json"):
+        assert (tmp / "p" / name).stat().st_size > 500, name
+    assert "Recommended:" in r.stdout and plan["recommended"]["command"] in r.stdout
+    prof = json.loads((tmp / "p" / "profile.json").read_text())
+    assert prof["flops_per_step"] > 0 and len(prof["blocks"]) == 2 and prof["links"]["p2p"]["beta_s_per_byte"] > 0
+
+
+def test_replanning_reads_the_cached_profile(planned, tiny_data):
+    tmp, first = planned
+    assert first.returncode == 0
+    t0 = time.monotonic()
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--interconnect", "eth25", "--nproc", "1,2,4,8,16",
+                  "--objective", "cost", "--out", "p", cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "profile: read from" in r.stdout and "profiling" not in r.stderr
+    plan = json.loads((tmp / "p" / "plan.json").read_text())
+    assert plan["interconnect"] == "eth25" and max(row["n"] for row in plan["rows"]) == 16
+    best = plan["recommended"]
+    per_device = [row["units_per_s"] / row["n"] for row in plan["rows"] if row["feasible"] and row["synchronous"]]
+    assert best["units_per_s"] / best["n"] == pytest.approx(max(per_device))
+    print(f"re-plan from the cache: {time.monotonic() - t0:.1f} s")
+
+
+def test_the_recommended_command_runs(planned, tiny_data):
+    tmp, _ = planned
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--out", "p", cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    best = json.loads((tmp / "p" / "plan.json").read_text())["recommended"]
+    args = shlex.split(best["command"])[1:]
+    run = paratrain(*args, "--data-dir", tiny_data, "--run-dir", "chosen", "--set", "train.max_steps=4", cwd=tmp,
+                    timeout=300)
+    assert run.returncode == 0, best["command"] + "\n" + run.stderr[-2000:]
+    summary = records(tmp / "chosen", "summary")[-1]
+    assert summary["strategy"] == best["strategy"] and summary["steps"] == 4
+
+
+@pytest.mark.parametrize("args, said", [
+    (("--interconnect", "carrier-pigeon"), "--interconnect 'carrier-pigeon' is unknown; use one of nvlink"),
+    (("--device-memory-gb", "0.000001"), "no layout fits --device-memory-gb 1e-06"),
+    (("--global-batch", "10", "--nproc", "1,2,4"), "--global-batch 10 does not divide among N = [4]"),
+    (("--objective", "fastest"), "--objective 'fastest': use words_per_s or cost"),
+])
+def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
+    tmp, _ = planned
+    before = (tmp / "p" / "plan.json").read_bytes()
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--out", "p", *args, cwd=tmp, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "profiling" not in ln]
+    assert len(lines) == 1 and said in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert (tmp / "p" / "plan.json").read_bytes() == before  # nothing overwritten
+
+
+def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
+    tmp, _ = planned
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--validate", "--validate-steps", "9",
+                  "--out", "p", cwd=tmp, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    v = json.loads((tmp / "p" / "validation.json").read_text())
+    got = {(row["strategy"], row["n"]) for row in v["rows"]}
+    assert {("single", 1), ("allreduce", 2), ("zero1", 2), ("fsdp", 2), ("pipeline", 2), ("ps-sync", 2),
+            ("ps-async", 2)} == got
+    for row in v["rows"]:
+        assert row["ok"] and row["measured_step_ms"] > 0 and row["measured_memory_bytes"] > 0, row
+        assert math.isfinite(row["step_error"]) and math.isfinite(row["memory_error"])
+    assert v["choice"]["recommended"] and 0 <= v["choice"]["shortfall"] < 1
+    # the next plan shows each strategy's measured error beside its predictions
+    again = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2,4", "--out", "p", cwd=tmp,
+                      timeout=300)
+    rows = json.loads((tmp / "p" / "plan.json").read_text())["rows"]
+    two = [row for row in rows if row["n"] == 2 and row["label"] == row["strategy"]]
+    assert two and all(row["measured_error"] is not None and not row["extrapolated"] for row in two)
+    assert all(row["extrapolated"] for row in rows if row["n"] == 4)
+    assert again.returncode == 0

@@ -1,0 +1,151 @@
+"""``paratrain plan``'s formulas against hand-computed cases, and their properties: more bandwidth
+never predicts a slower step; more shards never predict more memory per device."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paratrain.bench.costmodel import Link, Workload
+from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
+from paratrain.bench.plan_model import PS, Layout, MemoryInputs, memory_per_device, ps_async_rate, step_parts
+from paratrain.config import Config
+from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES
+
+M = MemoryInputs(params=100, optimizer=200, activations=50, temporaries=10, largest_unit=40)
+
+
+def test_memory_of_one_device_is_the_larger_phase():
+    # forward end: P + O + A + T = 100 + 200 + 50 + 10 = 360; optimizer step: P + G + O = 400
+    assert memory_per_device(RING, 1, M)["total"] == 400
+
+
+def test_memory_of_all_reduce_keeps_the_gradient_buckets():
+    # forward end: P + G (DDP's buckets) + O + A + T = 460 > optimizer step 400
+    m = memory_per_device(RING, 2, M)
+    assert (m["params"], m["grads"], m["optimizer"], m["total"]) == (100, 100, 200, 460)
+
+
+def test_memory_of_zero1_shards_the_optimizer_and_gathers_the_parameters():
+    # n = 4: O/4 = 50; forward end 100 + 100 + 50 + 60 = 310; optimizer step 100 + 100 + 50 + 100 * 1.25 = 375
+    m = memory_per_device(SHARDED_OPTIMIZER, 4, M)
+    assert (m["optimizer"], m["total"]) == (50, 375)
+
+
+def test_memory_of_fsdp_shards_everything_but_a_gathered_unit_and_its_gradient():
+    # n = 4: P/4 = 25, O/4 = 50; forward end 25 + 50 + 50 + 10 = 135; optimizer step 25 + 25 + 50 = 100;
+    # backward start 25 + 50 + 50 + 2 x 40 = 205; with T = 90 and U = 10 the forward end (215) is the peak
+    m = memory_per_device(SHARDED_PARAMETERS, 4, M)
+    assert (m["params"], m["grads"], m["optimizer"], m["activations"], m["total"]) == (25, 25, 50, 50, 205)
+    assert memory_per_device(SHARDED_PARAMETERS, 4, MemoryInputs(params=100, optimizer=200, activations=50,
+                                                                 temporaries=90, largest_unit=10))["total"] == 215
+
+
+def test_memory_of_a_pipeline_stage_counts_its_micro_batches_in_flight():
+    big = MemoryInputs(params=100, optimizer=200, activations=500, temporaries=10)
+    kw = dict(stages=2, microbatches=4, stage_share=0.6, stage_params=60)
+    # 1F1B: min(S, M) = 2 of 4 micro-batches: A = 500 * 0.6 * 2/4 = 150; P 60, O 120: 60 + 120 + 150 + 10 = 340
+    assert memory_per_device(STAGES, 2, big, schedule="1f1b", **kw)["total"] == 340
+    # GPipe: all 4 in flight: A = 300: 490
+    assert memory_per_device(STAGES, 2, big, schedule="gpipe", **kw)["total"] == 490
+
+
+def test_memory_of_a_parameter_server_worker_and_server():
+    # worker: no optimizer state: forward end 100 + 60 = 160, step 100 + 100 = 200; server: (P + O) / K
+    m = memory_per_device(PS, 4, M, num_ps=2)
+    assert (m["total"], m["server"]) == (200, 150)
+
+
+def test_checkpointing_keeps_block_inputs_and_one_block():
+    m = MemoryInputs(params=0, optimizer=0, activations=100, blocks_saved=(30, 40), blocks_input=(5, 5))
+    assert m.checkpointed_activations() == 100 - 70 + 10 + 40
+    assert memory_per_device(RING, 1, m, checkpointing=True)["activations"] == 80
+
+
+def test_activations_scale_with_the_per_replica_batch():
+    assert memory_per_device(RING, 2, M, batch_ratio=0.5)["activations"] == 25
+
+
+W = Workload(forward_s=0.1, backward_s=0.2, data_s=0.0, optimizer_s=0.05, param_bytes=(4_000_000,) * 10,
+             tokens_per_step=1000)
+
+
+def test_ps_async_rate_is_the_workers_or_the_servers_bound():
+    link = Link(name="x", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    # worker: 0.35 s local + push 0.04 + pull 0.04 (40 MB at 1 GB/s, K = 1) = 0.43 s; 4 workers: 9.30 updates/s;
+    # server: 40 MB x 2 x 1e-9 = 0.08 s per update: 12.5 updates/s -> the workers bound
+    rate, step = ps_async_rate(W, 4, 1, link)
+    assert step == pytest.approx(0.43) and rate == pytest.approx(4 / 0.43)
+    rate16, _ = ps_async_rate(W, 16, 1, link)  # 16 workers would send 37 updates/s: the server's 12.5 bound
+    assert rate16 == pytest.approx(12.5)
+
+
+def test_mfu_is_achieved_over_peak():
+    assert mfu(1e12, 0.5, 4, 1e12) == pytest.approx(0.5)
+    assert math.isnan(mfu(math.nan, 0.5, 4, 1e12))
+
+
+def test_flops_of_a_linear_layer_forward_and_backward():
+    import torch
+
+    layer = torch.nn.Linear(8, 16, bias=False)
+    x = torch.randn(5, 8)
+    _, flops = count_flops(lambda: layer(x).sum().backward())
+    assert flops == 2 * 5 * 8 * 16 * 2  # forward, and the weight's gradient (x needs none)
+
+
+def test_flops_of_a_cpu_lstm_count_both_products_of_every_step():
+    import torch
+
+    lstm = torch.nn.LSTM(8, 16, num_layers=2)
+    x = torch.randn(5, 3, 8)  # T = 5 steps, B = 3 sequences
+    _, flops = count_flops(lambda: lstm(x)[0].sum().backward())
+    forward = 2 * 5 * 3 * (64 * 8 + 64 * 16) + 2 * 5 * 3 * (64 * 16 + 64 * 16)  # 4 gates x 16 = 64 rows
+    assert flops == 3 * forward
+
+
+def test_peak_table_picks_the_most_specific_device():
+    assert table_peak("NVIDIA H100 PCIe", "bfloat16") == 756.0e12
+    assert table_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
+    assert table_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert table_peak("Some GPU", "float32") is None and PEAK_TFLOPS
+
+
+class _Cls:  # a registry entry's attributes that step_parts reads
+    def __init__(self, model, synchronous=True):
+        self.cost_model, self.synchronous, self.name = model, synchronous, "x"
+
+
+
+INPUTS = {"units": [4_000_000] * 10, "pipeline": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
+                                                      "stage_param_bytes": [2e7, 2e7], "stage_fractions": [0.5, 0.5],
+                                                      "microbatch_factor": 1.1}}}
+LAYOUTS = [(_Cls(RING), {}), (_Cls(SHARDED_OPTIMIZER), {}), (_Cls(SHARDED_PARAMETERS), {}),
+           (_Cls(STAGES), {"pipeline_stages": 2, "microbatches": 4}), (_Cls(PS), {"num_ps": 2}),
+           (_Cls(PS, synchronous=False), {"num_ps": 2})]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([2, 4, 8, 16]), beta=st.floats(1e-12, 1e-8), faster=st.floats(1.0, 100.0),
+       alpha=st.floats(0, 1e-4), which=st.integers(0, len(LAYOUTS) - 1))
+def test_more_bandwidth_never_predicts_a_slower_step(n, beta, faster, alpha, which):
+    cls, overrides = LAYOUTS[which]
+    slow = Link(name="slow", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=1e-11)
+    fast = Link(name="fast", alpha_s=alpha, beta_s_per_byte=beta / faster, gamma_s_per_byte=1e-11)
+    a = step_parts(cls, Layout("x", n, dict(overrides)), W, slow, Config(), INPUTS)
+    b = step_parts(cls, Layout("x", n, dict(overrides)), W, fast, Config(), INPUTS)
+    assert b["step_s"] <= a["step_s"] * (1 + 1e-12)
+    assert b["units_per_s"] >= a["units_per_s"] * (1 - 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(params=st.floats(1, 1e10), optimizer=st.floats(0, 2e10), acts=st.floats(0, 1e10), temps=st.floats(0, 1e9),
+       unit=st.floats(0, 1), n=st.integers(2, 512), more=st.integers(1, 8),
+       model=st.sampled_from([SHARDED_OPTIMIZER, SHARDED_PARAMETERS]))
+def test_more_shards_never_predict_more_memory_per_device(params, optimizer, acts, temps, unit, n, more, model):
+    m = MemoryInputs(params=params, optimizer=optimizer, activations=acts, temporaries=temps,
+                     largest_unit=unit * params)
+    fewer, more_shards = memory_per_device(model, n, m), memory_per_device(model, n * (more + 1), m)
+    assert more_shards["total"] <= fewer["total"] * (1 + 1e-12)
