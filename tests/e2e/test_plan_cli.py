@@ -39,7 +39,7 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     assert {row["n"] for row in rows} == {1, 2, 4, 8}
     labels = {row["label"] for row in rows}
     assert {"pipeline 1x2", "pipeline 2x2", "pipeline 4x2", "ps-sync K=2", "fsdp (no reshard, ZeRO-2)",
-            "allreduce + bf16 hook"} <= labels
+            "allreduce + bf16 hook", "replicate (towers)"} <= labels
     for row in rows:
         parts = row["compute_s"] + row["comm_s"] + row["bubble_s"] + row["optimizer_s"]
         assert row["step_s"] == pytest.approx(parts, rel=1e-9) or not row["synchronous"], row
@@ -110,7 +110,7 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     v = json.loads((tmp / "p" / "validation.json").read_text())
     got = {(row["strategy"], row["n"]) for row in v["rows"]}
     assert {("single", 1), ("allreduce", 2), ("zero1", 2), ("fsdp", 2), ("pipeline", 2), ("ps-sync", 2),
-            ("ps-async", 2)} == got
+            ("ps-async", 2), ("replicate", 2)} == got
     for row in v["rows"]:
         assert row["ok"], row
         if row["synchronous"]:  # in 9 steps an asynchronous rank 0 may stop early (the other worker did the updates)

@@ -12,7 +12,7 @@ from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
 from paratrain.bench.plan_model import PS, Layout, MemoryInputs, memory_per_device, ps_async_rate, step_parts
 from paratrain.config import Config
-from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES
+from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
 
 M = MemoryInputs(params=100, optimizer=200, activations=50, temporaries=10, largest_unit=40)
 
@@ -44,12 +44,14 @@ def test_memory_of_fsdp_shards_everything_but_a_gathered_unit_and_its_gradient()
 
 
 def test_memory_of_a_pipeline_stage_counts_its_micro_batches_in_flight():
-    big = MemoryInputs(params=100, optimizer=200, activations=500, temporaries=10)
-    kw = dict(stages=2, microbatches=4, stage_share=0.6, stage_params=60)
-    # 1F1B: min(S, M) = 2 of 4 micro-batches: A = 500 * 0.6 * 2/4 = 150; P 60, O 120: 60 + 120 + 150 + 10 = 340
-    assert memory_per_device(STAGES, 2, big, schedule="1f1b", **kw)["total"] == 340
-    # GPipe: all 4 in flight: A = 300: 490
-    assert memory_per_device(STAGES, 2, big, schedule="gpipe", **kw)["total"] == 490
+    big = MemoryInputs(params=100, optimizer=200, activations=500, temporaries=40)
+    kw = dict(stages=2, microbatches=4, stage_shares=[0.6, 0.4], stage_params=[60, 50])
+    # 1F1B, stage 0: min(S - 0, M) = 2 of 4 micro-batches: A 500 x 0.6 x 2/4 = 150, P 60, O 200 x 60/100 = 120:
+    # 330; stage 1: one micro-batch (50) and one micro-batch's loss (40 / 4 = 10), P 50, O 100: 210 -> stage 0
+    m = memory_per_device(STAGES, 2, big, schedule="1f1b", **kw)
+    assert (m["total"], m["stage"]) == (330, 0)
+    # GPipe: all 4 in flight everywhere: stage 0 60 + 120 + 300 = 480; stage 1 50 + 100 + 200 + 40 = 390
+    assert memory_per_device(STAGES, 2, big, schedule="gpipe", **kw)["total"] == 480
 
 
 def test_memory_of_a_parameter_server_worker_and_server():
@@ -80,6 +82,26 @@ def test_ps_async_rate_is_the_workers_or_the_servers_bound():
     assert step == pytest.approx(0.43) and rate == pytest.approx(4 / 0.43)
     rate16, _ = ps_async_rate(W, 16, 1, link)  # 16 workers would send 37 updates/s: the server's 12.5 bound
     assert rate16 == pytest.approx(12.5)
+
+
+def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores():
+    from paratrain.bench.costmodel_sharded import predict_towers
+
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
+    p = predict_towers(W, 4, link, output_bytes=1e6)
+    # compute 0.35 s; broadcast 3 alpha + 40 MB beta = 0.04003; outputs there and back 2 x 3 x (alpha + 1e6 beta)
+    # = 0.00606; reduce 3 alpha + 40 MB (beta + gamma) = 0.04403
+    assert p.step_s == pytest.approx(0.35 + 0.04003 + 0.00606 + 0.04403)
+    shared = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True)
+    assert shared.step_s == pytest.approx(4 * 0.3 + 0.05) and shared.exposed_comm_s == 0
+
+
+def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
+    from paratrain.bench.microbench import fit_latency_bandwidth
+
+    sizes = [4 ** k for k in range(1, 12)]
+    alpha, beta = fit_latency_bandwidth(sizes, [3e-5 + 2e-10 * s for s in sizes])
+    assert alpha == pytest.approx(3e-5) and beta == pytest.approx(2e-10)
 
 
 def test_mfu_is_achieved_over_peak():
@@ -119,10 +141,10 @@ class _Cls:  # a registry entry's attributes that step_parts reads
 
 
 
-INPUTS = {"units": [4_000_000] * 10, "pipeline": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
+INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6, "pipeline": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
                                                       "stage_param_bytes": [2e7, 2e7], "stage_fractions": [0.5, 0.5],
                                                       "microbatch_factor": 1.1}}}
-LAYOUTS = [(_Cls(RING), {}), (_Cls(SHARDED_OPTIMIZER), {}), (_Cls(SHARDED_PARAMETERS), {}),
+LAYOUTS = [(_Cls(RING), {}), (_Cls(SHARDED_OPTIMIZER), {}), (_Cls(SHARDED_PARAMETERS), {}), (_Cls(TOWERS), {}),
            (_Cls(STAGES), {"pipeline_stages": 2, "microbatches": 4}), (_Cls(PS), {"num_ps": 2}),
            (_Cls(PS, synchronous=False), {"num_ps": 2})]
 

@@ -154,6 +154,30 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     return _prediction(w, replicas * S, step, compute, "stages", replicas=replicas)
 
 
+def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
+                   shared_cores: bool = False) -> Prediction:
+    """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
+    (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
+    devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
+    device 0 (pipelined: (n-1) alpha + P beta), the towers' forward and backward side by side, gather
+    their outputs to device 0 for the loss and scatter the outputs' gradient back ((n-1) x (alpha +
+    ``output_bytes`` beta) each way through device 0's link), reduce the gradients onto device 0
+    ((n-1) alpha + P (beta + gamma)), one optimizer step. ``shared_cores``: CPU virtual devices,
+    towers as threads of one process on the same cores (no transfers; the parameters are shared):
+    the towers' compute adds up (n x forward + backward), as one device's step of n batches."""
+    _check_n(n)
+    s, P = compute_scale, sum(w.param_bytes)
+    towers = n if shared_cores else 1
+    compute = ((w.forward_s + w.backward_s) * towers + w.data_s + w.optimizer_s) * s
+    if shared_cores or n == 1:
+        comm = 0.0
+    else:
+        comm = ((n - 1) * link.alpha_s + P * link.beta_s_per_byte
+                + 2 * (n - 1) * (link.alpha_s + output_bytes * link.beta_s_per_byte)
+                + (n - 1) * link.alpha_s + P * (link.beta_s_per_byte + link.gamma_s_per_byte))
+    return _prediction(w, n, compute + comm, compute, "towers")
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """(S-1)/(M+S-1): the idle part of a GPipe or 1F1B step of S equal stages, transfers aside."""
     _check_n(stages, "stages")
@@ -162,4 +186,4 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "predict_pipeline", "bubble_fraction", "MIB"]
+           "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]

@@ -5,7 +5,7 @@ Layouts per strategy come from the registry (no strategy is named here): ``Strat
 picks the step formula (:mod:`.plan_model`), ``dist_keys`` the variants: DDP's bucket (the best
 predicted) and a bf16 compression hook where ``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
 ``reshard_after_forward`` is; 2 and 4 stages (2 S micro-batches, 1F1B) where the model pipelines;
-K = 1, 2, 4 servers where ``num_ps`` is. Asynchronous strategies are listed with their staleness and
+K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies are listed with their staleness and
 never recommended in place of a synchronous one (they train a different model per step).
 
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
@@ -25,10 +25,10 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import PRESETS, Link, Workload
 from .plan_model import PS, Layout, MemoryInputs, best_bucket, memory_per_device, step_parts
-from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES
+from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
-MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, PS)
+MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS)
 
 
 def add_plan_parser(sub) -> None:
@@ -57,6 +57,10 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run every strategy at N = 1, 2 here and compare with the predictions (minutes)")
     p.add_argument("--validate-steps", type=int, default=30, help="steps per validation run (default 30)")
+    p.add_argument("--validate-repeats", type=int, default=1, help="runs per validated layout; the median step "
+                   "is compared (default 1)")
+    p.add_argument("--validate-nproc", default="1,2", help="N to validate at (default 1,2; 4 runs oversubscribed "
+                   "on a 2-core machine)")
     p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 
@@ -69,6 +73,9 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
     ns = sorted(set(_ints(args.nproc or default, "--nproc")))
     if not ns or ns[0] < 1:
         raise UsageError(f"--nproc {args.nproc!r}: give device counts >= 1, e.g. --nproc 1,2,4,8")
+    if args.validate_repeats < 1 or args.validate_steps < 6:
+        raise UsageError(f"--validate-repeats {args.validate_repeats} / --validate-steps {args.validate_steps}: use "
+                         f"1 or more runs of 6 or more steps")
     if args.objective not in OBJECTIVES:
         raise UsageError(f"--objective {args.objective!r}: use {' or '.join(OBJECTIVES)}")
     if args.interconnect != "measured" and args.interconnect not in PRESETS:
@@ -160,7 +167,7 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
                 if k <= n:
                     out.append(Layout(name, n, {"num_ps": k}, f"{name} K={k}"))
             continue
-        out.append(Layout(name, n, {}, name))
+        out.append(Layout(name, n, {}, f"{name} (towers)" if model == TOWERS else name))
         if "reshard_after_forward" in keys:
             out.append(Layout(name, n, {"reshard_after_forward": False}, f"{name} (no reshard, ZeRO-2)"))
         if "comm_hook" in keys:
@@ -183,7 +190,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     b0 = prof["batch_size"]
     ratio = (global_batch / replicas / b0) if global_batch else 1.0
     servers = layout.overrides.get("num_ps", 0)
-    threads, scale = cpu_share(n + servers, prof["cores"]) if on_this_machine else (None, 1.0)
+    processes = 1 if cls.cost_model == TOWERS else n + servers
+    threads, scale = cpu_share(processes, prof["cores"]) if on_this_machine else (None, 1.0)
+    shared_cores = on_this_machine and prof["device"] == "cpu"  # towers on CPU virtual devices
     w = workload(prof, threads, ratio)
     overrides = dict(layout.overrides)
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
@@ -191,19 +200,20 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     links = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()} if on_this_machine else {}
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
-    parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg,
-                       prof["strategy_inputs"], compute_scale=scale, overlap=overlap, links=links)
+    inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
+              "shared_cores": shared_cores}
+    parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
+                       compute_scale=scale, overlap=overlap, links=links)
     if parts is None:
         return None
     base = workload(prof, None, (global_batch / b0) if global_batch else 1.0)
     one = base.tokens_per_step / base.local_s()
     pipe = prof["strategy_inputs"].get("pipeline", {}).get(str(stages), {})
-    stage_params = max(pipe.get("stage_param_bytes") or [0]) or None
-    share = max(pipe.get("stage_fractions") or [1.0])
     mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
                             checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
-                            stage_share=share, stage_params=stage_params, num_ps=overrides.get("num_ps", 1),
-                            batch_ratio=ratio)
+                            stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),
+                            schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
+                            batch_ratio=ratio, shared_cores=shared_cores)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,

@@ -18,11 +18,13 @@ one device, U the largest FSDP unit, all for one replica's batch):
   with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward), and a third
   phase, the backward's start, holds the last unit gathered again and its unsharded gradient beside
   the activations: ``P_d + O_d + A + 2 U``;
-* pipeline (``stages``): the largest stage's P, G and O; its activations ``A x share`` for the
-  micro-batches in flight (GPipe: all M; 1F1B: min(S, M) of M, Narayanan et al. 2019); the
-  temporaries (the loss's logits) on the last stage;
+* pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A for the
+  micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019); the
+  loss's temporaries on the last stage (GPipe: all M micro-batches'; 1F1B: one micro-batch's);
 * parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
   P/K and O/K (reported apart);
+* towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
+  loss over every tower's output (n T); CPU virtual devices share one memory: n A;
 * activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
   inputs) + max(block's saved) (one block recomputed at a time).
 
@@ -39,7 +41,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import Link, Workload, pick_bucket, ps_step_s
-from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, predict_model
+from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
 
@@ -65,11 +67,13 @@ class MemoryInputs:
 
 def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
                       checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
-                      stage_share: float = 1.0, stage_params: float | None = None, schedule: str = "1f1b",
-                      num_ps: int = 1, batch_ratio: float = 1.0) -> dict[str, float]:
+                      stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
+                      schedule: str = "1f1b",
+                      num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
     ``total``; ``server`` too for a parameter server. ``batch_ratio``: this layout's per-replica
-    batch over the profiled one (activations and temporaries scale with it)."""
+    batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
+    on CPU virtual devices (one memory)."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
     act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
@@ -83,21 +87,46 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
         # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
         out["backward_start"] = p + o + act + 2 * m.largest_unit
     elif model == STAGES:
-        share = m.params / stages if stage_params is None else stage_params
-        o = m.optimizer * (share / m.params if m.params else 1 / stages)
-        p = share
-        g_kept = p if synchronous_buckets and n > stages else 0.0
-        in_flight = microbatches if schedule == "gpipe" else min(stages, microbatches)
-        act = act * stage_share * in_flight / microbatches
+        return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, schedule,
+                             synchronous_buckets)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         out["server"] = (m.params + m.optimizer) / num_ps
+    elif model == TOWERS:
+        g_kept = 0.0  # one process, no buckets
+        act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
+        tmp *= n  # the loss runs on device 0 over every tower's output
     g = p if model != SHARDED_PARAMETERS else m.params / n
     forward_end = p + g_kept + o + act + tmp
     optimizer_phase = p + g + o + gather
     out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "temporaries": tmp,
                 "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
     return out
+
+
+def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, microbatches: int,
+                  shares: list[float] | None, params: list[float] | None, schedule: str, buckets: bool) -> dict:
+    """The pipeline's busiest stage: stage s holds its parameters P_s (a tied embedding in each stage
+    that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations for
+    the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the last stage the
+    loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's
+    under 1F1B (each micro-batch's backward follows its forward there)."""
+    S, M = stages, microbatches
+    shares = list(shares) if shares else [1 / S] * S
+    params = list(params) if params else [m.params / S] * S
+    best: dict[str, float] = {}
+    for s in range(S):
+        p = params[s]
+        o = m.optimizer * (p / m.params if m.params else 1 / S)
+        in_flight = M if schedule == "gpipe" else min(S - s, M)
+        a = act * shares[s] / sum(shares) * in_flight / M
+        t = (tmp if schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
+        kept = p if buckets and n > S else 0.0
+        total = max(p + kept + o + a + t, 2 * p + o)
+        if total > best.get("total", -1.0):
+            best = {"params": p, "grads": p, "optimizer": o, "activations": a, "temporaries": t, "total": total,
+                    "stage": s}
+    return best
 
 
 @dataclass

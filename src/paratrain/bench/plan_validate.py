@@ -1,4 +1,5 @@
-"""``paratrain plan --validate``: every modelled strategy run here at N = 1 and 2 (``paratrain train``
+"""``paratrain plan --validate``: every modelled strategy run here at N = 1 and 2 (``--validate-nproc``;
+``--validate-repeats`` runs per layout, the median step kept) (``paratrain train``
 through the bench sweep: weak scaling, the recipe's batch per replica, one layout each: a pipeline of
 2 stages, K = 1 server), its measured step time (rank 0's ``train_step_ms`` after warm-up) and peak
 memory (``train.track_memory_step``: torch's MemTracker over one step, the largest rank) against the
@@ -19,10 +20,11 @@ from pathlib import Path
 from . import plan as pl
 
 
-def _runs(prof: dict, cfg) -> list[tuple[pl.Layout, int]]:
-    """(layout, processes) to run: each modelled strategy's first layout at N = 1 (single) and 2."""
+def _runs(prof: dict, cfg, ns: list[int]) -> list[tuple[pl.Layout, int]]:
+    """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
+    (N = 1: single)."""
     seen, out = set(), []
-    for n in (1, 2):
+    for n in ns:
         for lay in pl.layouts(n, prof, cfg):
             if (lay.strategy, n) in seen or any(isinstance(v, bool) for v in lay.overrides.values()) \
                     or lay.overrides.get("comm_hook"):
@@ -34,17 +36,20 @@ def _runs(prof: dict, cfg) -> list[tuple[pl.Layout, int]]:
 
 def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     from ..bench.costmodel import Link, relative_error
-    from .report import run_record
+    from .report import median_run, run_record
     from .sweep import BenchSpec, RunPlan, run_sweep
 
     link = Link(name="measured", **prof["links"]["all_reduce"])
-    runs = _runs(prof, cfg)
+    from .commands import _ints
+
+    runs = _runs(prof, cfg, sorted(set(_ints(args.validate_nproc, "--validate-nproc"))))
     steps = args.validate_steps
     track = max(3, steps // 2)
-    base = (*args.overrides, "train.checkpoint_every=0", "data.eval_fraction=0.01", f"train.track_memory_step={track}",
+    base = (*args.overrides, "train.checkpoint_every=0", f"train.track_memory_step={track}",
             f"train.timing_warmup_steps={max(2, steps // 3)}", f"train.log_every={max(1, steps // 6)}")
     rows = []
-    print(f"[plan] validating {len(runs)} layouts here, {steps} steps each", flush=True)
+    print(f"[plan] validating {len(runs)} layouts here, {steps} steps each, {args.validate_repeats} run(s) per "
+          f"layout (the median)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         for i, (lay, n) in enumerate(runs):
             overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
@@ -52,9 +57,13 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
             spec = BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,), nprocs=(replicas,),
                              scaling=("weak",), steps=steps, warmup_steps=max(2, steps // 3), overrides=overrides,
                              data_dir=args.data_dir)
-            plan = RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas)
-            outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
-            rec = run_record(outcome)
+            plans = [RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas, repeat=r)
+                     for r in range(args.validate_repeats)]
+            outcomes = run_sweep(spec, plans, Path(tmp) / str(i), progress=False)
+            records = [run_record(o) for o in outcomes]
+            chosen = median_run(records, "train_step_ms") or records[0]  # the median of the repeats
+            outcome = outcomes[records.index(chosen)]
+            rec = chosen
             pred = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
             measured = rec.get("train_step_ms", math.nan) if rec["ok"] else math.nan
             mem = outcome.summary.get("tracked_peak_memory_mb", math.nan) * 2 ** 20 if rec["ok"] else math.nan
@@ -62,7 +71,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                    "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
                    "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
                    "predicted_units_per_s": pred["units_per_s"], "measured_units_per_s": rec.get("units_per_s", math.nan),
-                   "synchronous": pred["synchronous"],
+                   "synchronous": pred["synchronous"], "repeats": len(records),
+                   "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
                    # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
                    "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")},
                    "measured_ms": ({k[:-3]: rec["rank0_timing_ms"].get(k, math.nan)

@@ -55,6 +55,8 @@ class _BlockProbe:
         self.stack: list[int] = []
         self.reset()
         self.handles = []
+        self.output_bytes = 0
+        self.handles.append(model.register_forward_hook(lambda m, args, out: self._output(out)))
         for i, b in enumerate(blocks):
             self.handles.append(b.register_forward_pre_hook(lambda m, args, i=i: self._enter(i, args)))
             self.handles.append(b.register_forward_hook(lambda m, args, out, i=i: self._leave(i)))
@@ -76,6 +78,11 @@ class _BlockProbe:
         _sync(self.device)
         self.forward_s[i] += time.perf_counter() - self.t0[i]
         self.stack.pop()
+
+    def _output(self, out) -> None:
+        """The model's output bytes (what towers gather to device 0): its tensors, first one of a tuple."""
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        self.output_bytes = _bytes(first) if isinstance(first, torch.Tensor) else 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
@@ -185,7 +192,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     try:
         with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
             loss_fn(draw()).backward()  # what each block saves for the backward, and its inputs
-        saved, inputs, total_saved = probe.saved, probe.inputs, probe.total_saved
+        saved, inputs, total_saved, output_bytes = probe.saved, probe.inputs, probe.total_saved, probe.output_bytes
         optimizer.zero_grad(set_to_none=True)
         probe.reset()
         for _ in range(2):
@@ -202,7 +209,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                       "param_bytes": sum(_bytes(p) for p in b.parameters()), "forward_s": block_forward[i],
                       "backward_s": block_forward[i] * w["backward_s"] / max(w["forward_s"], 1e-12),
                       "activation_bytes": saved[i], "input_bytes": inputs[i]} for i, b in enumerate(blocks)]
-    out["activation_bytes"] = total_saved
+    out["activation_bytes"], out["output_bytes"] = total_saved, output_bytes
     out["flops_per_step"], out["flops_per_unit"] = flops, flops / tokens
     peak, source = peak_flops(device, {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype))
     out["peak_flops"], out["peak_flops_source"] = peak, source
@@ -308,7 +315,7 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
 
     spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE,), nprocs=(1,), scaling=("weak",),
                      steps=steps, warmup_steps=max(1, steps // 3),
-                     overrides=(*overrides, "train.checkpoint_every=0", "data.eval_fraction=0.01",
+                     overrides=(*overrides, "train.checkpoint_every=0",
                                 f"train.log_every={max(1, steps // 6)}"), data_dir=data_dir)
     out: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:

@@ -1,17 +1,18 @@
 """Predictions for every modelled strategy from one measured single-device step: the model's own
 numbers the cost model needs (:func:`strategy_inputs`) and the dispatch to the right formula by the
 strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmodel`,
-``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP) and ``stages`` (a pipeline) by
-:mod:`.costmodel_sharded`)."""
+``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP), ``stages`` (a pipeline) and ``towers``
+(one process over several devices) by :mod:`.costmodel_sharded`)."""
 from __future__ import annotations
 
 from typing import Any
 
 from .costmodel import Link, Prediction, Workload, predict
-from .costmodel_sharded import predict_fsdp, predict_pipeline, predict_zero1
+from .costmodel_sharded import predict_fsdp, predict_pipeline, predict_towers, predict_zero1
 
-RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES = "ring", "sharded_optimizer", "sharded_parameters", "stages"
-MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES)  # Strategy.cost_model values predict_strategy handles
+RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
+    "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")
+MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS)  # Strategy.cost_model values predicted here
 
 
 def predicted() -> list[str]:
@@ -140,4 +141,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
                                 compute_scale=compute_scale, stage_fractions=inputs.get("stage_fractions"),
                                 stage_param_bytes=inputs.get("stage_param_bytes"),
                                 microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"))
+    if model == TOWERS:
+        return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
+                              shared_cores=inputs.get("shared_cores", False))
     raise ValueError(f"no cost model named {model!r}; use one of {', '.join(MODELS)}")

@@ -136,10 +136,23 @@ def train_command(spec: BenchSpec, plan: RunPlan, run_dir: Path) -> list[str]:
         cmd += ["--data-dir", spec.data_dir]
     sets = [f"train.batch_size={plan.global_batch}", f"train.max_steps={spec.steps}", "train.epochs=1000",
             f"train.timing_warmup_steps={spec.warmup_steps}", f"train.log_every={spec.warmup_steps}",
-            "train.checkpoint_every=0", "train.eval_every=0", "data.eval_fraction=0.01", *spec.overrides]
+            "train.checkpoint_every=0", "train.eval_every=0", *short_evaluation(spec.config, spec.task),
+            *spec.overrides]
     for s in sets:
         cmd += ["--set", s]
     return cmd
+
+
+def short_evaluation(config: str, task: str | None = None) -> tuple[str, ...]:
+    """Overrides that shorten a measurement run's evaluation where the task has such a key (the
+    language models' ``data.eval_fraction``; a classifier's held-out sets are small already)."""
+    from .. import config as configuration
+
+    try:
+        cfg = configuration.load(config, ["data.eval_fraction=0.01"], {"task": {"entry": task}} if task else None)
+    except UsageError:
+        return ()
+    return ("data.eval_fraction=0.01",) if cfg else ()
 
 
 @dataclass
