@@ -225,16 +225,25 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     return row
 
 
-def command_line(row: dict, config: str, extra: list[str]) -> str:
-    """The ``paratrain train`` command of a plan row."""
-    parts = ["paratrain", "train", config, "--nproc", str(row["n"]), "--strategy", row["strategy"]]
+def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:
+    """The ``paratrain train`` command of a plan row: N processes (towers: N devices of
+    ``device_type`` in one process), the layout's ``dist`` keys, and the global batch the prediction
+    assumed (``train.batch_size`` is the global batch: the row's per-replica batch x replicas)."""
+    from ..strategies import STRATEGIES
+
+    parts = ["paratrain", "train", config, "--strategy", row["strategy"]]
+    if STRATEGIES[row["strategy"]].cost_model == TOWERS:
+        parts += ["--devices", ",".join(f"{device_type}:{i}" for i in range(row["n"]))]
+    else:
+        parts += ["--nproc", str(row["n"])]
     for k, v in row["overrides"].items():
         value = str(v).lower() if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else f"{v:g}")
         parts += ["--set", f"dist.{k}={value}"]
     if row["checkpointing"]:
         parts += ["--set", "model.activation_checkpointing=true"]
-    if row.get("global_batch"):
-        parts += ["--set", f"train.batch_size={row['global_batch']}"]
+    batch = row["per_replica_batch"] * row["replicas"]
+    if batch != recipe_batch:
+        parts += ["--set", f"train.batch_size={batch}"]
     for o in extra:
         parts += ["--set", o]
     return " ".join(shlex.quote(p) for p in parts)

@@ -193,6 +193,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
                       overlap=overlap, links=links)
     if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
+    if model == TOWERS:  # towers sharing the cores compute one after the other: the formula's compute
+        compute = p.compute_s - optimizer
     return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
 
 

@@ -59,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
     extra = list(args.overrides)
     for r in ranked:
-        r["command"] = pl.command_line(r, args.config, extra)
+        r["command"] = pl.command_line(r, args.config, extra, cfg.train.batch_size, str(prof["device"]).split(":")[0])
     unit = prof["unit"]
     result = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(), "config": args.config,
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
@@ -109,6 +109,10 @@ def markdown(result: dict) -> str:
              f"profiled on {p['device']} ({p['cores']} cores): {p['tokens_per_step']:g} {unit} per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
              f"objective {result['objective']}.", "",
+             ("Strong scaling: the global batch is fixed at " + str(result["global_batch"]) if result["global_batch"]
+              else "Weak scaling: each replica trains the recipe's batch (the command sets train.batch_size, the "
+                   "global batch, to replicas x it; adjust the learning rate as your recipe does, train.lr_scaling)")
+             + ".", "",
              "Step parts in ms: compute (forward + backward + data), exposed communication, pipeline bubble, "
              "optimizer. Memory: predicted peak per device (GB). Error: this strategy's largest measured step-time "
              "error at N <= 2 on this machine (`--validate`); extrapolated: beyond what was measured.", "",

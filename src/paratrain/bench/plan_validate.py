@@ -121,7 +121,7 @@ def markdown(result: dict) -> str:
              "Step parts in ms, predicted (compute + comm + bubble + optimizer) and measured on rank 0 "
              "(forward + backward + data, comm, idle, optimizer).", "",
              "| layout | N | predicted step ms | measured step ms | step error | predicted memory MiB | "
-             "measured memory MiB | memory error | predicted parts | measured parts |", "|---|" * 10]
+             "measured memory MiB | memory error | predicted parts | measured parts |", "|" + "---|" * 10]
     for r in result["rows"]:
         p, m = r.get("predicted_ms", {}), r.get("measured_ms", {})
         got = (f"{_ms(m.get('forward', 0) + m.get('backward', 0) + m.get('compute', 0) + m.get('data', 0))} + "
