@@ -223,8 +223,9 @@ def build_task(cfg: config.Config, data_dir: str | None, download: bool = False,
     import torch
 
     t = cfg.train
-    env = tasks.TaskEnv(rank=rank, world_size=world_size or cfg.world_size, accumulation=t.accumulation, global_batch=t.batch_size,
-                        seed=t.seed, dtype=getattr(torch, t.dtype), data_dir=data_dir, download=download)
+    env = tasks.TaskEnv(rank=rank, world_size=world_size or cfg.world_size, accumulation=t.accumulation,
+                        global_batch=t.batch_size, seed=t.seed, dtype=getattr(torch, t.dtype), data_dir=data_dir,
+                        download=download)
     return tasks.build(cfg.task.entry, cfg.task_section(), env)
 
 

@@ -171,3 +171,15 @@ def test_more_shards_never_predict_more_memory_per_device(params, optimizer, act
                      largest_unit=unit * params)
     fewer, more_shards = memory_per_device(model, n, m), memory_per_device(model, n * (more + 1), m)
     assert more_shards["total"] <= fewer["total"] * (1 + 1e-12)
+
+
+def test_a_layout_the_recipe_refuses_is_named_with_the_strategys_reason():
+    from pathlib import Path
+
+    from paratrain.bench.plan import refusal
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")  # sync BatchNorm
+    said = refusal(recipe, None, [], Layout("ps-async", 4, {"num_ps": 2}))
+    assert said and "sync_batchnorm needs workers that step together; ps-async" in said
+    assert refusal(recipe, None, [], Layout("ps-sync", 4, {"num_ps": 2})) is None
+    assert refusal(recipe, None, [], Layout("replicate", 2, {})) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,16 @@ def test_sync_step_fails_soon_when_a_workers_heartbeats_stop():
     dead, failures = s.check_liveness(now)
     assert dead == [] and [fut for fut, _ in failures] == [f]
     assert f"connection to worker(s) [1] lost (no heartbeat for {s.lost_after_s:g} s)" in str(failures[0][1])
+
+
+@pytest.mark.parametrize("strategy, extra", [("ps-async", []), ("ps-sync", ["dist.backup_workers=1"])])
+def test_sync_batchnorm_is_refused_by_the_config_where_workers_do_not_step_together(strategy, extra):
+    """Refused when the config is read (one line, before any process starts; ``paratrain plan`` reads
+    it too), not at set-up inside the launched workers."""
+    from paratrain import config
+    from paratrain.errors import UsageError
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml"
+    with pytest.raises(UsageError, match=f"sync_batchnorm needs workers that step together; {strategy}"):
+        config.load(str(recipe), [f'dist.strategy="{strategy}"', "dist.nproc=2", *extra])
+    config.load(str(recipe), ['dist.strategy="ps-sync"', "dist.nproc=2"])  # workers in step: accepted

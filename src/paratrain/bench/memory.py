@@ -6,6 +6,10 @@ gradients, optimizer state, activations, temporaries). DDP's gradient buckets ar
 C++ reducer where the tracker cannot see them; :func:`ddp_bucket_bytes` reads their sizes from DDP's
 own logging data and the peak counts them where the gradients at that moment do not already hold
 them (``gradient_as_bucket_view``: a gradient is a view of its bucket).
+
+Private torch APIs (no public one measures a CPU step's peak), each guarded so that a torch that
+changes them gives no number rather than a failed run: ``torch.distributed._tools.mem_tracker``,
+and DDP's ``_get_ddp_logging_data()`` for the bucket sizes.
 """
 from __future__ import annotations
 

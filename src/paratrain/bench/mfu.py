@@ -4,8 +4,13 @@ Definition (as torchtitan and PaLM, Chowdhery et al. 2022, appendix B): MFU = (m
 step) x (steps per second) / (devices x peak FLOP/s of one device). Model FLOPs are counted, not
 estimated: :class:`torch.utils.flop_counter.FlopCounterMode` over one training step (the forward and
 backward matrix products, convolutions and attention, and the fused CPU LSTM/GRU layers it lacks;
-element-wise ops are not counted, as in ``6 N`` per token). With activation checkpointing the recomputed forward is counted too (that is
-hardware FLOPs utilisation, HFU, for those blocks).
+element-wise ops are not counted, as in ``6 N`` per token), on each process' second step (the first
+may set up: a pipeline infers its shapes). With activation checkpointing the recomputed forward is
+counted too (that is hardware FLOPs utilisation, HFU, for those blocks).
+
+Private torch APIs, each guarded (a torch that changes them gives NaN, never a failed run): the
+counter runs without ``FlopCounterMode``'s per-module tracker (``_FlopCounterMode`` alone), whose
+backward hooks ``torch.distributed.pipelining``'s ``autograd.grad`` refuses.
 
 The peak comes from :data:`PEAK_TFLOPS` (dense, from the vendors' datasheets) for a known GPU, or on
 a CPU from a matrix-product micro-benchmark (:func:`measured_cpu_peak`: the best FLOP/s of square

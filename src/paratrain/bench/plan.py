@@ -5,8 +5,10 @@ Layouts per strategy come from the registry (no strategy is named here): ``Strat
 picks the step formula (:mod:`.plan_model`), ``dist_keys`` the variants: DDP's bucket (the best
 predicted) and a bf16 compression hook where ``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
 ``reshard_after_forward`` is; 2 and 4 stages (2 S micro-batches, 1F1B) where the model pipelines;
-K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies are listed with their staleness and
-never recommended in place of a synchronous one (they train a different model per step).
+K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies
+are listed with their staleness and never recommended in place of a synchronous one (they train a
+different model per step). A layout the recipe refuses (the strategy's own config check) is listed
+with the reason (:func:`refusal`) and not predicted.
 
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
 batch: each replica gets B / replicas, and compute and activations scale linearly with it.
@@ -126,7 +128,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
     """The profile's one-device step (at ``threads`` intra-op threads, default the default) with the
     per-replica batch scaled by ``ratio`` (compute linear in the batch)."""
-    w = prof["workloads"].get(str(threads or prof["default_threads"])) or prof["workloads"][str(prof["default_threads"])]
+    default = prof["workloads"][str(prof["default_threads"])]
+    w = prof["workloads"].get(str(threads or prof["default_threads"])) or default
     return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
                     optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
                     tokens_per_step=prof["tokens_per_step"] * ratio)
@@ -173,6 +176,24 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
         if "comm_hook" in keys:
             out.append(Layout(name, n, {"comm_hook": "bf16"}, f"{name} + bf16 hook"))
     return out
+
+
+def refusal(config: str, task: str | None, overrides: list[str], layout: Layout) -> str | None:
+    """Why the recipe cannot run this layout (the strategy's own config check, one line), or None."""
+    from .. import config as configuration
+    from ..strategies import STRATEGIES
+
+    sets = [*overrides, f"dist.strategy={json.dumps(layout.strategy)}"]
+    if STRATEGIES[layout.strategy].cost_model == TOWERS:
+        sets += ["dist.nproc=1", f"dist.devices={json.dumps(','.join(f'cpu:{i}' for i in range(layout.n)))}"]
+    else:
+        sets.append(f"dist.nproc={layout.n}")
+    sets += [f"dist.{k}={json.dumps(v)}" for k, v in layout.overrides.items()]
+    try:
+        configuration.load(config, sets, {"task": {"entry": task}} if task else None)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,

@@ -180,8 +180,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
         p = predict_model(model, w, n, link, d, got, compute_scale=s, overlap=overlap, links=links)
         replicas = n // stages
         f = got.get("stage_fractions") or [1 / stages] * stages
-        per_mb = [(w.forward_s + w.backward_s) * s * got.get("microbatch_factor", 1.0) * x / sum(f) / d.dist.microbatches
-                  for x in f]
+        whole = (w.forward_s + w.backward_s) * s * got.get("microbatch_factor", 1.0)
+        per_mb = [whole * x / sum(f) / d.dist.microbatches for x in f]
         pipelined = sum(per_mb) + (d.dist.microbatches - 1) * max(per_mb)
         bubble = max(0.0, pipelined - (w.forward_s + w.backward_s) * s)
         optimizer = max(0.0, p.compute_s - pipelined - w.data_s * s)

@@ -31,9 +31,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
           + (" (--reprofile measures again)" if cached else ""), flush=True)
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
-    rows = []
+    rows, refused = [], {}
     for n in ns:
         for layout in pl.layouts(n, prof, cfg):
+            why = pl.refusal(args.config, args.task, args.overrides, layout)
+            if why:
+                refused.setdefault(layout.label, why)
+                continue
             for ckpt in ((False, True) if args.activation_checkpointing else (False,)):
                 row = pl.predict_layout(layout, prof, cfg, link, on_this_machine=preset is None,
                                         global_batch=args.global_batch, checkpointing=ckpt)
@@ -69,7 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "profile": {k: prof[k] for k in ("batch_size", "tokens_per_step", "flops_per_unit", "peak_flops",
                                                "peak_flops_source", "param_total_bytes", "optimizer_state_bytes",
                                                "activation_bytes", "device", "cores")},
-              "rows": ranked, "recommended": best}
+              "rows": ranked, "recommended": best, "refused": refused}
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
@@ -134,6 +138,9 @@ def markdown(result: dict) -> str:
                      f"{err} | {'; '.join(note)} |")
     best = result["recommended"]
     lines += [""]
+    if result.get("refused"):
+        lines += ["Not possible with this recipe (the strategy's own check):", ""]
+        lines += [f"* {label}: {why}" for label, why in result["refused"].items()] + [""]
     if best:
         lines += [f"Recommended: **{best['label']}** at N = {best['n']}: {_f(best['units_per_s'], 0)} {unit}/s "
                   f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.", "", "```",

@@ -20,7 +20,8 @@ from pathlib import Path
 from . import plan as pl
 
 
-def _runs(prof: dict, cfg, ns: list[int]) -> list[tuple[pl.Layout, int]]:
+def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str]
+          ) -> list[tuple[pl.Layout, int]]:
     """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
     (N = 1: single)."""
     seen, out = set(), []
@@ -30,7 +31,8 @@ def _runs(prof: dict, cfg, ns: list[int]) -> list[tuple[pl.Layout, int]]:
                     or lay.overrides.get("comm_hook"):
                 continue
             seen.add((lay.strategy, n))
-            out.append((lay, n))
+            if pl.refusal(config, task, overrides, lay) is None:  # what the recipe refuses is not run
+                out.append((lay, n))
     return out
 
 
@@ -42,7 +44,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     link = Link(name="measured", **prof["links"]["all_reduce"])
     from .commands import _ints
 
-    runs = _runs(prof, cfg, sorted(set(_ints(args.validate_nproc, "--validate-nproc"))))
+    runs = _runs(prof, cfg, sorted(set(_ints(args.validate_nproc, "--validate-nproc"))), args.config, args.task,
+                 args.overrides)
     steps = args.validate_steps
     track = max(3, steps // 2)
     base = (*args.overrides, "train.checkpoint_every=0", f"train.track_memory_step={track}",
@@ -70,7 +73,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
             row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"],
                    "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
                    "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
-                   "predicted_units_per_s": pred["units_per_s"], "measured_units_per_s": rec.get("units_per_s", math.nan),
+                   "predicted_units_per_s": pred["units_per_s"],
+                   "measured_units_per_s": rec.get("units_per_s", math.nan),
                    "synchronous": pred["synchronous"], "repeats": len(records),
                    "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
                    # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
@@ -79,7 +83,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                                     for k in ("data_ms", "compute_ms", "forward_ms", "backward_ms", "comm_ms",
                                               "idle_ms", "optimizer_ms")} if rec["ok"] else {}),
                    "measured_memory_mb": outcome.summary.get("rank0_tracked_memory_mb", {}) if rec["ok"] else {}}
-            row["step_error"] = relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured) else math.nan
+            row["step_error"] = (relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured)
+                                 else math.nan)
             row["memory_error"] = (relative_error(row["predicted_memory_bytes"], mem)
                                    if math.isfinite(mem) and mem > 0 else math.nan)
             rows.append(row)

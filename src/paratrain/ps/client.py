@@ -92,6 +92,19 @@ class ParameterServerStrategy(ServerCalls, Strategy):
         their own pace (async) or a straggler stops early (backup workers)."""
         return self.mode == "sync" and not self.options.get("backup_workers")
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Also refuse ``model.sync_batchnorm`` where the workers do not step together (before any
+        process starts; :meth:`stats_group` says the same at set-up for the minimal-change API)."""
+        super().check_config(cfg)
+        if cfg.model_value("sync_batchnorm", False) and (cls.mode != "sync" or cfg.dist.backup_workers):
+            raise UsageError(cls._sync_batchnorm_refusal(bool(cfg.dist.backup_workers)))
+
+    @classmethod
+    def _sync_batchnorm_refusal(cls, backup: bool) -> str:
+        return (f"sync_batchnorm needs workers that step together; {cls.name}{' with backup workers' if backup else ''}"
+                f" does not: use ps-sync without backup workers, or turn model.sync_batchnorm off")
+
     def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
         return module
 
@@ -100,9 +113,7 @@ class ParameterServerStrategy(ServerCalls, Strategy):
 
     def stats_group(self):
         if not self.lockstep:
-            raise UsageError(f"sync_batchnorm needs workers that step together; {self.name}"
-                             f"{' with backup workers' if self.mode == 'sync' else ''} does not: use ps-sync "
-                             f"without backup workers, or turn model.sync_batchnorm off")
+            raise UsageError(self._sync_batchnorm_refusal(self.mode == "sync"))
         return self.worker_group if self.env.world_size > 1 else None
 
     def _after_setup(self) -> None:
