@@ -141,7 +141,7 @@ class _Cls:  # a registry entry's attributes that step_parts reads
 
 
 
-INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6, "pipeline": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
+INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6, "stage_profiles": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
                                                       "stage_param_bytes": [2e7, 2e7], "stage_fractions": [0.5, 0.5],
                                                       "microbatch_factor": 1.1}}}
 LAYOUTS = [(_Cls(RING), {}), (_Cls(SHARDED_OPTIMIZER), {}), (_Cls(SHARDED_PARAMETERS), {}), (_Cls(TOWERS), {}),

@@ -160,7 +160,7 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
             continue
         keys = cls.dist_keys
         if model == STAGES:
-            for s, got in sorted(prof["strategy_inputs"].get("pipeline", {}).items()):
+            for s, got in sorted(prof["strategy_inputs"].get("stage_profiles", {}).items()):
                 if n % int(s) == 0:
                     out.append(Layout(name, n, {"pipeline_stages": int(s), "microbatches": 2 * int(s),
                                                 "pipeline_schedule": "1f1b"}, f"{name} {n // int(s)}x{s}"))
@@ -229,7 +229,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         return None
     base = workload(prof, None, (global_batch / b0) if global_batch else 1.0)
     one = base.tokens_per_step / base.local_s()
-    pipe = prof["strategy_inputs"].get("pipeline", {}).get(str(stages), {})
+    pipe = prof["strategy_inputs"].get("stage_profiles", {}).get(str(stages), {})
     mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
                             checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
                             stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),

@@ -173,7 +173,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
         return _parts(n / rate, compute, 0.0, 0.0, rate * w.tokens_per_step, n)
     if model == STAGES:
         stages = layout.overrides["pipeline_stages"]
-        got = inputs.get("pipeline", {}).get(str(stages))
+        got = inputs.get("stage_profiles", {}).get(str(stages))
         if not got or n % stages:
             return None
         d = replace_dist(cfg, **layout.overrides)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 STAGE_COUNTS = (2, 4)
 
 
@@ -257,11 +257,11 @@ def _stage_inputs(task, cfg) -> dict[str, Any]:
         return SimpleNamespace(train=cfg.train, dist=SimpleNamespace(pipeline_stages=stages, microbatches=2 * stages,
                                                                      pipeline_split=""))
 
-    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "pipeline": {}}
+    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
     for s in STAGE_COUNTS:
         got = strategy_inputs(task, layout(s))
         if "activation_bytes" in got:
-            out["pipeline"][str(s)] = {k: got[k] for k in ("activation_bytes", "shared_bytes", "stage_param_bytes",
+            out["stage_profiles"][str(s)] = {k: got[k] for k in ("activation_bytes", "shared_bytes", "stage_param_bytes",
                                                            "stage_fractions", "microbatch_factor")}
     return out
 
