@@ -140,9 +140,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
     from ..devices import resolve
     from ..env import available_cores
-    from ..models.checkpointing import blocks as model_blocks
     from ..train.optim import build_optimizer
-    from .mfu import count_flops, peak_flops
+    from .mfu import peak_flops
     from .validate import model_gradient_bytes
 
     device = resolve(cfg.dist.device)
@@ -187,6 +186,46 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["default_threads"] = threads
 
     progress("blocks, activations and FLOPs")
+    out.update(_blocks_and_flops(model, optimizer, loss_fn, draw, device, workloads[str(threads)], tokens))
+    counted_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype)
+    peak, source = peak_flops(device, counted_dtype)
+    out["peak_flops"], out["peak_flops_source"] = peak, source
+
+    progress("memory of one step")
+    out["param_bytes"] = model_gradient_bytes(task, cfg.train.dtype)
+    out["param_total_bytes"] = sum(_bytes(p) for p in model.parameters())
+    out["buffer_bytes"] = sum(_bytes(b) for b in model.buffers())
+    out["memory_measured"] = _memory_peak(model, optimizer, one_step)
+    one_step()
+    out["optimizer_state_bytes"] = sum(_bytes(v) for st in optimizer.state.values() for v in st.values()
+                                       if isinstance(v, torch.Tensor))
+
+    progress("pipeline stages")
+    out["strategy_inputs"] = _stage_inputs(task, cfg)
+    if links:
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc")
+        out["links"] = measured_links()
+    return out
+
+
+def measured_links() -> dict[str, dict[str, float]]:
+    """This machine's links (2 local processes): gloo all-reduce, all-gather, reduce-scatter and send,
+    and one RPC message, as {name: {alpha_s, beta_s_per_byte, gamma_s_per_byte}}."""
+    from .microbench import measured_collective, measured_link, measured_p2p, measured_rpc
+
+    found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
+             "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
+    return {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte, "gamma_s_per_byte": v.gamma_s_per_byte}
+            for k, v in found.items()}
+
+
+def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, float], tokens: float) -> dict[str, Any]:
+    """Per block: forward seconds (mean of 2 steps), backward seconds (its forward share of the
+    measured backward ``w``), parameter bytes, bytes saved for the backward, input bytes; the whole
+    forward's saved bytes and output bytes; the step's counted FLOPs (total and per unit)."""
+    from ..models.checkpointing import blocks as model_blocks
+    from .mfu import count_flops
+
     blocks = [b for b in model_blocks(model) if b is not model]
     probe = _BlockProbe(model, blocks, device)
     try:
@@ -203,37 +242,13 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         probe.close()
     _, flops = count_flops(lambda: loss_fn(draw()).backward())
     optimizer.zero_grad(set_to_none=True)
-    w = workloads[str(threads)]
     names = {id(m): n for n, m in model.named_modules()}
-    out["blocks"] = [{"name": names.get(id(b), type(b).__name__),
-                      "param_bytes": sum(_bytes(p) for p in b.parameters()), "forward_s": block_forward[i],
-                      "backward_s": block_forward[i] * w["backward_s"] / max(w["forward_s"], 1e-12),
-                      "activation_bytes": saved[i], "input_bytes": inputs[i]} for i, b in enumerate(blocks)]
-    out["activation_bytes"], out["output_bytes"] = total_saved, output_bytes
-    out["flops_per_step"], out["flops_per_unit"] = flops, flops / tokens
-    peak, source = peak_flops(device, {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype))
-    out["peak_flops"], out["peak_flops_source"] = peak, source
-
-    progress("memory of one step")
-    out["param_bytes"] = model_gradient_bytes(task, cfg.train.dtype)
-    out["param_total_bytes"] = sum(_bytes(p) for p in model.parameters())
-    out["buffer_bytes"] = sum(_bytes(b) for b in model.buffers())
-    out["memory_measured"] = _memory_peak(model, optimizer, one_step)
-    one_step()
-    out["optimizer_state_bytes"] = sum(_bytes(v) for st in optimizer.state.values() for v in st.values()
-                                       if isinstance(v, torch.Tensor))
-
-    progress("pipeline stages")
-    out["strategy_inputs"] = _stage_inputs(task, cfg)
-    if links:
-        from .microbench import measured_collective, measured_link, measured_p2p, measured_rpc
-
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc")
-        found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
-                 "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
-        out["links"] = {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte,
-                            "gamma_s_per_byte": v.gamma_s_per_byte} for k, v in found.items()}
-    return out
+    backward_per_forward = w["backward_s"] / max(w["forward_s"], 1e-12)
+    rows = [{"name": names.get(id(b), type(b).__name__), "param_bytes": sum(_bytes(p) for p in b.parameters()),
+             "forward_s": block_forward[i], "backward_s": block_forward[i] * backward_per_forward,
+             "activation_bytes": saved[i], "input_bytes": inputs[i]} for i, b in enumerate(blocks)]
+    return {"blocks": rows, "activation_bytes": total_saved, "output_bytes": output_bytes, "flops_per_step": flops,
+            "flops_per_unit": flops / tokens}
 
 
 def _to(mb: Any, device: torch.device) -> Any:
@@ -261,8 +276,8 @@ def _stage_inputs(task, cfg) -> dict[str, Any]:
     for s in STAGE_COUNTS:
         got = strategy_inputs(task, layout(s))
         if "activation_bytes" in got:
-            out["stage_profiles"][str(s)] = {k: got[k] for k in ("activation_bytes", "shared_bytes", "stage_param_bytes",
-                                                           "stage_fractions", "microbatch_factor")}
+            keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
+            out["stage_profiles"][str(s)] = {k: got[k] for k in keys}
     return out
 
 
