@@ -7,8 +7,8 @@ C++ reducer where the tracker cannot see them; :func:`ddp_bucket_bytes` reads th
 own logging data and the peak counts them where the gradients at that moment do not already hold
 them (``gradient_as_bucket_view``: a gradient is a view of its bucket).
 
-Private torch APIs (no public one measures a CPU step's peak), each guarded so that a torch that
-changes them gives no number rather than a failed run: ``torch.distributed._tools.mem_tracker``,
+Private torch APIs (no public one measures a CPU step's peak), guarded where they are entered and
+read (a torch that renames them gives no number): ``torch.distributed._tools.mem_tracker``,
 and DDP's ``_get_ddp_logging_data()`` for the bucket sizes.
 """
 from __future__ import annotations

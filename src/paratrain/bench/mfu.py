@@ -8,7 +8,7 @@ element-wise ops are not counted, as in ``6 N`` per token), on each process' sec
 may set up: a pipeline infers its shapes). With activation checkpointing the recomputed forward is
 counted too (that is hardware FLOPs utilisation, HFU, for those blocks).
 
-Private torch APIs, each guarded (a torch that changes them gives NaN, never a failed run): the
+A private torch API, guarded where it is entered (a torch that renames it gives NaN): the
 counter runs without ``FlopCounterMode``'s per-module tracker (``_FlopCounterMode`` alone), whose
 backward hooks ``torch.distributed.pipelining``'s ``autograd.grad`` refuses.
 

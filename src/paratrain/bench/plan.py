@@ -75,6 +75,8 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
     ns = sorted(set(_ints(args.nproc or default, "--nproc")))
     if not ns or ns[0] < 1:
         raise UsageError(f"--nproc {args.nproc!r}: give device counts >= 1, e.g. --nproc 1,2,4,8")
+    if args.profile_steps < 6:
+        raise UsageError(f"--profile-steps {args.profile_steps}: use 6 or more (a third are warm-up)")
     if args.validate_repeats < 1 or args.validate_steps < 6:
         raise UsageError(f"--validate-repeats {args.validate_repeats} / --validate-steps {args.validate_steps}: use "
                          f"1 or more runs of 6 or more steps")
@@ -126,10 +128,11 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
 
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
-    """The profile's one-device step (at ``threads`` intra-op threads, default the default) with the
-    per-replica batch scaled by ``ratio`` (compute linear in the batch)."""
-    default = prof["workloads"][str(prof["default_threads"])]
-    w = prof["workloads"].get(str(threads or prof["default_threads"])) or default
+    """The profile's one-device step at the measured thread count nearest ``threads`` (None: the
+    default run's) with the per-replica batch scaled by ``ratio`` (compute linear in the batch)."""
+    measured = {int(k): v for k, v in prof["workloads"].items()}
+    want = threads or max(measured)  # None: the default run (the most threads)
+    w = measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
     return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
                     optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
                     tokens_per_step=prof["tokens_per_step"] * ratio)

@@ -12,8 +12,8 @@ one device, U the largest FSDP unit, all for one replica's batch):
   ``P_d + G_d + O_d + buffers``;
 * one device / all-reduce: ``P_d = P``, ``O_d = O``; DDP keeps its gradient buckets between steps
   (``gradient_as_bucket_view``: G_kept = G), one device frees them (G_kept = 0);
-* ZeRO-1 (``sharded_optimizer``): ``O_d = O / n`` and the all-gather of the updated rows (P) in the
-  optimizer phase;
+* ZeRO-1 (``sharded_optimizer``): ``O_d = O / n`` and, in the optimizer phase, the all-gather of the
+  updated rows: its output (P) and its send buffer (P / n);
 * FSDP (``sharded_parameters``): ``P_d = P / n``, ``G_d = G / n``, ``O_d = O / n``; the forward ends
   with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward), and a third
   phase, the backward's start, holds the last unit gathered again and its unsharded gradient beside
@@ -183,7 +183,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
         whole = (w.forward_s + w.backward_s) * s * got.get("microbatch_factor", 1.0)
         per_mb = [whole * x / sum(f) / d.dist.microbatches for x in f]
         pipelined = sum(per_mb) + (d.dist.microbatches - 1) * max(per_mb)
-        bubble = max(0.0, pipelined - (w.forward_s + w.backward_s) * s)
+        compute = whole / stages + w.data_s * s  # a device's share of the work; the rest of the schedule is bubble
+        bubble = max(0.0, pipelined - whole / stages)
         optimizer = max(0.0, p.compute_s - pipelined - w.data_s * s)
         return _parts(p.step_s, compute, optimizer, bubble, p.words_per_s, replicas)
     d = replace_dist(cfg, **layout.overrides)

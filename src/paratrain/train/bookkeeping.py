@@ -158,6 +158,7 @@ class Bookkeeper:
         if self.reduce is not None:
             acc, mem = self.reduce(acc, "sum"), self.reduce(mem, "max")
         flops, ranks = float(acc[0]), int(round(float(acc[1])))
+        devices = ranks * len(getattr(self.strategy, "devices", None) or [None])  # towers: devices per process
         if not self.log:
             return {}
         tracked = ({"tracked_peak_memory_mb": round(float(mem[0]) / 2**20, 2),  # the largest rank's
@@ -166,7 +167,7 @@ class Bookkeeper:
         dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(self.train.precision, self.train.dtype)
         peak, source = peak_flops(self.env.device, dtype)
         return {"model_flops_per_step": flops, f"flops_per_{self.unit.rstrip('s')}": flops / units_per_step,
-                "mfu": mfu(flops, step_ms / 1000, ranks, peak), "peak_flops_per_device": peak,
+                "mfu": mfu(flops, step_ms / 1000, devices, peak), "peak_flops_per_device": peak,
                 "peak_flops_source": source, **tracked}
 
     def close(self) -> None:
