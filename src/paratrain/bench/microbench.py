@@ -66,17 +66,7 @@ def _time_allreduce(nbytes: int, repeats: int, warmup: int) -> float:
     import torch.distributed as dist
 
     x = torch.zeros(max(1, nbytes // FLOAT32_BYTES), dtype=torch.float32)
-    for _ in range(warmup):
-        dist.all_reduce(x)
-    slowest = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        slowest.append(float(dt))
-    return statistics.median(slowest)
+    return _time_collective(lambda: dist.all_reduce(x), repeats, warmup)
 
 
 def _time_collective(run, repeats: int, warmup: int) -> float:

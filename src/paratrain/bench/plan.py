@@ -27,10 +27,11 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import PRESETS, Link, Workload
 from .plan_model import PS, Layout, MemoryInputs, best_bucket, memory_per_device, step_parts
-from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
+from .strategy_model import MODELS as STEP_MODELS
+from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
-MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS)
+MODELS = (*STEP_MODELS, PS)  # every Strategy.cost_model the plan predicts
 
 
 def add_plan_parser(sub) -> None:
@@ -117,7 +118,6 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             prof = profile_model(task, cfg, progress=progress)
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
-            prof["workloads_in_process"] = prof["workloads"]
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
                                                cfg.train.batch_size, args.profile_steps, threads,
                                                concurrent=prof["cores"])

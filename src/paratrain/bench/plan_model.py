@@ -37,6 +37,7 @@ one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 from ..errors import UsageError
@@ -143,7 +144,7 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link) -> tuple[float, float
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers (see the module)."""
     nbytes = sum(w.param_bytes)
-    worker_step = w.local_s() + (ps_step_s(nbytes, 1, k, link) if n > 1 or k > 0 else 0.0)
+    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link)
     server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte)
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
@@ -204,22 +205,11 @@ def _parts(step: float, compute: float, optimizer: float, bubble: float, rate: f
             "comm_s": max(0.0, step - compute - optimizer - bubble), "units_per_s": rate, "replicas": replicas}
 
 
-class _Dist:
-    """The recipe's ``dist`` keys with some replaced (what the step formulas read), no validation."""
-
-    def __init__(self, dist, **changes: Any) -> None:
-        self.__dict__.update({k: getattr(dist, k) for k in dist.__dataclass_fields__})
-        self.__dict__.update(changes)
-
-
-class _Cfg:
-    def __init__(self, cfg, **changes: Any) -> None:
-        self.train, self.task, self.dist = cfg.train, cfg.task, _Dist(cfg.dist, **changes)
-
-
-def replace_dist(cfg, **changes: Any) -> _Cfg:
-    """``cfg`` with ``dist`` keys replaced, for the step formulas (no config validation)."""
-    return _Cfg(cfg, **changes)
+def replace_dist(cfg, **changes: Any) -> SimpleNamespace:
+    """``cfg`` with ``dist`` keys replaced, for the step formulas (no config validation: a layout's
+    keys may be another strategy's)."""
+    dist = {k: getattr(cfg.dist, k) for k in cfg.dist.__dataclass_fields__}
+    return SimpleNamespace(train=cfg.train, task=cfg.task, dist=SimpleNamespace(**{**dist, **changes}))
 
 
 def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, overlap: bool = True) -> float:

@@ -47,7 +47,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 row["feasible"] = limit is None or need <= limit
                 row["reason"] = "" if row["feasible"] else (
                     f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB")
-                row["global_batch"] = args.global_batch
                 rows.append(row)
     if limit is not None and not any(r["feasible"] for r in rows):
         least = min(rows, key=lambda r: r["memory"]["total"])

@@ -175,18 +175,14 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                            "dtype": cfg.train.dtype, "precision": cfg.train.precision, "cores": available_cores()}
     progress("timing steps")
     threads = torch.get_num_threads()
-    workloads = {str(threads): _timed_steps(model, optimizer, loss_fn, draw, device, warmup, steps)}
-    if device.type == "cpu" and threads > 1:
-        torch.set_num_threads(1)
-        try:
-            workloads["1"] = _timed_steps(model, optimizer, loss_fn, draw, device, 1, max(2, steps // 2))
-        finally:
-            torch.set_num_threads(threads)
-    out["workloads"] = workloads
+    # in this process, at the default threads: the backward/forward ratio that splits the blocks' time
+    # (the step's parts themselves come from the training loop's runs: loop_workloads)
+    timed = _timed_steps(model, optimizer, loss_fn, draw, device, warmup, steps)
+    out["workloads_in_process"] = {str(threads): timed}
     out["default_threads"] = threads
 
     progress("blocks, activations and FLOPs")
-    out.update(_blocks_and_flops(model, optimizer, loss_fn, draw, device, workloads[str(threads)], tokens))
+    out.update(_blocks_and_flops(model, optimizer, loss_fn, draw, device, timed, tokens))
     counted_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype)
     peak, source = peak_flops(device, counted_dtype)
     out["peak_flops"], out["peak_flops_source"] = peak, source

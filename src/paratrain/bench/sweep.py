@@ -10,6 +10,7 @@ a timeout, warm-up steps are left out of every number (``train.timing_warmup_ste
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -143,6 +144,7 @@ def train_command(spec: BenchSpec, plan: RunPlan, run_dir: Path) -> list[str]:
     return cmd
 
 
+@functools.lru_cache(maxsize=8)
 def short_evaluation(config: str, task: str | None = None) -> tuple[str, ...]:
     """Overrides that shorten a measurement run's evaluation where the task has such a key (the
     language models' ``data.eval_fraction``; a classifier's held-out sets are small already)."""

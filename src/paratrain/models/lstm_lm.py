@@ -69,9 +69,9 @@ class LSTMLM(nn.Module):
             plans; state dicts of either layout load into both.
     """
 
-    no_pipeline_reason = ("strategy 'pipeline' does not run lstm-lm: each LSTM layer carries its hidden "
-                          "state from one BPTT window to the next (across steps), which a stage's schedule of "
-                          "micro-batches cannot thread through; use allreduce, fsdp or zero1")
+    # why it cannot be cut into pipeline stages (the strategy that refuses it names itself)
+    no_pipeline_reason = ("each LSTM layer carries its hidden state from one BPTT window to the next (across "
+                          "steps), which a stage's schedule of micro-batches cannot thread through")
 
     def __init__(self, vocab_size: int, embed_dim: int = 200, hidden_dim: int = 200,
                  num_layers: int = 2, dropout: float = 0.0, tie_weights: bool = False,

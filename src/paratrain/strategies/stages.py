@@ -59,7 +59,8 @@ def cut_stages(module: nn.Module, stages: int, split: str = "") -> list[nn.Modul
     ``split`` (``dist.pipeline_split``). UsageError, one line, when the model cannot be cut so."""
     reason = getattr(module, "no_pipeline_reason", None)
     if reason:
-        raise UsageError(reason)
+        raise UsageError(f"strategy 'pipeline' does not run {type(module).__name__}: {reason}; use allreduce, fsdp "
+                         f"or zero1")
     bn = next((n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
     if bn is not None:
         raise UsageError(f"strategy 'pipeline' does not run a model with BatchNorm ({bn or type(module).__name__}): "

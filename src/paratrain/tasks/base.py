@@ -161,13 +161,14 @@ class TaskBase:
         pass
 
     def pipeline_input(self, micro_batch: Any) -> torch.Tensor:
-        """What strategy ``pipeline``'s first stage reads: the first tensor of a tuple/list micro-batch
+        """What a pipeline's first stage reads: the first tensor of a tuple/list micro-batch
         ((inputs, targets, ...)), or the micro-batch itself if it is a tensor; rows along dim 0.
         UsageError for other micro-batches (write your own ``pipeline_input``/``pipeline_chunk``)."""
         first = micro_batch[0] if isinstance(micro_batch, (tuple, list)) and micro_batch else micro_batch
         if not isinstance(first, torch.Tensor):
-            raise UsageError(f"strategy 'pipeline' cannot feed a micro-batch of type {type(micro_batch).__name__}: "
-                             f"give your task pipeline_input(mb) and pipeline_chunk(mb, lo, hi)")
+            raise UsageError(f"a pipeline's first stage cannot be fed a micro-batch of type "
+                             f"{type(micro_batch).__name__}: give your task pipeline_input(mb) and "
+                             f"pipeline_chunk(mb, lo, hi)")
         return first
 
     def pipeline_chunk(self, micro_batch: Any, lo: int, hi: int) -> Any:
