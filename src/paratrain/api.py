@@ -273,7 +273,11 @@ def shutdown() -> None:
 
 def _at_exit() -> None:
     """Interpreter exit without :func:`shutdown`: nothing that waits for other ranks (one of them
-    may have failed); a parameter-server worker tells its servers it is done."""
+    may have failed); a parameter-server worker tells its servers it is done; the process group is
+    left here, while the interpreter is whole (gloo's threads destroyed later, during finalization,
+    can abort the process: "terminate called without an active exception", seen with fsdp)."""
+    import torch.distributed as dist
+
     from .ps.runtime import shutdown_rpc
 
     if not _SESSIONS:
@@ -285,3 +289,5 @@ def _at_exit() -> None:
         except Exception:  # noqa: BLE001 - the servers may be gone already
             pass
     shutdown_rpc()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()  # local: shuts this process' backends down, waits for no rank

@@ -153,12 +153,16 @@ class AllReduce(NoSyncMixin, Strategy):
         (a reducer outliving its gloo group can abort the process at exit)."""
         if self.env.world_size > 1 and dist.is_initialized():
             dist.barrier()
+        self.release()
+        if getattr(self, "_own_group", False):
+            dist.destroy_process_group()
+            self._own_group = False
+
+    def release(self) -> None:
+        """Drop the DDP reducer (no other rank is waited for): what must go before the process group."""
         self.engine = None
         if self.model is not None:
             object.__setattr__(self.model, "_engine", self.module)
         import gc
 
         gc.collect()
-        if getattr(self, "_own_group", False):
-            dist.destroy_process_group()
-            self._own_group = False
