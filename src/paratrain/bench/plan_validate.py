@@ -1,5 +1,6 @@
 """``paratrain plan --validate``: every modelled strategy run here at N = 1 and 2 (``--validate-nproc``;
-``--validate-repeats`` runs per layout, the median step kept) (``paratrain train``
+``--validate-repeats`` runs per layout, taken round-robin over the layouts so that a slow spell of
+the machine hits every layout alike; the median step kept) (``paratrain train``
 through the bench sweep: weak scaling, the recipe's batch per replica, one layout each: a pipeline of
 2 stages, K = 1 server), its measured step time (rank 0's ``train_step_ms`` after warm-up) and peak
 memory (``train.track_memory_step``: torch's MemTracker over one step, the largest rank) against the
@@ -37,8 +38,8 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
 
 
 def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
-    from ..bench.costmodel import Link, relative_error
-    from .report import median_run, run_record
+    from ..bench.costmodel import Link
+    from .report import run_record
     from .sweep import BenchSpec, RunPlan, run_sweep
 
     link = Link(name="measured", **prof["links"]["all_reduce"])
@@ -52,46 +53,30 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
             f"train.timing_warmup_steps={max(2, steps // 3)}", f"train.log_every={max(1, steps // 6)}")
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, {steps} steps each, {args.validate_repeats} run(s) per "
-          f"layout (the median)", flush=True)
+          f"layout (the median; repeats go round the layouts)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
-        for i, (lay, n) in enumerate(runs):
-            overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
-            replicas = n // lay.overrides.get("pipeline_stages", 1)
-            spec = BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,), nprocs=(replicas,),
-                             scaling=("weak",), steps=steps, warmup_steps=max(2, steps // 3), overrides=overrides,
-                             data_dir=args.data_dir)
-            plans = [RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas, repeat=r)
-                     for r in range(args.validate_repeats)]
-            outcomes = run_sweep(spec, plans, Path(tmp) / str(i), progress=False)
-            records = [run_record(o) for o in outcomes]
-            chosen = median_run(records, "train_step_ms") or records[0]  # the median of the repeats
-            outcome = outcomes[records.index(chosen)]
-            rec = chosen
-            pred = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
-            measured = rec.get("train_step_ms", math.nan) if rec["ok"] else math.nan
-            mem = outcome.summary.get("tracked_peak_memory_mb", math.nan) * 2 ** 20 if rec["ok"] else math.nan
-            row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"],
-                   "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
-                   "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
-                   "predicted_units_per_s": pred["units_per_s"],
-                   "measured_units_per_s": rec.get("units_per_s", math.nan),
-                   "synchronous": pred["synchronous"], "repeats": len(records),
-                   "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
-                   # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
-                   "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")},
-                   "measured_ms": ({k[:-3]: rec["rank0_timing_ms"].get(k, math.nan)
-                                    for k in ("data_ms", "compute_ms", "forward_ms", "backward_ms", "comm_ms",
-                                              "idle_ms", "optimizer_ms")} if rec["ok"] else {}),
-                   "measured_memory_mb": outcome.summary.get("rank0_tracked_memory_mb", {}) if rec["ok"] else {}}
-            row["step_error"] = (relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured)
-                                 else math.nan)
-            row["memory_error"] = (relative_error(row["predicted_memory_bytes"], mem)
-                                   if math.isfinite(mem) and mem > 0 else math.nan)
-            rows.append(row)
+        done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
+        for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
+            for i, (lay, n) in enumerate(runs):
+                overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
+                replicas = n // lay.overrides.get("pipeline_stages", 1)
+                spec = BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,), nprocs=(replicas,),
+                                 scaling=("weak",), steps=steps, warmup_steps=max(2, steps // 3),
+                                 overrides=overrides, data_dir=args.data_dir)
+                plan = RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas,
+                               repeat=r)
+                outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
+                done[i].append((run_record(outcome), outcome))
+                print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
+                      f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
+        for (lay, n), got in zip(runs, done):
+            rows.append(_row(lay, n, got, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True,
+                                                            global_batch=None)))
+            row = rows[-1]
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
-                  f"{measured:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
-                  f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured {mem / 2**20:7.1f} MiB "
-                  f"({_pct(row['memory_error'])})", flush=True)
+                  f"{row['measured_step_ms']:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
+                  f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
+                  f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({_pct(row['memory_error'])})", flush=True)
     result = {"config": args.config, "steps": steps, "link": prof["links"], "rows": rows,
               "choice": _choice(rows)}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
@@ -99,6 +84,36 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     (out / "validation.md").write_text(text)
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> dict:
+    """One validation row: the median of a layout's runs (``got``: (record, outcome) per run)
+    against its prediction ``pred``."""
+    from ..bench.costmodel import relative_error
+    from .report import median_run
+
+    records = [rec for rec, _ in got]
+    rec = median_run(records, "train_step_ms") or records[0]
+    outcome = got[records.index(rec)][1]
+    measured = rec.get("train_step_ms", math.nan) if rec["ok"] else math.nan
+    mem = outcome.summary.get("tracked_peak_memory_mb", math.nan) * 2 ** 20 if rec["ok"] else math.nan
+    row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"],
+           "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
+           "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
+           "predicted_units_per_s": pred["units_per_s"],
+           "measured_units_per_s": rec.get("units_per_s", math.nan),
+           "synchronous": pred["synchronous"], "repeats": len(records),
+           "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
+           # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
+           "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")},
+           "measured_ms": ({k[:-3]: rec["rank0_timing_ms"].get(k, math.nan)
+                            for k in ("data_ms", "compute_ms", "forward_ms", "backward_ms", "comm_ms",
+                                      "idle_ms", "optimizer_ms")} if rec["ok"] else {}),
+           "measured_memory_mb": outcome.summary.get("rank0_tracked_memory_mb", {}) if rec["ok"] else {}}
+    row["step_error"] = relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured) else math.nan
+    row["memory_error"] = (relative_error(row["predicted_memory_bytes"], mem)
+                           if math.isfinite(mem) and mem > 0 else math.nan)
+    return row
 
 
 def _choice(rows: list[dict]) -> dict:
