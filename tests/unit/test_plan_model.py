@@ -183,3 +183,52 @@ def test_a_layout_the_recipe_refuses_is_named_with_the_strategys_reason():
     assert said and "sync_batchnorm needs workers that step together; ps-async" in said
     assert refusal(recipe, None, [], Layout("ps-sync", 4, {"num_ps": 2})) is None
     assert refusal(recipe, None, [], Layout("replicate", 2, {})) is None
+
+
+def test_sync_batchnorm_adds_its_seconds_to_every_multiprocess_step_and_none_to_towers():
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
+    synced = {**INPUTS, "sync_batchnorm_s": 0.02}
+    for cls, overrides in LAYOUTS[:3] + LAYOUTS[5:6]:  # all-reduce, zero1, fsdp, ps-sync
+        a = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), INPUTS)
+        b = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), synced)
+        assert b["step_s"] == pytest.approx(a["step_s"] + 0.02, abs=1e-15)
+        assert b["comm_s"] == pytest.approx(a["comm_s"] + 0.02, abs=1e-15)  # blocking collectives: exposed
+        assert b["units_per_s"] == pytest.approx(a["units_per_s"] * a["step_s"] / (a["step_s"] + 0.02))
+    towers = [step_parts(LAYOUTS[3][0], Layout("x", 2, {}), W, link, Config(), x) for x in (INPUTS, synced)]
+    assert towers[0] == towers[1]  # towers synchronise inside their process
+
+
+def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer_on_a_cluster():
+    from types import SimpleNamespace
+
+    from paratrain.bench.plan import sync_batchnorm_s
+
+    cfg = SimpleNamespace(model=SimpleNamespace(sync_batchnorm=True))
+    prof = {"batchnorm_inputs": [[64, 16, 8, 8], [64, 31, 4, 4]], "sync_batchnorm_s": 0.0123}
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    assert sync_batchnorm_s(prof, cfg, 2, link, on_this_machine=True) == 0.0123
+    # n = 4: a ring all-reduce of b bytes is 2 x 3 alpha + 2 x 3/4 b beta; b = (C + 1) x 4: 68 and 128 bytes
+    each = [6e-5 + 1.5 * b * 1e-9 for b in (68, 128)]
+    assert sync_batchnorm_s(prof, cfg, 4, link, on_this_machine=False) == pytest.approx(4 * sum(each))
+    assert sync_batchnorm_s(prof, cfg, 1, link, on_this_machine=True) == 0.0  # one process: nothing to sync
+    off = SimpleNamespace(model=SimpleNamespace(sync_batchnorm=False))
+    assert sync_batchnorm_s(prof, off, 2, link, on_this_machine=True) == 0.0
+    assert sync_batchnorm_s({"batchnorm_inputs": []}, cfg, 2, link, on_this_machine=True) == 0.0
+
+
+def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_their_sync():
+    import torch
+    from torch import nn
+
+    from paratrain.bench.microbench import measured_sync_batchnorm
+    from paratrain.bench.profile import _batchnorm_inputs
+
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 5),
+                          nn.BatchNorm1d(5))
+    x = torch.randn(6, 1, 4, 4)
+    shapes = _batchnorm_inputs(model, lambda xs: model(xs[0]).sum(), lambda: [x])
+    assert shapes == [[6, 4, 4, 4], [6, 5]]
+    assert not model[1]._forward_pre_hooks  # the hooks are gone
+    assert measured_sync_batchnorm([]) == 0.0
+    got = measured_sync_batchnorm(shapes, repeats=3, warmup=1)  # two gloo processes, paratrain's SyncBatchNorm
+    assert math.isfinite(got) and got >= 0.0

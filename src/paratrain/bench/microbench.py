@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -48,8 +49,8 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
-                     "reduce_scatter": _time_reduce_scatter}[op]
-            results = [(int(size), timer(size, repeats, warmup)) for size in sizes_bytes]
+                     "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm}[op]
+            results = [(size, timer(size, repeats, warmup)) for size in sizes_bytes]
         finally:
             dist.destroy_process_group()
         if rank == 0:
@@ -135,6 +136,46 @@ def _time_p2p(nbytes: int, repeats: int, warmup: int) -> float:
     return float(t)
 
 
+def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
+    """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
+    ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
+    input of ``shape`` (N, C, *): four blocking all-reduces (count and sum, the variance, and their
+    gradients), each meeting a rank that may still be computing. Each timed pass follows about
+    ``compute_s`` of one-thread compute, as a layer inside a training step does; the median over
+    ``repeats`` interleaved pairs, difference of the medians. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    from ..strategies.sync_batchnorm import GroupReducer, SyncBatchNorm
+
+    shape = [int(d) for d in shape]
+    x = torch.randn(*shape, requires_grad=True)
+    synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
+    plain = SyncBatchNorm(shape[1], reducer=None)
+    a = torch.randn(96, 96)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    k = torch.tensor([max(1, round(compute_s * 10 / max(1e-7, time.perf_counter() - t0)))], dtype=torch.int64)
+    dist.broadcast(k, 0)  # every rank computes as much (rank 0's calibration)
+
+    def once(layer) -> float:
+        for _ in range(int(k)):
+            a @ a
+        t = time.perf_counter()
+        layer(x).sum().backward()
+        return time.perf_counter() - t
+
+    alone, reduced = [], []
+    with warnings.catch_warnings():  # torch's deprecation notice of the differentiable all_reduce, once per rank
+        warnings.simplefilter("ignore", FutureWarning)
+        for i in range(warmup + repeats):
+            got = once(plain), once(synced)
+            if i >= warmup:
+                alone.append(got[0])
+                reduced.append(got[1])
+    return max(0.0, statistics.median(reduced) - statistics.median(alone))
+
+
 def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
     """The error message for ranks that hung (killed here) or failed, None if all exited 0."""
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -167,7 +208,8 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
-    sizes = [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes]
+    sizes = ([list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # input shapes, not bytes
+             else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="paratrain-allreduce-") as tmp:
         workdir = Path(tmp)
@@ -181,7 +223,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
         message = _failure(procs, workdir, timeout_s)
         if message:
             raise RuntimeError(message)
-        return [(int(s), float(t)) for s, t in json.loads((workdir / "results.json").read_text())]
+        return [(s, float(t)) for s, t in json.loads((workdir / "results.json").read_text())]
 
 
 def measure_gamma(nbytes: int = 16 * 2 ** 20, repeats: int = 20, warmup: int = 2) -> float:
@@ -212,6 +254,19 @@ def measured_link(world_size: int = 2, *, sizes_bytes: Sequence[int] = DEFAULT_S
     points = measure_allreduce(world_size, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s)
     alpha, beta = fit_alpha_beta([s for s, _ in points], [t for _, t in points], world_size, gamma)
     return Link(name="measured", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
+
+
+def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 40, warmup: int = 5,
+                            timeout_s: float = 120.0) -> float:
+    """Seconds per training step that synchronising BatchNorm layers with these per-replica input
+    shapes (N, C, *) costs two local gloo processes (one thread each) beyond plain BatchNorm: the
+    sum over the layers of :func:`_time_sync_batchnorm`. 0 for no shapes. Raises RuntimeError as
+    :func:`measure_allreduce`."""
+    if not shapes:
+        return 0.0
+    points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
+                               op="sync_batchnorm")
+    return sum(t for _, t in points)
 
 
 def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
@@ -265,8 +320,6 @@ def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int,
     try:
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
                                                rpc_timeout=timeout_s, num_worker_threads=4)
-        import warnings
-
         with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
             rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)

@@ -31,6 +31,7 @@ from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
+FLOAT32_BYTES = 4  # BatchNorm statistics travel in float32
 MODELS = (*STEP_MODELS, PS)  # every Strategy.cost_model the plan predicts
 
 
@@ -225,7 +226,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
-              "shared_cores": shared_cores}
+              "shared_cores": shared_cores,
+              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine)}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
     if parts is None:
@@ -247,6 +249,22 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
+
+
+def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
+    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: on this
+    machine the profile's measurement (``sync_batchnorm_s``: two processes, the model's BatchNorm
+    input shapes), elsewhere four ring all-reduces of C + 1 numbers per layer (count and sums, the
+    variance, and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`). 0 without
+    BatchNorm, without the key or at n = 1."""
+    from .costmodel import ring_allreduce_s
+
+    shapes = prof.get("batchnorm_inputs") or []
+    if n < 2 or not shapes or not getattr(cfg.model, "sync_batchnorm", False):
+        return 0.0
+    if on_this_machine and "sync_batchnorm_s" in prof:
+        return prof["sync_batchnorm_s"]
+    return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, n, link) for shape in shapes)
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

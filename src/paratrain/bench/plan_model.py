@@ -28,6 +28,13 @@ one device, U the largest FSDP unit, all for one replica's batch):
 * activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
   inputs) + max(block's saved) (one block recomputed at a time).
 
+Synchronised BatchNorm (``model.sync_batchnorm``, :mod:`paratrain.strategies.sync_batchnorm`): each
+layer's forward all-reduces its count and sums, then its variance, and the backward all-reduces the
+gradients of both: four blocking collectives per layer and step, which nothing overlaps. On this
+machine the profile measures what they cost two processes (the model's own BatchNorm shapes, each
+after some compute, as inside a step: the ranks' skew and wake-up, not only the link's latency);
+on a cluster, four ring all-reduces of C + 1 numbers per layer.
+
 Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
 rate is the smaller of the workers' (n / (local + push + pull)) and the servers' (K servers each
 receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma)`` seconds per update);
@@ -156,7 +163,21 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data),
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
-    :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages."""
+    :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages;
+    ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
+    (blocking collectives inside the forward and backward: exposed communication; towers synchronise
+    in their own process and pay none of it)."""
+    parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
+    extra = inputs.get("sync_batchnorm_s", 0.0) if (cls.cost_model or RING) != TOWERS else 0.0
+    if parts is None or not extra:
+        return parts
+    step = parts["step_s"] + extra
+    return _parts(step, parts["compute_s"], parts["optimizer_s"], parts["bubble_s"],
+                  parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
+
+
+def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
+                compute_scale: float, overlap: bool, links: dict[str, Link] | None) -> dict[str, float] | None:
     s, n, model = compute_scale, layout.n, cls.cost_model or RING
     links = links or {}
     ps_link = links.get("rpc") or link

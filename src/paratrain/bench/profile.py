@@ -14,7 +14,10 @@ gradients, optimizer state, activations, temporaries). The links: :func:`~.micro
 (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's own
 (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
 RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport). Pipeline stage
-profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`).
+profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). The
+input shape of every BatchNorm layer (``batchnorm_inputs``) and, where the recipe sets
+``model.sync_batchnorm``, what synchronising them costs a step between two processes here
+(``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`).
 
 :func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
@@ -33,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 STAGE_COUNTS = (2, 4)
 
 
@@ -198,10 +201,32 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
 
     progress("pipeline stages")
     out["strategy_inputs"] = _stage_inputs(task, cfg)
+    out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw)
     if links:
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc")
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc; sync BatchNorm")
         out["links"] = measured_links()
+        if getattr(cfg.model, "sync_batchnorm", False) and out["batchnorm_inputs"]:
+            from .microbench import measured_sync_batchnorm
+
+            out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
     return out
+
+
+def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
+    """The input shape (N, C, *) of every BatchNorm layer in one forward of a replica's batch (what
+    ``model.sync_batchnorm`` synchronises between the replicas: :func:`~.microbench.measured_sync_batchnorm`)."""
+    kinds = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    shapes: list[list[int]] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: shapes.append(list(args[0].shape)))
+             for m in model.modules() if isinstance(m, kinds)]
+    try:
+        if hooks:
+            with torch.no_grad():
+                loss_fn(draw())
+    finally:
+        for h in hooks:
+            h.remove()
+    return shapes
 
 
 def measured_links() -> dict[str, dict[str, float]]:
