@@ -54,10 +54,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="paratrain-costmodel-") as tmp:
         for o in run_sweep(spec, plans, Path(tmp)):
             runs.setdefault((o.plan.strategy, o.plan.n, o.plan.threads), []).append(run_record(o))
-    recs = {k: median_run(v, "train_step_ms") for k, v in runs.items()}
-    failed = [k for k, r in recs.items() if r is None]
+    failed = [k for k, v in runs.items() if not all(r["ok"] for r in v)]
     if failed:
         raise SystemExit(f"runs failed: {failed}")
+    recs = {k: median_run(v, "train_step_ms") for k, v in runs.items()}
     units = recs[("single", 1, None)]["units_per_step"]
     grads = model_gradient_bytes(task, cfg.train.dtype)
     workloads = {recs[("single", 1, None)]["threads_per_process"]: workload_from_record(recs[("single", 1, None)],

@@ -31,7 +31,6 @@ from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
-FLOAT32_BYTES = 4  # BatchNorm statistics travel in float32
 MODELS = (*STEP_MODELS, PS)  # every Strategy.cost_model the plan predicts
 
 
@@ -252,19 +251,25 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
 
 
 def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
-    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: on this
-    machine the profile's measurement (``sync_batchnorm_s``: two processes, the model's BatchNorm
-    input shapes), elsewhere four ring all-reduces of C + 1 numbers per layer (count and sums, the
-    variance, and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`). 0 without
-    BatchNorm, without the key or at n = 1."""
+    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: four
+    ring all-reduces of C + 1 numbers per BatchNorm layer and forward (count and sums, the variance,
+    and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`); on this machine the
+    profile's measurement at two processes (``sync_batchnorm_s``: the model's BatchNorm input shapes,
+    each layer meeting a rank that was computing) plus what the ring adds beyond two processes. 0
+    without BatchNorm, without the key or at n = 1."""
     from .costmodel import ring_allreduce_s
+    from .microbench import FLOAT32_BYTES  # BatchNorm statistics: float32 for float32 models
 
     shapes = prof.get("batchnorm_inputs") or []
-    if n < 2 or not shapes or not getattr(cfg.model, "sync_batchnorm", False):
+    if n < 2 or not shapes or not cfg.model_value("sync_batchnorm", False):
         return 0.0
+
+    def ring(k: int) -> float:
+        return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) for shape in shapes)
+
     if on_this_machine and "sync_batchnorm_s" in prof:
-        return prof["sync_batchnorm_s"]
-    return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, n, link) for shape in shapes)
+        return prof["sync_batchnorm_s"] + ring(n) - ring(2)
+    return ring(n)
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

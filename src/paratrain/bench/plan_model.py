@@ -165,10 +165,14 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
     :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages;
     ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
-    (blocking collectives inside the forward and backward: exposed communication; towers synchronise
-    in their own process and pay none of it)."""
+    (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
+    ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay none of it, a
+    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    extra = inputs.get("sync_batchnorm_s", 0.0) if (cls.cost_model or RING) != TOWERS else 0.0
+    model = cls.cost_model or RING
+    # towers sync in their own process; a pipeline refuses BatchNorm models, an asynchronous PS sync BatchNorm
+    synced = cls.synchronous and model in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
+    extra = inputs.get("sync_batchnorm_s", 0.0) if synced else 0.0
     if parts is None or not extra:
         return parts
     step = parts["step_s"] + extra

@@ -38,7 +38,7 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
 
 
 def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
-    from ..bench.costmodel import Link
+    from .costmodel import Link
     from .report import run_record
     from .sweep import BenchSpec, RunPlan, run_sweep
 
@@ -56,13 +56,16 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
           f"layout (the median; repeats go round the layouts)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
+        specs = []
+        for lay, n in runs:
+            overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
+            replicas = n // lay.overrides.get("pipeline_stages", 1)
+            specs.append((BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,),
+                                    nprocs=(replicas,), scaling=("weak",), steps=steps,
+                                    warmup_steps=max(2, steps // 3), overrides=overrides, data_dir=args.data_dir),
+                          replicas))
         for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
-            for i, (lay, n) in enumerate(runs):
-                overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
-                replicas = n // lay.overrides.get("pipeline_stages", 1)
-                spec = BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,), nprocs=(replicas,),
-                                 scaling=("weak",), steps=steps, warmup_steps=max(2, steps // 3),
-                                 overrides=overrides, data_dir=args.data_dir)
+            for i, ((lay, n), (spec, replicas)) in enumerate(zip(runs, specs)):
                 plan = RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas,
                                repeat=r)
                 outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
@@ -89,7 +92,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
 def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> dict:
     """One validation row: the median of a layout's runs (``got``: (record, outcome) per run)
     against its prediction ``pred``."""
-    from ..bench.costmodel import relative_error
+    from .costmodel import relative_error
     from .report import median_run
 
     records = [rec for rec, _ in got]

@@ -205,7 +205,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc; sync BatchNorm")
         out["links"] = measured_links()
-        if getattr(cfg.model, "sync_batchnorm", False) and out["batchnorm_inputs"]:
+        if cfg.model_value("sync_batchnorm", False) and out["batchnorm_inputs"]:
             from .microbench import measured_sync_batchnorm
 
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
@@ -213,12 +213,14 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
 
 
 def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
-    """The input shape (N, C, *) of every BatchNorm layer in one forward of a replica's batch (what
-    ``model.sync_batchnorm`` synchronises between the replicas: :func:`~.microbench.measured_sync_batchnorm`)."""
-    kinds = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    """The input shape (N, C, *) of every BatchNorm call in the forwards of one step of the profiled
+    batch (the recipe's per-replica batch; each micro-batch's forward calls every layer once, as
+    ``model.sync_batchnorm`` then synchronises each call: :func:`~.microbench.measured_sync_batchnorm`).
+    The layers are the ones :func:`paratrain.strategies.sync_batchnorm.convert` replaces. The forward
+    runs without gradients and leaves the running statistics as one more batch would."""
     shapes: list[list[int]] = []
     hooks = [m.register_forward_pre_hook(lambda _m, args: shapes.append(list(args[0].shape)))
-             for m in model.modules() if isinstance(m, kinds)]
+             for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     try:
         if hooks:
             with torch.no_grad():
