@@ -203,7 +203,9 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
 
     Raises RuntimeError when a rank fails, or when the ranks have not finished within
     ``timeout_s`` seconds of starting (they are killed); the message holds their tracebacks.
-    ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip).
+    ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip);
+    ``all_gather`` / ``reduce_scatter``: those collectives; ``sync_batchnorm``: ``sizes_bytes`` are
+    BatchNorm input shapes (N, C, *), returned as lists with :func:`_time_sync_batchnorm`'s seconds.
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
