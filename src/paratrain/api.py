@@ -276,10 +276,8 @@ def _at_exit() -> None:
     may have failed); a parameter-server worker tells its servers it is done; a gloo process group is
     left here, while the interpreter is whole (gloo's threads destroyed later, during finalization,
     can abort the process: "terminate called without an active exception", seen with fsdp), unless
-    the script ends with an uncaught exception."""
-    import torch.distributed as dist
-
-    from .ps.runtime import shutdown_rpc
+    the script ends with an uncaught exception (:func:`paratrain.env.shutdown`)."""
+    from .env import shutdown as leave
 
     if not _SESSIONS:
         return
@@ -289,12 +287,4 @@ def _at_exit() -> None:
             s.strategy.release()
         except Exception:  # noqa: BLE001 - the servers may be gone already
             pass
-    shutdown_rpc()
-    # gloo only (NCCL's shutdown can be collective), and not after an uncaught exception (its collective
-    # may still be queued, waiting on a rank that is gone: the launcher ends this process instead)
-    if (dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-            and getattr(sys, "last_value", None) is None):
-        try:
-            dist.destroy_process_group()  # shuts this process' backend down; no collective
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+    leave(at_exit=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -199,10 +200,20 @@ def rpc_init_method(settings: ProcessSettings, rank: int, world_size: int) -> st
     return f"{scheme}://"
 
 
-def shutdown() -> None:
-    """Stop RPC (a parameter-server job) and leave the process group; safe when neither was started."""
+def shutdown(*, at_exit: bool = False) -> None:
+    """Stop RPC (a parameter-server job) and leave the process group; safe when neither was started.
+    ``at_exit`` (interpreter exit without an orderly end, other ranks perhaps gone): leave only a gloo
+    group (NCCL's shutdown can be collective), not after an uncaught exception (its collective may
+    still be queued on a rank that is gone: the launcher ends this process instead), never raise."""
     from .ps.runtime import shutdown_rpc
 
     shutdown_rpc()
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not at_exit:
         dist.destroy_process_group()
+    elif dist.get_backend() == "gloo" and getattr(sys, "last_value", None) is None:
+        try:
+            dist.destroy_process_group()  # shuts this process' backend down; no collective
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass

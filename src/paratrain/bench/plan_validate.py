@@ -73,9 +73,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
         for (lay, n), got in zip(runs, done):
-            rows.append(_row(lay, n, got, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True,
-                                                            global_batch=None)))
-            row = rows[-1]
+            row = _row(lay, n, got, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+            rows.append(row)
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
                   f"{row['measured_step_ms']:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "

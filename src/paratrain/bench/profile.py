@@ -14,9 +14,9 @@ gradients, optimizer state, activations, temporaries). The links: :func:`~.micro
 (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's own
 (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
 RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport). Pipeline stage
-profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). The
-input shape of every BatchNorm layer (``batchnorm_inputs``) and, where the recipe sets
-``model.sync_batchnorm``, what synchronising them costs a step between two processes here
+profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
+the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
+(``batchnorm_inputs``) and what synchronising them costs a step between two processes here
 (``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`).
 
 :func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
@@ -201,11 +201,12 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
 
     progress("pipeline stages")
     out["strategy_inputs"] = _stage_inputs(task, cfg)
-    out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw)
+    # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
+    out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc; sync BatchNorm")
         out["links"] = measured_links()
-        if cfg.model_value("sync_batchnorm", False) and out["batchnorm_inputs"]:
+        if out["batchnorm_inputs"]:
             from .microbench import measured_sync_batchnorm
 
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
