@@ -200,6 +200,17 @@ def rpc_init_method(settings: ProcessSettings, rank: int, world_size: int) -> st
     return f"{scheme}://"
 
 
+def leave_group() -> None:
+    """``dist.destroy_process_group()`` after collecting reference cycles: a cycle (such as the autograd
+    context of a differentiable all-reduce, as in synchronised BatchNorm) can hold the group's last
+    reference past its destruction, and gloo then aborts the process at interpreter exit
+    ("terminate called without an active exception"). Local: no rank is waited for."""
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def shutdown(*, at_exit: bool = False) -> None:
     """Stop RPC (a parameter-server job) and leave the process group; safe when neither was started.
     ``at_exit`` (interpreter exit without an orderly end, other ranks perhaps gone): leave only a gloo
@@ -211,9 +222,9 @@ def shutdown(*, at_exit: bool = False) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if not at_exit:
-        dist.destroy_process_group()
+        leave_group()
     elif dist.get_backend() == "gloo" and getattr(sys, "last_value", None) is None:
         try:
-            dist.destroy_process_group()  # shuts this process' backend down; no collective
+            leave_group()  # shuts this process' backend down; no collective
         except Exception:  # noqa: BLE001 - exiting anyway
             pass

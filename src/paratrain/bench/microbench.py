@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from ..env import leave_group
 from .costmodel import Link, fit_alpha_beta
 
 DEFAULT_SIZES_BYTES = tuple(4 ** k for k in range(1, 14))
@@ -52,7 +53,7 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
                      "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm}[op]
             results = [(size, timer(size, repeats, warmup)) for size in sizes_bytes]
         finally:
-            dist.destroy_process_group()
+            leave_group()
         if rank == 0:
             (Path(workdir) / "results.json.tmp").write_text(json.dumps(results))
             os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..env import leave_group
 from ..errors import UsageError
 from .base import Strategy
 from .comm_hooks import HOOK_KEYS, CommHook
@@ -155,7 +156,7 @@ class AllReduce(NoSyncMixin, Strategy):
             dist.barrier()
         self.release()
         if getattr(self, "_own_group", False):
-            dist.destroy_process_group()
+            leave_group()
             self._own_group = False
 
     def release(self) -> None:
