@@ -321,8 +321,11 @@ def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int,
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
+        from ..ps.runtime import RPC_TRANSPORTS
+
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
-                                               rpc_timeout=timeout_s, num_worker_threads=4)
+                                               rpc_timeout=timeout_s, num_worker_threads=4,
+                                               _transports=RPC_TRANSPORTS)  # as the parameter server's
         with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
             rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
