@@ -53,12 +53,13 @@ def _wait_ready(procs, workdir: Path, startup_s: float) -> None:
 
 
 def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180.0, startup_s: float = 180.0,
-              pg_timeout_s: float = 60.0) -> list:
+              pg_timeout_s: float = 60.0, failed_grace_s: float = 10.0) -> list:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
 
     ``fn`` must be a module-level function (spawn pickles it by name). Fails with every rank's
     traceback on error, and kills all ranks when start-up takes longer than ``startup_s`` or, once
-    every rank is ready, ``fn`` takes longer than ``deadline_s``.
+    every rank is ready, ``fn`` takes longer than ``deadline_s``, or the others are still running
+    ``failed_grace_s`` after one rank failed (as torchrun ends a job when one worker fails).
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -69,8 +70,10 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
         p.start()
     _wait_ready(procs, workdir, startup_s)
     end = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
+    while time.monotonic() < end and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):  # one rank failed: the rest get failed_grace_s to end
+            end = min(end, time.monotonic() + failed_grace_s)
+        time.sleep(0.05)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
