@@ -239,3 +239,29 @@ def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_the
     assert measured_sync_batchnorm([]) == 0.0
     got = measured_sync_batchnorm(shapes, repeats=3, warmup=1)  # two gloo processes, paratrain's SyncBatchNorm
     assert isinstance(got, float) and math.isfinite(got)  # ran to the end on both ranks (it raises otherwise)
+
+
+def test_predict_adds_sync_batchnorm_as_exposed_communication_and_reads_the_digits_models_batchnorm_inputs():
+    from pathlib import Path
+
+    from paratrain.bench.commands import with_extra_step_s
+    from paratrain.bench.costmodel import Prediction
+    from paratrain.bench.plan_model import pays_sync_batchnorm
+    from paratrain.bench.profile import batchnorm_inputs_of
+    from paratrain.config import load
+    from paratrain.runs import build_task
+    from paratrain.strategies import STRATEGIES
+
+    # step 10 ms (8 compute + 2 comm), 4000 words/s, speedup 1.6 at N = 2; +5 ms of sync: x 10/15
+    p = Prediction(n=2, step_s=0.010, compute_s=0.008, exposed_comm_s=0.002, words_per_s=4000.0, speedup=1.6,
+                   efficiency=0.8, bucket_mb=25.0, algorithm="ring")
+    q = with_extra_step_s(p, 0.005)
+    assert (q.step_s, q.compute_s, q.exposed_comm_s) == pytest.approx((0.015, 0.008, 0.007))
+    assert (q.words_per_s, q.speedup, q.efficiency) == pytest.approx((4000 * 2 / 3, 1.6 * 2 / 3, 0.8 * 2 / 3))
+    assert with_extra_step_s(p, 0.0) is p
+    paying = {"single", "allreduce", "zero1", "fsdp", "ps-sync"}  # single: modelled as a ring of one (no term at N = 1)
+    assert {s for s, c in STRATEGIES.items() if pays_sync_batchnorm(c)} == paying
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    cfg = load(recipe, ["train.batch_size=8"])
+    shapes = batchnorm_inputs_of(build_task(cfg, None, world_size=1), cfg)  # the whole batch of 8 on one replica
+    assert shapes == [[8, 16, 8, 8], [8, 32, 8, 8], [8, 64, 4, 4]]  # digits_cnn's three BatchNorm2d layers

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from ..strategies.comm_hooks import HOOKS
+from .plan_model import pays_sync_batchnorm
 from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
 DEFAULT_CONFIG = "configs/ptb_small.toml"
@@ -221,6 +222,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         plain = curve(w)
         w = dataclasses.replace(w, payload_ratio=ratio)
     preds = curve(w)
+    if cfg.model_value("sync_batchnorm", False) and pays_sync_batchnorm(cls):
+        extra = _sync_batchnorm_terms(args, cfg, link, [p.n for p in preds])
+        preds = [with_extra_step_s(p, extra[p.n]) for p in preds]
+        plain = plain and [with_extra_step_s(p, extra[p.n]) for p in plain]
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
     unit = getattr(task, "unit", "samples")
     print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
@@ -241,6 +246,46 @@ def cmd_predict(args: argparse.Namespace) -> int:
         _plot_curve(preds, args.plot, f"{link.name}, {args.strategy}", unit)
         print(f"[predict] wrote {args.plot}")
     return 0
+
+
+def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) -> dict[int, float]:
+    """{N: seconds per step that ``model.sync_batchnorm`` adds} (:func:`.plan.sync_batchnorm_s`): the
+    task's BatchNorm input shapes; ``--interconnect measured``: their synchronisation measured between
+    two processes here (plus the ring's growth beyond two), otherwise four ring all-reduces of C + 1
+    numbers per layer on the preset link."""
+    from .plan import sync_batchnorm_s
+    from .profile import batchnorm_inputs_of
+
+    from ..runs import build_task
+
+    measured = args.interconnect == "measured"
+    one = build_task(cfg, args.data_dir, world_size=1)  # a replica's batch is the recipe's batch (weak scaling)
+    prof: dict = {"batchnorm_inputs": batchnorm_inputs_of(one, cfg)}
+    if measured and prof["batchnorm_inputs"] and max(ns) > 1:
+        from .microbench import measured_sync_batchnorm
+
+        print(f"[predict] model.sync_batchnorm: measuring the synchronisation of "
+              f"{len(prof['batchnorm_inputs'])} BatchNorm calls between 2 processes", flush=True)
+        prof["sync_batchnorm_s"] = measured_sync_batchnorm(prof["batchnorm_inputs"])
+    terms = {n: sync_batchnorm_s(prof, cfg, n, link, measured) for n in ns}
+    if max(ns) > 1:
+        print(f"[predict] model.sync_batchnorm: {len(prof['batchnorm_inputs'])} BatchNorm calls a step, each "
+              f"4 blocking all-reduces of C + 1 numbers: +{1000 * terms[max(ns)]:.2f} ms per step at N = {max(ns)} "
+              f"({'measured here' if measured else link.name}); in the step and comm columns", flush=True)
+    return terms
+
+
+def with_extra_step_s(p, extra_s: float):
+    """Prediction ``p`` with ``extra_s`` more seconds of exposed communication per step: step and comm
+    grow by it; words/s, speedup and efficiency shrink by step / (step + extra) (weak scaling)."""
+    import dataclasses
+
+    if not extra_s:
+        return p
+    shrink = p.step_s / (p.step_s + extra_s)
+    return dataclasses.replace(p, step_s=p.step_s + extra_s, exposed_comm_s=p.exposed_comm_s + extra_s,
+                               words_per_s=p.words_per_s * shrink, speedup=p.speedup * shrink,
+                               efficiency=p.efficiency * shrink)
 
 
 def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):

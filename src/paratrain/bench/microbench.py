@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -60,6 +61,11 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    # done, the group left: end without interpreter finalization, where gloo's remains can still abort
+    # the process ("terminate called without an active exception", rarely, after synchronised BatchNorm)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _time_allreduce(nbytes: int, repeats: int, warmup: int) -> float:

@@ -157,6 +157,13 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link) -> tuple[float, float
     return rate, worker_step
 
 
+def pays_sync_batchnorm(cls) -> bool:
+    """Whether strategy class ``cls`` pays synchronised BatchNorm's collectives between processes:
+    all-reduce, ZeRO-1, FSDP and a synchronous PS do; towers synchronise in their own process, a
+    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
+    return bool(cls.synchronous) and (cls.cost_model or RING) in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
+
+
 def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
                compute_scale: float = 1.0, overlap: bool = True, links: dict[str, Link] | None = None
                ) -> dict[str, float] | None:
@@ -169,10 +176,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay none of it, a
     pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    model = cls.cost_model or RING
-    # towers sync in their own process; a pipeline refuses BatchNorm models, an asynchronous PS sync BatchNorm
-    synced = cls.synchronous and model in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
-    extra = inputs.get("sync_batchnorm_s", 0.0) if synced else 0.0
+    extra = inputs.get("sync_batchnorm_s", 0.0) if pays_sync_batchnorm(cls) else 0.0
     if parts is None or not extra:
         return parts
     step = parts["step_s"] + extra

@@ -213,6 +213,25 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     return out
 
 
+def batchnorm_inputs_of(task, cfg) -> list[list[int]]:
+    """:func:`_batchnorm_inputs` of the task's freshly built model on its first training batch (the
+    recipe's per-replica batch when ``task`` is built for one rank), on ``dist.device`` in
+    ``train.dtype``: what ``paratrain predict`` needs to price ``model.sync_batchnorm``."""
+    from ..devices import resolve
+
+    device = resolve(cfg.dist.device)
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model().to(device=device, dtype=getattr(torch, cfg.train.dtype))
+    model.train()
+    first = next(iter(task.train_steps(0, 0)))
+
+    def loss_fn(micro_batches) -> None:
+        for mb in micro_batches:
+            task.loss(model, mb)
+
+    return _batchnorm_inputs(model, loss_fn, lambda: [_to(mb, device) for mb in first.micro_batches])
+
+
 def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
     """The input shape (N, C, *) of every BatchNorm call in the forwards of one step of the profiled
     batch (the recipe's per-replica batch; each micro-batch's forward calls every layer once, as
