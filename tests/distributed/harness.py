@@ -1,13 +1,16 @@
 """Run a function on W spawned ranks (gloo, FileStore in a temp dir, process-group
 timeout, one thread each) under hard deadlines; a hang fails the test instead of CI.
 
-Two deadlines: start-up (spawn, imports, joining the process group: slow on a busy
+Three deadlines: start-up (spawn, imports, joining the process group: slow on a busy
 machine, and not what a test is about) has its own, generous one; ``deadline_s``
-bounds the behaviour under test, from the moment every rank is ready."""
+bounds the behaviour under test, from the moment every rank is ready; once a rank has
+failed, the others have ``failed_grace_s`` to end (as torchrun ends a job)."""
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -21,8 +24,12 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
 
     import torch.distributed as dist
 
-    # a rank still running just before the deadline writes every thread's stack (for the failure message)
+    from paratrain.env import leave_group
+
+    # a rank still running just before the deadline, or told by SIGUSR1 (the harness, before it kills
+    # it), writes every thread's stack (for the failure message)
     stacks = open(Path(workdir) / f"stacks-{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks)
     torch.set_num_threads(1)
     out = Path(workdir) / f"result-{rank}.pt"
     try:
@@ -36,7 +43,7 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
             result = fn(rank, world_size, *args)
         finally:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                leave_group()
         torch.save(result, out)
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
@@ -70,11 +77,17 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
         p.start()
     _wait_ready(procs, workdir, startup_s)
     end = time.monotonic() + deadline_s
+    failed: list[int] = []
     while time.monotonic() < end and any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):  # one rank failed: the rest get failed_grace_s to end
+        if not failed and any(p.exitcode not in (None, 0) for p in procs):  # the rest get failed_grace_s to end
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             end = min(end, time.monotonic() + failed_grace_s)
         time.sleep(0.05)
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    if hung and failed:  # killed before their own stack dump: ask for it
+        for r in hung:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.5)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -85,7 +98,9 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
         stacks = "\n".join(f"--- rank {r} stacks:\n{(workdir / f'stacks-{r}.txt').read_text()[-4000:]}" for r in hung
                            if (workdir / f"stacks-{r}.txt").exists())
         not_ready = [r for r in range(world_size) if not (workdir / f"ready-{r}").exists()]
-        when = (f"still starting after {startup_s} s" if not_ready else f"still running {deadline_s} s after start-up")
+        when = (f"still starting after {startup_s} s" if not_ready
+                else f"still running {failed_grace_s} s after rank(s) {failed} failed" if failed
+                else f"still running {deadline_s} s after start-up")
         raise AssertionError(f"ranks {hung} {when} (killed)\n{errors}\n{stacks}")
     bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if bad:

@@ -241,10 +241,11 @@ def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_the
     assert isinstance(got, float) and math.isfinite(got)  # ran to the end on both ranks (it raises otherwise)
 
 
-def test_predict_adds_sync_batchnorm_as_exposed_communication_and_reads_the_digits_models_batchnorm_inputs():
+def test_predicts_sync_batchnorm_helpers_add_exposed_comm_pick_the_paying_strategies_and_read_digits_shapes():
     from pathlib import Path
 
-    from paratrain.bench.commands import with_extra_step_s
+    pytest.importorskip("sklearn")  # the digits data set
+    from paratrain.bench.plan_model import with_extra_step_s
     from paratrain.bench.costmodel import Prediction
     from paratrain.bench.plan_model import pays_sync_batchnorm
     from paratrain.bench.profile import batchnorm_inputs_of
@@ -265,3 +266,15 @@ def test_predict_adds_sync_batchnorm_as_exposed_communication_and_reads_the_digi
     cfg = load(recipe, ["train.batch_size=8"])
     shapes = batchnorm_inputs_of(build_task(cfg, None, world_size=1), cfg)  # the whole batch of 8 on one replica
     assert shapes == [[8, 16, 8, 8], [8, 32, 8, 8], [8, 64, 4, 4]]  # digits_cnn's three BatchNorm2d layers
+
+
+def test_parameter_servers_take_threads_but_not_compute_time_of_the_cores():
+    from paratrain.bench.validate import layout_cpu_share
+
+    # 2 workers + 1 server on 2 cores: the launcher gives each of the 3 processes max(1, 2 // 3) = 1 thread;
+    # the 2 workers compute at once on the 2 cores: no time sharing (the server sleeps until gradients come)
+    assert layout_cpu_share(2, 1, 2) == (1, 1.0)
+    assert layout_cpu_share(4, 2, 2) == (1, 2.0)  # 4 one-thread workers on 2 cores: each computes half the time
+    assert layout_cpu_share(2, 0, 8) == (4, 1.0)  # all-reduce: 8 // 2 threads each, 2 x 4 = 8 cores
+    assert layout_cpu_share(2, 2, 8) == (2, 1.0)  # 4 processes share 8 cores: 2 threads, the 2 workers use 4
+    assert layout_cpu_share(4, 0, 2, in_process=True) == (2, 1.0)  # towers: one process, every core

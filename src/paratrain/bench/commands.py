@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import UsageError
 from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from ..strategies.comm_hooks import HOOKS
-from .plan_model import pays_sync_batchnorm
+from .plan_model import pays_sync_batchnorm, with_extra_step_s
 from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
 DEFAULT_CONFIG = "configs/ptb_small.toml"
@@ -273,19 +273,6 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
               f"4 blocking all-reduces of C + 1 numbers: +{1000 * terms[max(ns)]:.2f} ms per step at N = {max(ns)} "
               f"({'measured here' if measured else link.name}); in the step and comm columns", flush=True)
     return terms
-
-
-def with_extra_step_s(p, extra_s: float):
-    """Prediction ``p`` with ``extra_s`` more seconds of exposed communication per step: step and comm
-    grow by it; words/s, speedup and efficiency shrink by step / (step + extra) (weak scaling)."""
-    import dataclasses
-
-    if not extra_s:
-        return p
-    shrink = p.step_s / (p.step_s + extra_s)
-    return dataclasses.replace(p, step_s=p.step_s + extra_s, exposed_comm_s=p.exposed_comm_s + extra_s,
-                               words_per_s=p.words_per_s * shrink, speedup=p.speedup * shrink,
-                               efficiency=p.efficiency * shrink)
 
 
 def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):

@@ -13,7 +13,8 @@ with the reason (:func:`refusal`) and not predicted.
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
 batch: each replica gets B / replicas, and compute and activations scale linearly with it.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
-cores (:func:`~.validate.cpu_share`); presets put each device on its own like the profiled one.
+cores (:func:`~.validate.layout_cpu_share`: parameter servers take threads, not compute time); presets put
+each device on its own like the profiled one.
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     one device with the same global batch under --global-batch, else the same per-replica batch) and
     memory per device; None where the layout does not exist."""
     from ..strategies import STRATEGIES
-    from .validate import cpu_share
+    from .validate import layout_cpu_share
 
     cls = STRATEGIES[layout.strategy]
     n = layout.n
@@ -214,8 +215,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     b0 = prof["batch_size"]
     ratio = (global_batch / replicas / b0) if global_batch else 1.0
     servers = layout.overrides.get("num_ps", 0)
-    processes = 1 if cls.cost_model == TOWERS else n + servers
-    threads, scale = cpu_share(processes, prof["cores"]) if on_this_machine else (None, 1.0)
+    threads, scale = (layout_cpu_share(n, servers, prof["cores"], in_process=cls.cost_model == TOWERS)
+                      if on_this_machine else (None, 1.0))
     shared_cores = on_this_machine and prof["device"] == "cpu"  # towers on CPU virtual devices
     w = workload(prof, threads, ratio)
     overrides = dict(layout.overrides)

@@ -48,7 +48,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..errors import UsageError
-from .costmodel import Link, Workload, pick_bucket, ps_step_s
+from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
@@ -162,6 +162,16 @@ def pays_sync_batchnorm(cls) -> bool:
     all-reduce, ZeRO-1, FSDP and a synchronous PS do; towers synchronise in their own process, a
     pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
     return bool(cls.synchronous) and (cls.cost_model or RING) in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
+
+
+def with_extra_step_s(p: Prediction, extra_s: float) -> Prediction:
+    """Prediction ``p`` with ``extra_s`` more seconds of exposed communication per step: step and comm
+    grow by it; words/s, speedup and efficiency shrink by step / (step + extra) (weak scaling)."""
+    if not extra_s:
+        return p
+    shrink = p.step_s / (p.step_s + extra_s)
+    return replace(p, step_s=p.step_s + extra_s, exposed_comm_s=p.exposed_comm_s + extra_s,
+                   words_per_s=p.words_per_s * shrink, speedup=p.speedup * shrink, efficiency=p.efficiency * shrink)
 
 
 def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,

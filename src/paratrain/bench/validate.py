@@ -48,6 +48,18 @@ def cpu_share(n: int, cores: int) -> tuple[int, float]:
     return threads, max(1.0, n * threads / cores)
 
 
+def layout_cpu_share(workers: int, servers: int, cores: int, in_process: bool = False) -> tuple[int, float]:
+    """(threads per process, compute scale) of a layout on this machine's ``cores``: the launcher gives
+    every process of the job (``workers`` + parameter ``servers``) :func:`cpu_share`'s threads, but only
+    the workers compute at once: a server sleeps until gradients arrive (its update is in the PS
+    term), so the time sharing is ``workers`` x threads over ``cores``. ``in_process`` (towers): one
+    process with every core."""
+    if in_process:
+        return cpu_share(1, cores)
+    threads, _ = cpu_share(workers + servers, cores)
+    return threads, max(1.0, workers * threads / cores)
+
+
 def validate(points: dict[int, dict], workloads: dict[int, Workload], link: Link, cores: int,
              bucket_mb: float) -> dict[str, Any]:
     """Predicted vs measured step time of allreduce at each N in ``points`` ({N: run record}).

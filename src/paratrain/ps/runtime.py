@@ -13,6 +13,7 @@ barrier, so a dead worker cannot keep the others waiting.
 from __future__ import annotations
 
 import datetime
+import os
 import warnings
 
 import torch
@@ -43,12 +44,14 @@ def layout_of(settings: ProcessSettings) -> PSLayout:
     return PSLayout(nproc, num_ps, world // local_world)
 
 
-# TensorPipe's transports for RPC: libuv's TCP only. Its shared-memory transport ("shm", chosen by default
-# between processes of one machine) runs a reactor thread per process that polls without sleeping: on this
-# 2-core VM the three processes of a ps-sync job spent most of their CPU in it (sys time), and a ptb_quick
-# step took 223 ms instead of 92 ms (2.4x the words/s with uv). Tensor payloads still use TensorPipe's
-# channels (cma between local processes), so nothing is lost but the spinning.
-RPC_TRANSPORTS = ["uv"]
+# TensorPipe's transports for RPC, by default libuv's TCP only (``$PARATRAIN_RPC_TRANSPORTS``: a comma list,
+# e.g. "shm,uv" or "ibv,uv", gives TensorPipe's own choice back). Its shared-memory transport ("shm", picked by
+# default between processes of one machine) runs a reactor thread per process that polls without sleeping:
+# on a 2-core VM the three processes of a ps-sync job spent most of their CPU in it (sys time), and a
+# ptb_quick step took 223 ms instead of 92 ms (2.4x the words/s with uv). Payloads go through TensorPipe's
+# channels (cma between local processes where ptrace rules allow it, else over the transport); between
+# machines with InfiniBand, "ibv,uv" may be faster than TCP.
+RPC_TRANSPORTS = [t.strip() for t in os.environ.get("PARATRAIN_RPC_TRANSPORTS", "uv").split(",") if t.strip()]
 
 
 def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
