@@ -379,3 +379,12 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES[:-1], repea
         points = json.loads((Path(tmp) / "results.json").read_text())
     alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
+def measured_links() -> dict[str, dict[str, float]]:
+    """This machine's links (2 local processes): gloo all-reduce, all-gather, reduce-scatter and send,
+    and one RPC message, as {name: {alpha_s, beta_s_per_byte, gamma_s_per_byte}}."""
+    found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
+             "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
+    return {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte, "gamma_s_per_byte": v.gamma_s_per_byte}
+            for k, v in found.items()}

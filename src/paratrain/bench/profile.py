@@ -10,9 +10,9 @@ the whole backward), parameter bytes, the bytes its forward saves for the backwa
 input's bytes (what activation checkpointing keeps). The step's model FLOPs
 (:func:`~paratrain.bench.mfu.count_flops`), the optimizer's state bytes after a step, and the peak of
 one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker``: parameters,
-gradients, optimizer state, activations, temporaries). The links: :func:`~.microbench.measured_link`
-(gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's own
-(:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
+gradients, optimizer state, activations, temporaries). The links (:func:`~.microbench.measured_links`):
+:func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
+own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
 RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
@@ -141,31 +141,13 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     """Measure the task's model on one device (see the module). ``task``: built for one rank
     holding the whole global batch (``build_task(..., world_size=1)``). ``progress(what)`` is told
     of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
-    from ..devices import resolve
     from ..env import available_cores
     from ..train.optim import build_optimizer
     from .mfu import peak_flops
     from .validate import model_gradient_bytes
 
-    device = resolve(cfg.dist.device)
-    dtype = getattr(torch, cfg.train.dtype)
-    torch.manual_seed(cfg.train.seed)
-    model = task.build_model().to(device=device, dtype=dtype)
-    model.train()
+    model, device, tokens, draw, loss_fn = _model_and_batch(task, cfg)
     optimizer = build_optimizer(model.parameters(), cfg.train, cfg.train.lr)
-    it = iter(task.train_steps(0, 0))
-    first = next(it)
-    tokens = float(first.global_count)
-
-    def draw():
-        return [_to(mb, device) for mb in first.micro_batches]
-
-    def loss_fn(micro_batches) -> torch.Tensor:
-        total = 0
-        for mb in micro_batches:
-            loss_sum, _ = task.loss(model, mb)
-            total = total + loss_sum / tokens
-        return total
 
     def one_step() -> None:
         loss_fn(draw()).backward()
@@ -205,6 +187,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc; sync BatchNorm")
+        from .microbench import measured_links
+
         out["links"] = measured_links()
         if out["batchnorm_inputs"]:
             from .microbench import measured_sync_batchnorm
@@ -213,10 +197,11 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     return out
 
 
-def batchnorm_inputs_of(task, cfg) -> list[list[int]]:
-    """:func:`_batchnorm_inputs` of the task's freshly built model on its first training batch (the
-    recipe's per-replica batch when ``task`` is built for one rank), on ``dist.device`` in
-    ``train.dtype``: what ``paratrain predict`` needs to price ``model.sync_batchnorm``."""
+def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:
+    """The task's freshly built model (seeded, on ``dist.device`` in ``train.dtype``, training mode)
+    and its first training batch: ``(model, device, tokens, draw, loss_fn)``; ``draw()`` gives the
+    batch's micro-batches on the device, ``loss_fn(micro_batches)`` the step's loss (mean over its
+    ``tokens``)."""
     from ..devices import resolve
 
     device = resolve(cfg.dist.device)
@@ -224,12 +209,27 @@ def batchnorm_inputs_of(task, cfg) -> list[list[int]]:
     model = task.build_model().to(device=device, dtype=getattr(torch, cfg.train.dtype))
     model.train()
     first = next(iter(task.train_steps(0, 0)))
+    tokens = float(first.global_count)
 
-    def loss_fn(micro_batches) -> None:
+    def draw():
+        return [_to(mb, device) for mb in first.micro_batches]
+
+    def loss_fn(micro_batches) -> torch.Tensor:
+        total = 0
         for mb in micro_batches:
-            task.loss(model, mb)
+            loss_sum, _ = task.loss(model, mb)
+            total = total + loss_sum / tokens
+        return total
 
-    return _batchnorm_inputs(model, loss_fn, lambda: [_to(mb, device) for mb in first.micro_batches])
+    return model, device, tokens, draw, loss_fn
+
+
+def batchnorm_inputs_of(task, cfg) -> list[list[int]]:
+    """:func:`_batchnorm_inputs` of the task's freshly built model on its first training batch (the
+    recipe's per-replica batch when ``task`` is built for one rank): what ``paratrain predict`` needs
+    to price ``model.sync_batchnorm``."""
+    model, _, _, draw, loss_fn = _model_and_batch(task, cfg)
+    return _batchnorm_inputs(model, loss_fn, draw)
 
 
 def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
@@ -249,17 +249,6 @@ def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
         for h in hooks:
             h.remove()
     return shapes
-
-
-def measured_links() -> dict[str, dict[str, float]]:
-    """This machine's links (2 local processes): gloo all-reduce, all-gather, reduce-scatter and send,
-    and one RPC message, as {name: {alpha_s, beta_s_per_byte, gamma_s_per_byte}}."""
-    from .microbench import measured_collective, measured_link, measured_p2p, measured_rpc
-
-    found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
-             "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
-    return {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte, "gamma_s_per_byte": v.gamma_s_per_byte}
-            for k, v in found.items()}
 
 
 def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, float], tokens: float) -> dict[str, Any]:
