@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from paratrain.bench.costmodel import MIB, Link, Workload, predict, ring_allreduce_s
-from paratrain.bench.costmodel_sharded import (bubble_fraction, fsdp_phases_s, predict_fsdp, predict_pipeline,
-                                               predict_zero1, ring_allgather_s, ring_reduce_scatter_s)
+from paratrain.bench.costmodel_sharded import (bubble_fraction, fsdp_copies_s, fsdp_phases_s, predict_fsdp,
+                                               predict_pipeline, predict_zero1, ring_allgather_s,
+                                               ring_reduce_scatter_s)
 from paratrain.errors import UsageError
 
 LINK = Link(name="t", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=2e-10)
@@ -55,6 +56,21 @@ def test_zero1_is_allreduce_with_a_sharded_optimizer_plus_the_parameter_all_gath
 def test_fsdp_on_a_free_link_saves_the_optimizer_share():
     p = predict_fsdp(W, 4, FREE, unit_bytes=[8 * MIB, 8 * MIB])
     assert p.step_s == pytest.approx(W.forward_s + W.backward_s + W.data_s + W.optimizer_s / 4)
+
+
+def test_fsdp_copies_around_each_collective_add_to_an_unoverlapped_step():
+    copy = Link(name="memory-copy", alpha_s=1e-5, beta_s_per_byte=2.5e-10, gamma_s_per_byte=0.0)
+    # per collective of an 8 MiB unit over 4 ranks: 2 x 1e-5 + (1 + 1/4) x 8 MiB x 2.5e-10 = 0.0026414 s
+    per = 2e-5 + 1.25 * 8 * MIB * 2.5e-10
+    assert fsdp_copies_s(8 * MIB, 4, copy) == pytest.approx(per)
+    assert fsdp_copies_s(8 * MIB, 1, copy) == 0.0 and fsdp_copies_s(8 * MIB, 4, None) == 0.0
+    base = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False)
+    # two units: all-gathers in the forward and again in the backward (resharded), one reduce-scatter each
+    copied = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False, copy_link=copy)
+    assert copied.step_s - base.step_s == pytest.approx(2 * 3 * per)
+    kept = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False, copy_link=copy, reshard=False)
+    assert kept.step_s - predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False,
+                                      reshard=False).step_s == pytest.approx(2 * 2 * per)
 
 
 @pytest.mark.parametrize("stages, m", [(2, 4), (4, 4), (2, 16)])

@@ -94,6 +94,12 @@ def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores(
     assert p.step_s == pytest.approx(0.35 + 0.04003 + 0.00606 + 0.04403)
     shared = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True)
     assert shared.step_s == pytest.approx(4 * 0.3 + 0.05) and shared.exposed_comm_s == 0
+    # on shared cores the join of 4 outputs of 1 MB is a memory copy: alpha + 4 MB x 2.5e-10 s/B = 0.00101 s
+    memory = Link(name="memory-copy", alpha_s=1e-5, beta_s_per_byte=2.5e-10, gamma_s_per_byte=0.0)
+    joined = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True, copy_link=memory)
+    assert joined.step_s == pytest.approx(4 * 0.3 + 0.05 + 0.00101)
+    assert joined.exposed_comm_s == pytest.approx(0.00101)
+    assert predict_towers(W, 1, link, output_bytes=1e6, shared_cores=True, copy_link=memory).exposed_comm_s == 0
 
 
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
@@ -239,6 +245,24 @@ def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_the
     assert measured_sync_batchnorm([]) == 0.0
     got = measured_sync_batchnorm(shapes, repeats=3, warmup=1)  # two gloo processes, paratrain's SyncBatchNorm
     assert isinstance(got, float) and math.isfinite(got)  # ran to the end on both ranks (it raises otherwise)
+
+
+def test_the_memory_copy_link_is_fitted_from_joins_up_to_the_requested_size():
+    from paratrain.bench import microbench
+
+    seen = []
+    real_cat = microbench.torch.cat
+
+    def cat(pieces):
+        seen.append(sum(p.numel() * p.element_size() for p in pieces))
+        return real_cat(pieces)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(microbench.torch, "cat", cat)
+        link = microbench.measured_copy(8 * 2 ** 20, repeats=2, warmup=1)
+    assert sorted(set(seen)) == [4096, 2 ** 20, 8 * 2 ** 20]  # two float32 halves of each size, 3 joins each
+    assert len(seen) == 9 and link.name == "memory-copy" and link.gamma_s_per_byte == 0.0
+    assert link.alpha_s >= 0 and link.beta_s_per_byte >= 0 and link.alpha_s + link.beta_s_per_byte > 0
 
 
 def test_predicts_sync_batchnorm_helpers_add_exposed_comm_pick_the_paying_strategies_and_read_digits_shapes():

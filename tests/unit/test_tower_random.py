@@ -88,3 +88,22 @@ def test_tower_seeds_differ_and_follow_the_default_generator():
     a = tower_seeds(4)
     torch.default_generator.manual_seed(9)
     assert tower_seeds(4) == a and len(set(a)) == 4
+
+
+def test_towers_forward_uses_a_share_of_the_threads_and_gives_them_back_to_the_loss():
+    seen = {}
+
+    class Threads(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen[current_tower()] = torch.get_num_threads()
+            return x * 2
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        out = CPUTowers(Threads(), 2, 0, threads=4)(torch.ones(4, 3))
+        assert seen == {0: 2, 1: 2}  # each tower's forward: threads // towers
+        assert torch.get_num_threads() == 4  # tower 0 ran in this thread; the loss and backward get every thread
+        assert torch.equal(out, torch.full((4, 3), 2.0))
+    finally:
+        torch.set_num_threads(before)

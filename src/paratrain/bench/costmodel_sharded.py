@@ -13,7 +13,9 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   forward, prefetched while the previous unit computes (one communication stream, one unit ahead);
   in backward, in reverse, an all-gather again (when resharded) and a reduce-scatter of the unit's
   gradients after its compute; the optimizer on 1/n of every parameter. Compute of a unit is
-  proportional to its parameter bytes.
+  proportional to its parameter bytes. Each collective has FSDP2's copy-in and copy-out around it
+  (the shard into the all-gather's buffer, the gathered parameters out of it; the gradients into the
+  reduce-scatter's buffer, the reduced shard out), measured as a memory copy where it is known.
 * ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
   shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
   time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
@@ -93,18 +95,31 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
     return max(compute_end, comm_free)
 
 
+def fsdp_copies_s(nbytes: float, n: int, copy_link: Link | None) -> float:
+    """Seconds of the two copies around one FSDP2 collective of a unit of ``nbytes`` (whole): an
+    all-gather copies the rank's shard in (nbytes / n) and the gathered parameters out (nbytes); a
+    reduce-scatter copies the gradients in (nbytes) and the reduced shard out (nbytes / n). So
+    2 alpha + (1 + 1/n) nbytes beta over ``copy_link`` (0 without one, or for n = 1: no collective)."""
+    _check_n(n)
+    if copy_link is None or n == 1:
+        return 0.0
+    return 2 * copy_link.alpha_s + (1 + 1 / n) * nbytes * copy_link.beta_s_per_byte
+
+
 def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], reshard: bool = True,
                  compute_scale: float = 1.0, overlap: bool = True, gather_link: Link | None = None,
-                 scatter_link: Link | None = None) -> Prediction:
+                 scatter_link: Link | None = None, copy_link: Link | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
     sharded), in forward order (the root unit last). ``gather_link`` / ``scatter_link``: the
     all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at the
-    all-reduce's alpha, beta, gamma). ``overlap=False``: no collective overlaps compute (all exposed)."""
+    all-reduce's alpha, beta, gamma). ``copy_link``: the memory copies FSDP2 makes around each
+    collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
+    ``overlap=False``: no collective overlaps compute (all exposed)."""
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
         raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order")
-    ag = [ring_allgather_s(b, n, gather_link or link) for b in unit_bytes]
-    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) for b in unit_bytes]
+    ag = [ring_allgather_s(b, n, gather_link or link) + fsdp_copies_s(b, n, copy_link) for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) + fsdp_copies_s(b, n, copy_link) for b in unit_bytes]
     s = compute_scale
     if not overlap:
         other = (w.data_s + w.optimizer_s / n) * s
@@ -155,7 +170,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
 
 
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
-                   shared_cores: bool = False) -> Prediction:
+                   shared_cores: bool = False, copy_link: Link | None = None) -> Prediction:
     """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
     (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
     devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
@@ -164,13 +179,17 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     ``output_bytes`` beta) each way through device 0's link), reduce the gradients onto device 0
     ((n-1) alpha + P (beta + gamma)), one optimizer step. ``shared_cores``: CPU virtual devices,
     towers as threads of one process on the same cores (no transfers; the parameters are shared):
-    the towers' compute adds up (n x forward + backward), as one device's step of n batches."""
+    the towers' compute adds up (n x forward + backward), as one device's step of n batches, and the
+    join of their outputs is a copy of n x ``output_bytes`` in the one memory over ``copy_link``
+    (alpha + n ``output_bytes`` beta; none without a ``copy_link``)."""
     _check_n(n)
     s, P = compute_scale, sum(w.param_bytes)
     towers = n if shared_cores else 1
     compute = ((w.forward_s + w.backward_s) * towers + w.data_s + w.optimizer_s) * s
-    if shared_cores or n == 1:
+    if n == 1:
         comm = 0.0
+    elif shared_cores:
+        comm = copy_link.alpha_s + n * output_bytes * copy_link.beta_s_per_byte if copy_link else 0.0
     else:
         comm = ((n - 1) * link.alpha_s + P * link.beta_s_per_byte
                 + 2 * (n - 1) * (link.alpha_s + output_bytes * link.beta_s_per_byte)
@@ -186,4 +205,4 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]
+           "fsdp_copies_s", "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]

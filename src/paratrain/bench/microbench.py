@@ -293,6 +293,26 @@ def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]
     return float(alpha), float(beta)
 
 
+def measured_copy(nbytes: int, parts: int = 2, repeats: int = 5, warmup: int = 1) -> Link:
+    """``Link(name="memory-copy")``: alpha and beta (:func:`fit_latency_bandwidth`) of joining ``parts``
+    float32 tensors into a new one with ``torch.cat`` in this process at its threads, at 4 KiB, 1 MiB and
+    ``nbytes`` (the joined size; each median of ``repeats``, a fresh result every time, as CPU towers
+    gather their outputs onto the master: :class:`~paratrain.strategies.towers.CPUTowers`)."""
+    sizes = sorted({4096, 2 ** 20, max(int(nbytes), 2 ** 20)})
+    times = []
+    for size in sizes:
+        pieces = [torch.zeros(max(1, size // parts // FLOAT32_BYTES)) for _ in range(parts)]
+        runs = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            joined = torch.cat(pieces)
+            runs.append(time.perf_counter() - t0)
+            del joined
+        times.append(statistics.median(runs[warmup:]))
+    alpha, beta = fit_latency_bandwidth(sizes, times)
+    return Link(name="memory-copy", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
 def measured_p2p(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 10, warmup: int = 2,
                  timeout_s: float = 120.0) -> Link:
     """``Link(name="measured-p2p")``: alpha and beta of one gloo send between two local processes

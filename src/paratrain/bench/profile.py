@@ -13,7 +13,8 @@ one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker
 gradients, optimizer state, activations, temporaries). The links (:func:`~.microbench.measured_links`):
 :func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
 own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
-RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport). Pipeline stage
+RPC message (:func:`~.microbench.measured_rpc`, the parameter server's transport); on a CPU, the
+memory copy that joins two towers' outputs (:func:`~.microbench.measured_copy`). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
@@ -36,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 4  # 4: the RPC link measured over TensorPipe's uv transport
+PROFILE_VERSION = 5  # 5: the memory copy of CPU towers' outputs (4: the RPC link over TensorPipe's uv)
 STAGE_COUNTS = (2, 4)
 
 
@@ -190,6 +191,12 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         from .microbench import measured_links
 
         out["links"] = measured_links()
+        if device.type == "cpu":  # CPU towers join their outputs in the one memory
+            from .microbench import measured_copy
+
+            copy = measured_copy(2 * out["output_bytes"])
+            out["links"]["memory_copy"] = {"alpha_s": copy.alpha_s, "beta_s_per_byte": copy.beta_s_per_byte,
+                                           "gamma_s_per_byte": 0.0}
         if out["batchnorm_inputs"]:
             from .microbench import measured_sync_batchnorm
 
