@@ -13,7 +13,7 @@ for name in "${@:-ptb_small gpt_wt2 digits_cnn}"; do
   for cfg in $name; do
     dir="$WORK/$cfg"
     paratrain plan "configs/$cfg.toml" --out "$dir" --reprofile --validate --validate-steps "${STEPS:-30}" \
-      --validate-repeats "${REPEATS:-2}" \
+      --validate-repeats "${REPEATS:-2}" --profile-repeats "${REPEATS:-2}" \
       > "$WORK/$cfg.validate.log" 2>&1 || echo "[plan_validation] $cfg: exit $? (see $WORK/$cfg.validate.log)"
     paratrain plan "configs/$cfg.toml" --out "$dir" --interconnect ib400 --nproc 1,2,4,8,16,32,64 \
       --device-memory-gb 80 > "$WORK/$cfg.ib400.log" 2>&1

@@ -93,6 +93,8 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--device-memory-gb", "0.000001"), "no layout fits --device-memory-gb 1e-06"),
     (("--global-batch", "10", "--nproc", "1,2,4"), "--global-batch 10 does not divide among N = [4]"),
     (("--objective", "fastest"), "--objective 'fastest': use words_per_s or cost"),
+    (("--rescore", "--out", "never-validated"), "--rescore: no never-validated/validation.json; run paratrain plan"),
+    (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
 ])
 def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
     tmp, _ = planned
@@ -127,3 +129,14 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     assert two and all(row["measured_error"] is not None and not row["extrapolated"] for row in two)
     assert all(row["extrapolated"] for row in rows if row["n"] == 4)
     assert again.returncode == 0
+    # --rescore predicts the kept measurements again (here: the same profile and model) without running anything
+    spoiled = {**v, "rows": [{**row, "predicted_step_ms": 1.0} for row in v["rows"]]}
+    (tmp / "p" / "validation.json").write_text(json.dumps(spoiled))
+    rescored = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--out", "p", "--rescore",
+                         cwd=tmp, timeout=300)
+    assert rescored.returncode == 0, rescored.stderr[-2000:]
+    w = json.loads((tmp / "p" / "validation.json").read_text())
+    assert w["rescored"] and len(w["rows"]) == len(v["rows"])
+    for old, new in zip(v["rows"], w["rows"]):
+        assert new["measured_step_ms_all"] == old["measured_step_ms_all"]
+        assert new["predicted_step_ms"] == pytest.approx(old["predicted_step_ms"], rel=1e-9)

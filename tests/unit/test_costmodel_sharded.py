@@ -59,18 +59,20 @@ def test_fsdp_on_a_free_link_saves_the_optimizer_share():
 
 
 def test_fsdp_copies_around_each_collective_add_to_an_unoverlapped_step():
-    copy = Link(name="memory-copy", alpha_s=1e-5, beta_s_per_byte=2.5e-10, gamma_s_per_byte=0.0)
-    # per collective of an 8 MiB unit over 4 ranks: 2 x 1e-5 + (1 + 1/4) x 8 MiB x 2.5e-10 = 0.0026414 s
-    per = 2e-5 + 1.25 * 8 * MIB * 2.5e-10
+    def copy(nbytes):
+        return 1e-5 + 2.5e-10 * nbytes
+    # per collective of an 8 MiB unit over 4 ranks: copies of 2 MiB and 8 MiB = 2 x 1e-5 + 10 MiB x 2.5e-10 s
+    per = 2e-5 + 10 * MIB * 2.5e-10
     assert fsdp_copies_s(8 * MIB, 4, copy) == pytest.approx(per)
     assert fsdp_copies_s(8 * MIB, 1, copy) == 0.0 and fsdp_copies_s(8 * MIB, 4, None) == 0.0
-    base = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False)
+    units = [8 * MIB, 8 * MIB]
+    base = predict_fsdp(W, 4, LINK, unit_bytes=units, overlap=False)
     # two units: all-gathers in the forward and again in the backward (resharded), one reduce-scatter each
-    copied = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False, copy_link=copy)
+    copied = predict_fsdp(W, 4, LINK, unit_bytes=units, overlap=False, copy_s=copy)
     assert copied.step_s - base.step_s == pytest.approx(2 * 3 * per)
-    kept = predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False, copy_link=copy, reshard=False)
-    assert kept.step_s - predict_fsdp(W, 4, LINK, unit_bytes=[8 * MIB, 8 * MIB], overlap=False,
-                                      reshard=False).step_s == pytest.approx(2 * 2 * per)
+    kept = predict_fsdp(W, 4, LINK, unit_bytes=units, overlap=False, copy_s=copy, reshard=False)
+    kept_base = predict_fsdp(W, 4, LINK, unit_bytes=units, overlap=False, reshard=False)
+    assert kept.step_s - kept_base.step_s == pytest.approx(2 * 2 * per)
 
 
 @pytest.mark.parametrize("stages, m", [(2, 4), (4, 4), (2, 16)])

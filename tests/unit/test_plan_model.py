@@ -12,6 +12,7 @@ from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
 from paratrain.bench.plan_model import PS, Layout, MemoryInputs, memory_per_device, ps_async_rate, step_parts
 from paratrain.config import Config
+from paratrain.errors import UsageError
 from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
 
 M = MemoryInputs(params=100, optimizer=200, activations=50, temporaries=10, largest_unit=40)
@@ -52,6 +53,12 @@ def test_memory_of_a_pipeline_stage_counts_its_micro_batches_in_flight():
     assert (m["total"], m["stage"]) == (330, 0)
     # GPipe: all 4 in flight everywhere: stage 0 60 + 120 + 300 = 480; stage 1 50 + 100 + 200 + 40 = 390
     assert memory_per_device(STAGES, 2, big, schedule="gpipe", **kw)["total"] == 480
+    # each stage keeps its outputs until the micro-batch's backward: 1F1B stage 1 (the model's output, 400 for the
+    # batch) adds one micro-batch's 100: 310; stage 0 (the boundary's 80) adds 2 x 20: 370 -> stage 0
+    kept = memory_per_device(STAGES, 2, big, schedule="1f1b", stage_outputs=[80, 400], **kw)
+    assert (kept["total"], kept["stage"], kept["activations"]) == (370, 0, 190)
+    out = memory_per_device(STAGES, 2, big, schedule="1f1b", stage_outputs=[0, 800], **kw)
+    assert (out["total"], out["stage"]) == (410, 1)  # 50 + 100 + 50 + 200 + 10
 
 
 def test_memory_of_a_parameter_server_worker_and_server():
@@ -94,12 +101,12 @@ def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores(
     assert p.step_s == pytest.approx(0.35 + 0.04003 + 0.00606 + 0.04403)
     shared = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True)
     assert shared.step_s == pytest.approx(4 * 0.3 + 0.05) and shared.exposed_comm_s == 0
-    # on shared cores the join of 4 outputs of 1 MB is a memory copy: alpha + 4 MB x 2.5e-10 s/B = 0.00101 s
-    memory = Link(name="memory-copy", alpha_s=1e-5, beta_s_per_byte=2.5e-10, gamma_s_per_byte=0.0)
-    joined = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True, copy_link=memory)
+    # on shared cores the join of 4 outputs of 1 MB is a memory copy of 4 MB: 1e-5 + 4e6 x 2.5e-10 s = 0.00101 s
+    joined = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True, copy_s=lambda b: 1e-5 + 2.5e-10 * b)
     assert joined.step_s == pytest.approx(4 * 0.3 + 0.05 + 0.00101)
     assert joined.exposed_comm_s == pytest.approx(0.00101)
-    assert predict_towers(W, 1, link, output_bytes=1e6, shared_cores=True, copy_link=memory).exposed_comm_s == 0
+    one = predict_towers(W, 1, link, output_bytes=1e6, shared_cores=True, copy_s=lambda b: 1.0)
+    assert one.exposed_comm_s == 0  # one tower joins nothing
 
 
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
@@ -147,9 +154,9 @@ class _Cls:  # a registry entry's attributes that step_parts reads
 
 
 
-INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6, "stage_profiles": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0,
-                                                      "stage_param_bytes": [2e7, 2e7], "stage_fractions": [0.5, 0.5],
-                                                      "microbatch_factor": 1.1}}}
+INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6,
+          "stage_profiles": {"2": {"activation_bytes": 1e6, "shared_bytes": 0.0, "stage_param_bytes": [2e7, 2e7],
+                                   "stage_fractions": [0.5, 0.5], "microbatch_factor": 1.1}}}
 LAYOUTS = [(_Cls(RING), {}), (_Cls(SHARDED_OPTIMIZER), {}), (_Cls(SHARDED_PARAMETERS), {}), (_Cls(TOWERS), {}),
            (_Cls(STAGES), {"pipeline_stages": 2, "microbatches": 4}), (_Cls(PS), {"num_ps": 2}),
            (_Cls(PS, synchronous=False), {"num_ps": 2})]
@@ -247,8 +254,9 @@ def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_the
     assert isinstance(got, float) and math.isfinite(got)  # ran to the end on both ranks (it raises otherwise)
 
 
-def test_the_memory_copy_link_is_fitted_from_joins_up_to_the_requested_size():
+def test_memory_copies_are_timed_at_each_requested_size_and_priced_between_them():
     from paratrain.bench import microbench
+    from paratrain.bench.costmodel_sharded import copy_seconds
 
     seen = []
     real_cat = microbench.torch.cat
@@ -259,10 +267,16 @@ def test_the_memory_copy_link_is_fitted_from_joins_up_to_the_requested_size():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(microbench.torch, "cat", cat)
-        link = microbench.measured_copy(8 * 2 ** 20, repeats=2, warmup=1)
-    assert sorted(set(seen)) == [4096, 2 ** 20, 8 * 2 ** 20]  # two float32 halves of each size, 3 joins each
-    assert len(seen) == 9 and link.name == "memory-copy" and link.gamma_s_per_byte == 0.0
-    assert link.alpha_s >= 0 and link.beta_s_per_byte >= 0 and link.alpha_s + link.beta_s_per_byte > 0
+        points = microbench.measure_copies([2 ** 20, 4096, 0, 4096], repeats=2, warmup=1)
+    assert seen == [4096] * 3 + [2 ** 20] * 3  # each size once, smallest first, 3 joins of two float32 halves
+    assert [b for b, _ in points] == [4096, 2 ** 20] and all(t >= 0 for _, t in points)
+    # priced from (bytes, seconds) points: the smallest's time below it, linear between, per byte beyond
+    copy = copy_seconds([[1000, 1e-5], [11000, 2e-5], [111000, 1.2e-3]])
+    assert copy(10) == 1e-5 and copy(0) == 0.0
+    assert copy(6000) == pytest.approx(1.5e-5) and copy(61000) == pytest.approx(2e-5 + 0.5 * 1.18e-3)
+    assert copy(222000) == pytest.approx(2.4e-3)
+    with pytest.raises(UsageError):
+        copy_seconds([])
 
 
 def test_predicts_sync_batchnorm_helpers_add_exposed_comm_pick_the_paying_strategies_and_read_digits_shapes():

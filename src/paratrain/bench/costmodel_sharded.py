@@ -15,7 +15,7 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   gradients after its compute; the optimizer on 1/n of every parameter. Compute of a unit is
   proportional to its parameter bytes. Each collective has FSDP2's copy-in and copy-out around it
   (the shard into the all-gather's buffer, the gathered parameters out of it; the gradients into the
-  reduce-scatter's buffer, the reduced shard out), measured as a memory copy where it is known.
+  reduce-scatter's buffer, the reduced shard out), priced as measured memory copies where known.
 * ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
   shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
   time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
@@ -31,7 +31,7 @@ Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.Us
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import UsageError
 from .costmodel import MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
@@ -95,31 +95,54 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
     return max(compute_end, comm_free)
 
 
-def fsdp_copies_s(nbytes: float, n: int, copy_link: Link | None) -> float:
+def copy_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
+    """Seconds of a memory copy of x bytes from measured ``(bytes, seconds)`` points
+    (:func:`~.microbench.measure_copies`): linear between the two measured sizes around x, the
+    smallest size's time below it, the largest size's seconds per byte above it. A copy's cost per
+    byte is not one number on a CPU: small ones stay in cache or reuse freed memory, large ones
+    fault in fresh pages."""
+    pts = sorted((float(b), float(t)) for b, t in points)
+    if not pts or any(b <= 0 or t < 0 for b, t in pts):
+        raise UsageError(f"copy_seconds needs (bytes > 0, seconds >= 0) points, got {points}")
+
+    def seconds(nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        return pts[-1][1] * nbytes / pts[-1][0]
+    return seconds
+
+
+def fsdp_copies_s(nbytes: float, n: int, copy_s: Callable[[float], float] | None) -> float:
     """Seconds of the two copies around one FSDP2 collective of a unit of ``nbytes`` (whole): an
     all-gather copies the rank's shard in (nbytes / n) and the gathered parameters out (nbytes); a
     reduce-scatter copies the gradients in (nbytes) and the reduced shard out (nbytes / n). So
-    2 alpha + (1 + 1/n) nbytes beta over ``copy_link`` (0 without one, or for n = 1: no collective)."""
+    ``copy_s(nbytes / n) + copy_s(nbytes)`` (0 without ``copy_s``, or for n = 1: no collective)."""
     _check_n(n)
-    if copy_link is None or n == 1:
+    if copy_s is None or n == 1:
         return 0.0
-    return 2 * copy_link.alpha_s + (1 + 1 / n) * nbytes * copy_link.beta_s_per_byte
+    return copy_s(nbytes / n) + copy_s(nbytes)
 
 
 def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], reshard: bool = True,
                  compute_scale: float = 1.0, overlap: bool = True, gather_link: Link | None = None,
-                 scatter_link: Link | None = None, copy_link: Link | None = None) -> Prediction:
+                 scatter_link: Link | None = None, copy_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
     sharded), in forward order (the root unit last). ``gather_link`` / ``scatter_link``: the
     all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at the
-    all-reduce's alpha, beta, gamma). ``copy_link``: the memory copies FSDP2 makes around each
-    collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
+    all-reduce's alpha, beta, gamma). ``copy_s``: seconds of a memory copy of so many bytes, for the
+    copies FSDP2 makes around each collective (:func:`fsdp_copies_s`; measured on a CPU, where they
+    take the cores that compute).
     ``overlap=False``: no collective overlaps compute (all exposed)."""
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
         raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order")
-    ag = [ring_allgather_s(b, n, gather_link or link) + fsdp_copies_s(b, n, copy_link) for b in unit_bytes]
-    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) + fsdp_copies_s(b, n, copy_link) for b in unit_bytes]
+    ag = [ring_allgather_s(b, n, gather_link or link) + fsdp_copies_s(b, n, copy_s) for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) + fsdp_copies_s(b, n, copy_s) for b in unit_bytes]
     s = compute_scale
     if not overlap:
         other = (w.data_s + w.optimizer_s / n) * s
@@ -170,7 +193,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
 
 
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
-                   shared_cores: bool = False, copy_link: Link | None = None) -> Prediction:
+                   shared_cores: bool = False, copy_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
     (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
     devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
@@ -180,8 +203,8 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     ((n-1) alpha + P (beta + gamma)), one optimizer step. ``shared_cores``: CPU virtual devices,
     towers as threads of one process on the same cores (no transfers; the parameters are shared):
     the towers' compute adds up (n x forward + backward), as one device's step of n batches, and the
-    join of their outputs is a copy of n x ``output_bytes`` in the one memory over ``copy_link``
-    (alpha + n ``output_bytes`` beta; none without a ``copy_link``)."""
+    join of their outputs is a memory copy of n x ``output_bytes``: ``copy_s(n output_bytes)`` (none
+    without ``copy_s``)."""
     _check_n(n)
     s, P = compute_scale, sum(w.param_bytes)
     towers = n if shared_cores else 1
@@ -189,7 +212,7 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     if n == 1:
         comm = 0.0
     elif shared_cores:
-        comm = copy_link.alpha_s + n * output_bytes * copy_link.beta_s_per_byte if copy_link else 0.0
+        comm = copy_s(n * output_bytes) if copy_s else 0.0
     else:
         comm = ((n - 1) * link.alpha_s + P * link.beta_s_per_byte
                 + 2 * (n - 1) * (link.alpha_s + output_bytes * link.beta_s_per_byte)
@@ -205,4 +228,4 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "fsdp_copies_s", "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]
+           "copy_seconds", "fsdp_copies_s", "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]

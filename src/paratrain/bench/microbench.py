@@ -293,24 +293,24 @@ def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]
     return float(alpha), float(beta)
 
 
-def measured_copy(nbytes: int, parts: int = 2, repeats: int = 5, warmup: int = 1) -> Link:
-    """``Link(name="memory-copy")``: alpha and beta (:func:`fit_latency_bandwidth`) of joining ``parts``
-    float32 tensors into a new one with ``torch.cat`` in this process at its threads, at 4 KiB, 1 MiB and
-    ``nbytes`` (the joined size; each median of ``repeats``, a fresh result every time, as CPU towers
-    gather their outputs onto the master: :class:`~paratrain.strategies.towers.CPUTowers`)."""
-    sizes = sorted({4096, 2 ** 20, max(int(nbytes), 2 ** 20)})
-    times = []
-    for size in sizes:
+def measure_copies(sizes_bytes: Sequence[int], parts: int = 2, repeats: int = 5,
+                   warmup: int = 1) -> list[list[float]]:
+    """``[bytes, seconds]`` per size: joining ``parts`` float32 tensors of that total size into a new
+    one with ``torch.cat`` in this process at its threads, a fresh result every time (as CPU towers
+    gather their outputs onto the master, :class:`~paratrain.strategies.towers.CPUTowers`, and FSDP2
+    copies parameters and gradients in and out of its collectives' buffers); median of ``repeats``
+    after ``warmup``. For :func:`~.costmodel_sharded.copy_seconds`."""
+    out = []
+    for size in sorted(set(int(s) for s in sizes_bytes if s > 0)):
         pieces = [torch.zeros(max(1, size // parts // FLOAT32_BYTES)) for _ in range(parts)]
         runs = []
-        for i in range(warmup + repeats):
+        for _ in range(warmup + repeats):
             t0 = time.perf_counter()
             joined = torch.cat(pieces)
             runs.append(time.perf_counter() - t0)
             del joined
-        times.append(statistics.median(runs[warmup:]))
-    alpha, beta = fit_latency_bandwidth(sizes, times)
-    return Link(name="memory-copy", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+        out.append([float(sum(p.numel() for p in pieces) * FLOAT32_BYTES), statistics.median(runs[warmup:])])
+    return out
 
 
 def measured_p2p(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 10, warmup: int = 2,

@@ -58,8 +58,12 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches")
     p.add_argument("--profile-steps", type=int, default=30,
                    help="steps of each one-device run of the profile (default 30; a third is warm-up)")
+    p.add_argument("--profile-repeats", type=int, default=1,
+                   help="rounds of the profile's one-device runs; per thread count the median is kept (default 1)")
     p.add_argument("--validate", action="store_true",
                    help="run every strategy at N = 1, 2 here and compare with the predictions (minutes)")
+    p.add_argument("--rescore", action="store_true", help="predict the layouts of --out's validation.json again "
+                   "(the current profile and model) against its kept measurements; no runs")
     p.add_argument("--validate-steps", type=int, default=30, help="steps per validation run (default 30)")
     p.add_argument("--validate-repeats", type=int, default=1, help="runs per validated layout; the median step "
                    "is compared (default 1)")
@@ -77,11 +81,14 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
     ns = sorted(set(_ints(args.nproc or default, "--nproc")))
     if not ns or ns[0] < 1:
         raise UsageError(f"--nproc {args.nproc!r}: give device counts >= 1, e.g. --nproc 1,2,4,8")
-    if args.profile_steps < 6:
-        raise UsageError(f"--profile-steps {args.profile_steps}: use 6 or more (a third are warm-up)")
+    if args.profile_steps < 6 or args.profile_repeats < 1:
+        raise UsageError(f"--profile-steps {args.profile_steps} / --profile-repeats {args.profile_repeats}: use "
+                         f"1 or more rounds of 6 or more steps (a third are warm-up)")
     if args.validate_repeats < 1 or args.validate_steps < 6:
         raise UsageError(f"--validate-repeats {args.validate_repeats} / --validate-steps {args.validate_steps}: use "
                          f"1 or more runs of 6 or more steps")
+    if args.validate and args.rescore:
+        raise UsageError("--validate measures and scores; --rescore scores the kept measurements again: give one")
     if args.objective not in OBJECTIVES:
         raise UsageError(f"--objective {args.objective!r}: use {' or '.join(OBJECTIVES)}")
     if args.interconnect != "measured" and args.interconnect not in PRESETS:
@@ -121,7 +128,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
                                                cfg.train.batch_size, args.profile_steps, threads,
-                                               concurrent=prof["cores"])
+                                               concurrent=prof["cores"], repeats=args.profile_repeats)
             bar.update(phases - bar.n)
             return prof
 
@@ -147,6 +154,16 @@ def memory_inputs(prof: dict) -> MemoryInputs:
                         largest_unit=max(prof["strategy_inputs"]["units"] or [0]),
                         blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
                         blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]))
+
+
+def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | None:
+    """Bytes each of ``stages`` pipeline stages outputs for the profiled batch x ``ratio``: the stage
+    boundary's activations (measured after stage 0; a Transformer's or an LSTM's boundaries all carry
+    the hidden states) and, on the last stage, the model's output. None for a model that does not cut."""
+    pipe = prof["strategy_inputs"].get("stage_profiles", {}).get(str(stages))
+    if not pipe:
+        return None
+    return [pipe["activation_bytes"] * ratio] * (stages - 1) + [prof.get("output_bytes", 0.0) * ratio]
 
 
 def layouts(n: int, prof: dict, cfg) -> list[Layout]:
@@ -226,7 +243,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
-              "shared_cores": shared_cores,
+              "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine)}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
@@ -238,7 +255,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
                             checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
                             stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),
-                            schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
+                            stage_outputs=stage_outputs(prof, stages, ratio), schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
                             batch_ratio=ratio, shared_cores=shared_cores)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),

@@ -18,9 +18,10 @@ one device, U the largest FSDP unit, all for one replica's batch):
   with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward), and a third
   phase, the backward's start, holds the last unit gathered again and its unsharded gradient beside
   the activations: ``P_d + O_d + A + 2 U``;
-* pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A for the
-  micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019); the
-  loss's temporaries on the last stage (GPipe: all M micro-batches'; 1F1B: one micro-batch's);
+* pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A and its
+  output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
+  M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
+  all M micro-batches'; 1F1B: one micro-batch's);
 * parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
   P/K and O/K (reported apart);
 * towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
@@ -76,7 +77,7 @@ class MemoryInputs:
 def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
                       checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
                       stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
-                      schedule: str = "1f1b",
+                      stage_outputs: list[float] | None = None, schedule: str = "1f1b",
                       num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
     ``total``; ``server`` too for a parameter server. ``batch_ratio``: this layout's per-replica
@@ -95,8 +96,8 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
         # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
         out["backward_start"] = p + o + act + 2 * m.largest_unit
     elif model == STAGES:
-        return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, schedule,
-                             synchronous_buckets)
+        return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, stage_outputs,
+                             schedule, synchronous_buckets)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         out["server"] = (m.params + m.optimizer) / num_ps
@@ -113,21 +114,25 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
 
 
 def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, microbatches: int,
-                  shares: list[float] | None, params: list[float] | None, schedule: str, buckets: bool) -> dict:
+                  shares: list[float] | None, params: list[float] | None, outputs: list[float] | None,
+                  schedule: str, buckets: bool) -> dict:
     """The pipeline's busiest stage: stage s holds its parameters P_s (a tied embedding in each stage
-    that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations for
-    the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the last stage the
-    loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's
-    under 1F1B (each micro-batch's backward follows its forward there)."""
+    that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations and
+    its output (``outputs[s]`` for the whole batch: what it sends the next stage, the model's output
+    on the last; ``torch.distributed.pipelining`` keeps a forward's outputs until that micro-batch's
+    backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the
+    last stage the loss's temporaries: every micro-batch's under GPipe (all forwards first), one
+    micro-batch's under 1F1B (each micro-batch's backward follows its forward there)."""
     S, M = stages, microbatches
     shares = list(shares) if shares else [1 / S] * S
     params = list(params) if params else [m.params / S] * S
+    outputs = list(outputs) if outputs else [0.0] * S
     best: dict[str, float] = {}
     for s in range(S):
         p = params[s]
         o = m.optimizer * (p / m.params if m.params else 1 / S)
         in_flight = M if schedule == "gpipe" else min(S - s, M)
-        a = act * shares[s] / sum(shares) * in_flight / M
+        a = (act * shares[s] / sum(shares) + outputs[s]) * in_flight / M
         t = (tmp if schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
         kept = p if buckets and n > S else 0.0
         total = max(p + kept + o + a + t, 2 * p + o)

@@ -26,6 +26,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / f"plan-{Path(args.config).stem}"
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file; give a folder")
+    if args.rescore and not (out / "validation.json").exists():
+        raise UsageError(f"--rescore: no {out / 'validation.json'}; run paratrain plan with --validate and --out {out} "
+                         f"first")
     prof, cached = pl.load_profile(args, cfg, task, out)
     print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
           + (" (--reprofile measures again)" if cached else ""), flush=True)
@@ -84,6 +87,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .plan_validate import validate
 
         return validate(args, cfg, task, prof, out)
+    if args.rescore:
+        from .plan_validate import rescore
+
+        return rescore(cfg, prof, out)
     return 0
 
 

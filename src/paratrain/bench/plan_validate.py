@@ -91,7 +91,6 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
 def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> dict:
     """One validation row: the median of a layout's runs (``got``: (record, outcome) per run)
     against its prediction ``pred``."""
-    from .costmodel import relative_error
     from .report import median_run
 
     records = [rec for rec, _ in got]
@@ -99,23 +98,54 @@ def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> 
     outcome = got[records.index(rec)][1]
     measured = rec.get("train_step_ms", math.nan) if rec["ok"] else math.nan
     mem = outcome.summary.get("tracked_peak_memory_mb", math.nan) * 2 ** 20 if rec["ok"] else math.nan
-    row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"],
-           "predicted_step_ms": 1000 * pred["step_s"], "measured_step_ms": measured,
-           "predicted_memory_bytes": pred["memory"]["total"], "measured_memory_bytes": mem,
-           "predicted_units_per_s": pred["units_per_s"],
-           "measured_units_per_s": rec.get("units_per_s", math.nan),
-           "synchronous": pred["synchronous"], "repeats": len(records),
-           "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
+    row = {"strategy": lay.strategy, "label": lay.label, "n": n, "ok": rec["ok"], "measured_step_ms": measured,
+           "measured_memory_bytes": mem, "measured_units_per_s": rec.get("units_per_s", math.nan),
+           "repeats": len(records), "measured_step_ms_all": [r.get("train_step_ms", math.nan) for r in records],
            # where the time goes, to tell which term is wrong: predicted parts vs rank 0's measured ones
-           "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")},
            "measured_ms": ({k[:-3]: rec["rank0_timing_ms"].get(k, math.nan)
                             for k in ("data_ms", "compute_ms", "forward_ms", "backward_ms", "comm_ms",
                                       "idle_ms", "optimizer_ms")} if rec["ok"] else {}),
            "measured_memory_mb": outcome.summary.get("rank0_tracked_memory_mb", {}) if rec["ok"] else {}}
+    return _predicted(row, pred)
+
+
+def _predicted(row: dict, pred: dict) -> dict:
+    """``row`` (its measured fields) with the prediction ``pred`` and the errors between them."""
+    from .costmodel import relative_error
+
+    measured, mem = row["measured_step_ms"], row["measured_memory_bytes"]
+    row.update({"predicted_step_ms": 1000 * pred["step_s"], "predicted_memory_bytes": pred["memory"]["total"],
+                "predicted_units_per_s": pred["units_per_s"], "synchronous": pred["synchronous"],
+                "predicted_ms": {k[:-2]: 1000 * pred[k] for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s")}})
     row["step_error"] = relative_error(row["predicted_step_ms"], measured) if math.isfinite(measured) else math.nan
     row["memory_error"] = (relative_error(row["predicted_memory_bytes"], mem)
                            if math.isfinite(mem) and mem > 0 else math.nan)
     return row
+
+
+def rescore(cfg, prof: dict, out: Path) -> int:
+    """``paratrain plan --rescore``: predict the layouts of ``out/validation.json`` again from ``prof``
+    (the cached profile, or a new one with ``--reprofile``) and the current model, keep the measured
+    steps and memory, rewrite ``validation.json`` and ``validation.md``. No training runs. Raises
+    UsageError when a validated layout is no longer planned."""
+    from ..errors import UsageError
+    from .costmodel import Link
+
+    path = out / "validation.json"  # there: paratrain plan checks before it profiles
+    result = json.loads(path.read_text())
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+    for row in result["rows"]:
+        lay = next((x for x in pl.layouts(row["n"], prof, cfg) if x.label == row["label"]), None)
+        if lay is None:
+            raise UsageError(f"--rescore: layout {row['label']!r} at N = {row['n']} is no longer planned; "
+                             f"validate again (--validate)")
+        _predicted(row, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+    result.update({"link": prof["links"], "choice": _choice(result["rows"]), "rescored": True})
+    path.write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    (out / "validation.md").write_text(text)
+    print(text)
+    return 0
 
 
 def _choice(rows: list[dict]) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .costmodel import Link, Prediction, Workload, predict
-from .costmodel_sharded import predict_fsdp, predict_pipeline, predict_towers, predict_zero1
+from .costmodel_sharded import copy_seconds, predict_fsdp, predict_pipeline, predict_towers, predict_zero1
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
     "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")
@@ -121,8 +121,10 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     """:func:`predict_strategy` by the formula's name (a ``Strategy.cost_model`` of :data:`MODELS`).
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
     ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``), else
-    ``link``'s ring algorithms; ``memory_copy``: the copies of CPU towers' join and of FSDP2's buffers."""
+    ``link``'s ring algorithms. ``inputs["memory_copy"]``: measured (bytes, seconds) of memory copies
+    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join and FSDP2's buffers."""
     d, links = cfg.dist, links or {}
+    copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
     bucket = bucket_mb or d.bucket_mb
     if model == RING:
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
@@ -132,7 +134,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
-                            scatter_link=links.get("reduce_scatter"), copy_link=links.get("memory_copy"))
+                            scatter_link=links.get("reduce_scatter"), copy_s=copy_s)
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
@@ -143,5 +145,5 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
                                 microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"))
     if model == TOWERS:
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
-                              shared_cores=inputs.get("shared_cores", False), copy_link=links.get("memory_copy"))
+                              shared_cores=inputs.get("shared_cores", False), copy_s=copy_s)
     raise ValueError(f"no cost model named {model!r}; use one of {', '.join(MODELS)}")
