@@ -22,7 +22,8 @@ def planned(tmp_path_factory, tiny_data):
     tmp = tmp_path_factory.mktemp("plan")
     (tmp / "gpt.toml").write_text(GPT)
     r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--interconnect", "ib400", "--nproc", "1,2,4,8",
-                  "--profile-steps", "6", "--activation-checkpointing", "--out", "p", cwd=tmp, timeout=600)
+                  "--profile-steps", "6", "--timed-seconds", "0", "--activation-checkpointing", "--out", "p", cwd=tmp,
+                  timeout=600)
     return tmp, r
 
 
@@ -95,6 +96,7 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--objective", "fastest"), "--objective 'fastest': use words_per_s or cost"),
     (("--rescore", "--out", "never-validated"), "--rescore: no never-validated/validation.json; run paratrain plan"),
     (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
+    (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
     tmp, _ = planned
@@ -109,7 +111,7 @@ def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
 def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     tmp, _ = planned
     r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--validate", "--validate-steps", "6",
-                  "--out", "p", cwd=tmp, timeout=900)
+                  "--timed-seconds", "0", "--out", "p", cwd=tmp, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     v = json.loads((tmp / "p" / "validation.json").read_text())
     got = {(row["strategy"], row["n"]) for row in v["rows"]}

@@ -316,3 +316,25 @@ def test_parameter_servers_take_threads_but_not_compute_time_of_the_cores():
     assert layout_cpu_share(2, 0, 8) == (4, 1.0)  # all-reduce: 8 // 2 threads each, 2 x 4 = 8 cores
     assert layout_cpu_share(2, 2, 8) == (2, 1.0)  # 4 processes share 8 cores: 2 threads, the 2 workers use 4
     assert layout_cpu_share(4, 0, 2, in_process=True) == (2, 1.0)  # towers: one process, every core
+
+
+@pytest.mark.parametrize("steps", [6, 20, 30, 100])
+def test_validation_runs_track_memory_on_a_warm_up_step_after_the_first(steps):
+    from paratrain.bench.plan_validate import run_overrides
+
+    warmup, sets = run_overrides(steps)
+    got = dict(s.split("=") for s in sets)
+    track, log_every = int(got["train.track_memory_step"]), int(got["train.log_every"])
+    assert int(got["train.timing_warmup_steps"]) == warmup and warmup < steps
+    # timed intervals are those that start at or after the warm-up; the tracked step (1-based) ends before
+    assert 2 <= track <= warmup and (track - 1) // log_every * log_every < warmup
+
+
+def test_runs_of_short_steps_are_long_enough_to_time():
+    from paratrain.bench.plan import run_steps
+
+    # a third is warm-up: 2 s timed at 5 ms a step needs 1.5 x 2 / 0.005 = 600 steps
+    assert run_steps(30, 0.005) == 600
+    assert run_steps(30, 0.5) == 30  # long steps: the least steps already time 10 s
+    assert run_steps(30, 1e-6) == 2000 and run_steps(30, 0.0) == 30  # capped; no estimate: the least
+    assert run_steps(30, 0.005, timed_s=0.05) == 30 and run_steps(30, 0.005, timed_s=0) == 30

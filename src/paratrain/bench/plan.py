@@ -57,14 +57,19 @@ def add_plan_parser(sub) -> None:
                    "(default runs/plan-<config name>)")
     p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches")
     p.add_argument("--profile-steps", type=int, default=30,
-                   help="steps of each one-device run of the profile (default 30; a third is warm-up)")
+                   help="least steps of each one-device run of the profile (default 30; a third is warm-up; see "
+                        "--timed-seconds)")
+    p.add_argument("--timed-seconds", type=float, default=TIMED_S,
+                   help=f"about how long the timed steps of each profile and validation run last: short steps run "
+                        f"more than --profile-steps / --validate-steps (default {TIMED_S:g}; 0: exactly those)")
     p.add_argument("--profile-repeats", type=int, default=1,
                    help="rounds of the profile's one-device runs; per thread count the median is kept (default 1)")
     p.add_argument("--validate", action="store_true",
                    help="run every strategy at N = 1, 2 here and compare with the predictions (minutes)")
     p.add_argument("--rescore", action="store_true", help="predict the layouts of --out's validation.json again "
                    "(the current profile and model) against its kept measurements; no runs")
-    p.add_argument("--validate-steps", type=int, default=30, help="steps per validation run (default 30)")
+    p.add_argument("--validate-steps", type=int, default=30, help="least steps per validation run (default 30; "
+                   "see --timed-seconds)")
     p.add_argument("--validate-repeats", type=int, default=1, help="runs per validated layout; the median step "
                    "is compared (default 1)")
     p.add_argument("--validate-nproc", default="1,2", help="N to validate at (default 1,2; 4 runs oversubscribed "
@@ -87,6 +92,8 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
     if args.validate_repeats < 1 or args.validate_steps < 6:
         raise UsageError(f"--validate-repeats {args.validate_repeats} / --validate-steps {args.validate_steps}: use "
                          f"1 or more runs of 6 or more steps")
+    if not args.timed_seconds >= 0:
+        raise UsageError(f"--timed-seconds {args.timed_seconds}: give seconds >= 0 (0: the step counts as given)")
     if args.validate and args.rescore:
         raise UsageError("--validate measures and scores; --rescore scores the kept measurements again: give one")
     if args.objective not in OBJECTIVES:
@@ -101,6 +108,20 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
             raise UsageError(f"--global-batch {args.global_batch} does not divide among N = {bad or ns}; give a "
                              f"global batch that is a multiple of every N (e.g. {math.lcm(*ns)}) or other --nproc")
     return ns, (None if args.interconnect == "measured" else PRESETS[args.interconnect])
+
+
+TIMED_S = 2.0
+"""The least seconds of timed steps in a run of the profile or of ``--validate`` (:func:`run_steps`)."""
+
+
+def run_steps(least: int, step_s: float, timed_s: float = TIMED_S, most: int = 2000) -> int:
+    """Steps of a run whose timed two thirds (a third is warm-up) last about ``timed_s`` at ``step_s``
+    seconds a step (an estimate: the profile's or the prediction's), at least ``least``, at most
+    ``most``: a 5 ms step timed over 20 steps is a 0.1 s window, which one scheduler hiccup moves by
+    a third."""
+    if not (step_s > 0 and timed_s > 0):
+        return least
+    return max(least, min(most, math.ceil(1.5 * timed_s / step_s)))
 
 
 def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, bool]:
@@ -126,8 +147,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             prof = profile_model(task, cfg, progress=progress)
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
+            guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
-                                               cfg.train.batch_size, args.profile_steps, threads,
+                                               cfg.train.batch_size, run_steps(args.profile_steps, guess, args.timed_seconds), threads,
                                                concurrent=prof["cores"], repeats=args.profile_repeats)
             bar.update(phases - bar.n)
             return prof

@@ -37,6 +37,16 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
     return out
 
 
+def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:
+    """(warm-up steps, ``--set`` overrides) of a validation run of ``steps`` (>= 6): a third warm-up
+    (at least 3), no checkpoints, 6 log intervals, and memory tracked on the last but one warm-up step:
+    the step under MemTracker is slow (its hooks) and must not be timed, and from the second step on
+    the optimizer state exists."""
+    warmup = max(3, steps // 3)
+    return warmup, ("train.checkpoint_every=0", f"train.track_memory_step={warmup - 1}",
+                    f"train.timing_warmup_steps={warmup}", f"train.log_every={max(1, steps // 6)}")
+
+
 def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     from .costmodel import Link
     from .report import run_record
@@ -47,20 +57,20 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
 
     runs = _runs(prof, cfg, sorted(set(_ints(args.validate_nproc, "--validate-nproc"))), args.config, args.task,
                  args.overrides)
-    steps = args.validate_steps
-    warmup = max(3, steps // 3)
-    # the step under MemTracker is slow (its hooks): the last but one warm-up step, outside the timed steps
-    base = (*args.overrides, "train.checkpoint_every=0", f"train.track_memory_step={warmup - 1}",
-            f"train.timing_warmup_steps={warmup}", f"train.log_every={max(1, steps // 6)}")
     rows = []
-    print(f"[plan] validating {len(runs)} layouts here, {steps} steps each, {args.validate_repeats} run(s) per "
-          f"layout (the median; repeats go round the layouts)", flush=True)
+    print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
+          f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go round the "
+          f"layouts)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
-        specs = []
+        specs, counts = [], []
         for lay, n in runs:
-            overrides = (*base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
+            guess = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)["step_s"]
+            steps = pl.run_steps(args.validate_steps, guess, args.timed_seconds)
+            warmup, base = run_overrides(steps)
+            overrides = (*args.overrides, *base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
+            counts.append(steps)
             specs.append((BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,),
                                     nprocs=(replicas,), scaling=("weak",), steps=steps,
                                     warmup_steps=warmup, overrides=overrides, data_dir=args.data_dir),
@@ -73,14 +83,15 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                 done[i].append((run_record(outcome), outcome))
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
-        for (lay, n), got in zip(runs, done):
+        for (lay, n), got, steps in zip(runs, done, counts):
             row = _row(lay, n, got, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+            row["steps"] = steps
             rows.append(row)
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
                   f"{row['measured_step_ms']:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
                   f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({_pct(row['memory_error'])})", flush=True)
-    result = {"config": args.config, "steps": steps, "link": prof["links"], "rows": rows,
+    result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows,
               "choice": _choice(rows)}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
