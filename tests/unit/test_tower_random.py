@@ -2,6 +2,7 @@
 of which tower thread runs first (CPU towers share one default generator without this)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -54,14 +55,27 @@ def test_towers_draw_different_masks_and_reproduce_them():
 
 
 def test_a_shared_generator_would_depend_on_the_schedule():
-    """The control: the same probe in tower threads without per-tower generators."""
-    def run(delays):
-        probe = Probe(delays)
+    """The control: the same probe in tower threads without per-tower generators, the towers made to
+    run one after the other in a given order (an event, not a delay: on a loaded machine a delay does
+    not order threads)."""
+    def run(order):
+        probe, first_done = Probe((0.0, 0.0)), threading.Event()
+
+        def tower(t):
+            def call():
+                if t != order[0]:
+                    assert first_done.wait(60)
+                out = probe(torch.ones(2, 8))
+                if t == order[0]:
+                    first_done.set()
+                return out
+            return call
+
         torch.default_generator.manual_seed(3)
         with torch.no_grad():
-            return run_threads([lambda: probe(torch.ones(2, 8)) for _ in range(2)])
+            return run_threads([tower(0), tower(1)])
 
-    a, b = run((0.0, 0.05)), run((0.05, 0.0))
+    a, b = run((0, 1)), run((1, 0))
     assert torch.equal(a[0], b[1]) and not torch.equal(a[0], b[0])
 
 

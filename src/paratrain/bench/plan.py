@@ -148,9 +148,10 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+            steps = run_steps(args.profile_steps, guess, args.timed_seconds)
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
-                                               cfg.train.batch_size, run_steps(args.profile_steps, guess, args.timed_seconds), threads,
-                                               concurrent=prof["cores"], repeats=args.profile_repeats)
+                                               cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
+                                               repeats=args.profile_repeats)
             bar.update(phases - bar.n)
             return prof
 
@@ -277,7 +278,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
                             checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
                             stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),
-                            stage_outputs=stage_outputs(prof, stages, ratio), schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
+                            stage_outputs=stage_outputs(prof, stages, ratio),
+                            schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
                             batch_ratio=ratio, shared_cores=shared_cores)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),

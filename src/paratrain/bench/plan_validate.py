@@ -59,8 +59,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                  args.overrides)
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
-          f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go round the "
-          f"layouts)", flush=True)
+          f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
+          f"round the layouts)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
         specs, counts = [], []

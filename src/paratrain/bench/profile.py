@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 5  # 5: the memory copy of CPU towers' outputs (4: the RPC link over TensorPipe's uv)
+PROFILE_VERSION = 5  # 5: memory copies, the RPC link to 64 MiB (4: the RPC link over TensorPipe's uv)
 STAGE_COUNTS = (2, 4)
 
 

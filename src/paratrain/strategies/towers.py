@@ -252,7 +252,7 @@ class CPUTowers(nn.Module):
                  group: TowerGroup | None = None) -> None:
         super().__init__()
         self.n, self.dim, self.group = n, batch_dim, group
-        self.threads_forward, self.threads = max(1, threads // n), max(1, threads)
+        self.threads_forward = max(1, threads // n)
         object.__setattr__(self, "towers", [module] + [shallow_replica(module) for _ in range(n - 1)])
         self.generators = [torch.Generator() for _ in range(n)]
 
@@ -262,6 +262,7 @@ class CPUTowers(nn.Module):
             for replica in self.towers[1:]:
                 for (_, rb), (_, mb) in zip(replica.named_buffers(), master.named_buffers()):
                     rb.copy_(mb)
+        caller = torch.get_num_threads()
         parts = scatter((args, kwargs), self.n, self.dim)
         if self.group is not None:
             self.group.ready()
@@ -282,6 +283,6 @@ class CPUTowers(nn.Module):
 
         try:
             outs = run_threads([tower(t) for t in range(self.n)], self.group.abort if self.group else None)
-        finally:  # tower 0 ran in this thread: the join, the user's loss and the backward get every thread
-            torch.set_num_threads(self.threads)
+        finally:  # tower 0 ran here: the join, the user's loss and the backward get the caller's threads back
+            torch.set_num_threads(caller)
         return gather(outs, self.dim)
