@@ -338,3 +338,11 @@ def test_runs_of_short_steps_are_long_enough_to_time():
     assert run_steps(30, 0.5) == 30  # long steps: the least steps already time 10 s
     assert run_steps(30, 1e-6) == 2000 and run_steps(30, 0.0) == 30  # capped; no estimate: the least
     assert run_steps(30, 0.005, timed_s=0.05) == 30 and run_steps(30, 0.005, timed_s=0) == 30
+
+
+def test_pipeline_stages_output_the_boundary_then_the_model_output_scaled_with_the_batch():
+    from paratrain.bench.plan import stage_outputs
+
+    prof = {"output_bytes": 1000.0, "strategy_inputs": {"stage_profiles": {"4": {"activation_bytes": 30.0}}}}
+    assert stage_outputs(prof, 4, ratio=2.0) == [60.0, 60.0, 60.0, 2000.0]
+    assert stage_outputs(prof, 2) is None  # no profile for 2 stages: a model that does not cut so

@@ -56,6 +56,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"no layout fits --device-memory-gb {args.device_memory_gb:g}: the smallest, {least['label']} "
                          f"at N = {least['n']}, needs {least['memory']['total'] / 1e9:.2f} GB per device; give more "
                          f"memory, more devices (--nproc) or --activation-checkpointing")
+    rescored = None
+    if args.rescore:  # before the plan reads the measured errors, so that it shows the rescored ones
+        from .plan_validate import rescore
+
+        rescored = rescore(cfg, prof, out)
     checked = pl.read_validation(out)
     for r in rows:
         v = checked.get(r["strategy"])
@@ -87,11 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .plan_validate import validate
 
         return validate(args, cfg, task, prof, out)
-    if args.rescore:
-        from .plan_validate import rescore
-
-        return rescore(cfg, prof, out)
-    return 0
+    return rescored or 0
 
 
 def _device_limit(gb: float | None, prof: dict) -> float | None:

@@ -63,10 +63,10 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
           f"round the layouts)", flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
-        specs, counts = [], []
+        specs, counts, preds = [], [], []
         for lay, n in runs:
-            guess = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)["step_s"]
-            steps = pl.run_steps(args.validate_steps, guess, args.timed_seconds)
+            preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+            steps = pl.run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
             overrides = (*args.overrides, *base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
@@ -83,8 +83,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
                 done[i].append((run_record(outcome), outcome))
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
-        for (lay, n), got, steps in zip(runs, done, counts):
-            row = _row(lay, n, got, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+        for (lay, n), got, steps, pred in zip(runs, done, counts, preds):
+            row = _row(lay, n, got, pred)
             row["steps"] = steps
             rows.append(row)
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "

@@ -244,8 +244,9 @@ class TowerGroup:
 class CPUTowers(nn.Module):
     """``n`` towers of ``module`` on CPU virtual devices (see the module docstring).
 
-    ``threads``: intra-op threads of the process (each tower forward gets ``threads // n``,
-    the backward all of them). ``group``: the :class:`TowerGroup` sync BatchNorm uses, or None.
+    ``threads``: intra-op threads of the process (each tower forward gets ``threads // n``; the
+    join, the loss and the backward get the caller's own count back). ``group``: the
+    :class:`TowerGroup` sync BatchNorm uses, or None.
     """
 
     def __init__(self, module: nn.Module, n: int, batch_dim: int, threads: int,
