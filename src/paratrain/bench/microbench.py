@@ -235,6 +235,19 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
         return [(s, float(t)) for s, t in json.loads((workdir / "results.json").read_text())]
 
 
+def median_seconds(run, repeats: int, warmup: int) -> float:
+    """Median seconds of ``run()`` over ``repeats`` calls after ``warmup`` untimed ones, in this process
+    (its result is dropped as soon as it returns)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_gamma(nbytes: int = 16 * 2 ** 20, repeats: int = 20, warmup: int = 2) -> float:
     """Seconds per byte of a local float32 reduction ``a.add_(b)`` on one CPU thread (median over
     ``repeats``; the caller's thread count is restored)."""
@@ -243,16 +256,10 @@ def measure_gamma(nbytes: int = 16 * 2 ** 20, repeats: int = 20, warmup: int = 2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(warmup):
-            a.add_(b)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a.add_(b)
-            times.append(time.perf_counter() - t0)
+        seconds = median_seconds(lambda: a.add_(b), repeats, warmup)
     finally:
         torch.set_num_threads(threads)
-    return statistics.median(times) / (a.numel() * FLOAT32_BYTES)
+    return seconds / (a.numel() * FLOAT32_BYTES)
 
 
 def measured_link(world_size: int = 2, *, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 10,
@@ -303,13 +310,8 @@ def measure_copies(sizes_bytes: Sequence[int], parts: int = 2, repeats: int = 5,
     out = []
     for size in sorted(set(int(s) for s in sizes_bytes if s > 0)):
         pieces = [torch.zeros(max(1, size // parts // FLOAT32_BYTES)) for _ in range(parts)]
-        runs = []
-        for _ in range(warmup + repeats):
-            t0 = time.perf_counter()
-            joined = torch.cat(pieces)
-            runs.append(time.perf_counter() - t0)
-            del joined
-        out.append([float(sum(p.numel() for p in pieces) * FLOAT32_BYTES), statistics.median(runs[warmup:])])
+        seconds = median_seconds(lambda: torch.cat(pieces), repeats, warmup)
+        out.append([float(sum(p.numel() for p in pieces) * FLOAT32_BYTES), seconds])
     return out
 
 
@@ -334,77 +336,11 @@ def measured_collective(op: str, world_size: int = 2, *, sizes_bytes: Sequence[i
     return Link(name=f"measured-{op}", alpha_s=alpha / k, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
 
-def _echo(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int, warmup: int,
-              timeout_s: float) -> None:
-    """One of two RPC agents (spawned): rank 0 times ``rpc_sync`` round trips of each size."""
-    import torch.distributed.rpc as rpc
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    try:
-        from ..ps.runtime import RPC_TRANSPORTS
-
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
-                                               rpc_timeout=timeout_s, num_worker_threads=4,
-                                               _transports=RPC_TRANSPORTS)  # as the parameter server's
-        with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
-        results = []
-        if rank == 0:
-            for size in sizes_bytes:
-                x = torch.zeros(max(1, size // FLOAT32_BYTES), dtype=torch.float32)
-                for _ in range(warmup):
-                    rpc.rpc_sync("agent1", _echo, args=(x,))
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    rpc.rpc_sync("agent1", _echo, args=(x,))
-                    times.append((time.perf_counter() - t0) / 2)
-                results.append((int(size), statistics.median(times)))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.shutdown()
-        if rank == 0:
-            (Path(workdir) / "results.json.tmp").write_text(json.dumps(results))
-            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
-    except BaseException:
-        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: int = 15, warmup: int = 2,
-                 timeout_s: float = 120.0) -> Link:
-    """``Link(name="measured-rpc")``: alpha and beta of one ``torch.distributed.rpc`` message (TensorPipe,
-    what the parameter server's push and pull are) between two local processes, fitted to half round
-    trips of an echo (:func:`fit_latency_bandwidth`); gamma 0. Up to 64 MiB, 15 round trips each: with
-    16 MiB and 5 the fitted beta moved 4x between profiles on a 2-core VM (1.5e-10 to 5.9e-10 s/B)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    sizes = [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes]
-    with tempfile.TemporaryDirectory(prefix="paratrain-rpc-") as tmp:
-        procs = [ctx.Process(target=_rpc_main, args=(r, tmp, sizes, repeats, warmup, timeout_s), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        message = _failure(procs, Path(tmp), timeout_s)
-        if message:
-            raise RuntimeError(message.replace("all-reduce benchmark", "rpc benchmark"))
-        points = json.loads((Path(tmp) / "results.json").read_text())
-    alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
-    return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
-
-
 def measured_links() -> dict[str, dict[str, float]]:
     """This machine's links (2 local processes): gloo all-reduce, all-gather, reduce-scatter and send,
     and one RPC message, as {name: {alpha_s, beta_s_per_byte, gamma_s_per_byte}}."""
+    from .microbench_rpc import measured_rpc
+
     found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
              "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
     return {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte, "gamma_s_per_byte": v.gamma_s_per_byte}

@@ -130,7 +130,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     from ..consistency import config_text
     from ..env import available_cores
-    from .profile import cached_profile, loop_workloads, profile_key, profile_model
+    from .profile import cached_profile, profile_key, profile_model
+    from .profile_runs import loop_workloads
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())

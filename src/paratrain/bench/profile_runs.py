@@ -1,0 +1,71 @@
+"""The training loop's own one-device step for ``paratrain plan``'s profile: ``single`` runs of
+``paratrain train`` through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`).
+The rest of the profile is measured in process (:mod:`.profile`)."""
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+
+def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                   batch: int, steps: int, threads: tuple[int | None, ...], concurrent: int = 1, repeats: int = 1
+                   ) -> dict[str, dict[str, float]]:
+    """The one-device step as ``paratrain train`` runs it (the training loop's clipping, checks and
+    bookkeeping included): a ``single`` run of ``steps`` per thread count (None: the default),
+    rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
+    (:func:`~.validate.workload_from_record`), keyed by the threads it ran with. One-thread runs go
+    ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
+    while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
+    SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over
+    the thread counts (a slow spell of the machine hits each alike); per thread count the round
+    with the median step is kept."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..errors import UsageError
+    from ..strategies import REFERENCE
+    from .report import run_record
+    from .runner import run_cmd
+    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .validate import workload_from_record
+
+    spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE,), nprocs=(1,), scaling=("weak",),
+                     steps=steps, warmup_steps=max(1, steps // 3),
+                     overrides=(*overrides, "train.checkpoint_every=0",
+                                f"train.log_every={max(1, steps // 6)}"), data_dir=data_dir)
+    rounds: dict[str, list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
+        for r in range(repeats):
+            for t in threads:
+                copies = concurrent if t == 1 else 1
+                plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=t, repeat=r * copies + c)
+                         for c in range(copies)]
+
+                def run(plan: RunPlan):
+                    run_dir = Path(tmp) / plan.name
+                    rc, _ = run_cmd(train_command(spec, plan, run_dir), Path(tmp) / f"{plan.name}.log",
+                                    spec.timeout_s, dict(os.environ))
+                    return plan, rc, read_outcome(plan, rc, run_dir)
+
+                with ThreadPoolExecutor(copies) as pool:
+                    done = list(pool.map(run, plans))
+                parts = []
+                for plan, rc, outcome in done:
+                    rec = run_record(outcome)
+                    if not rec["ok"]:
+                        log = (Path(tmp) / f"{plan.name}.log").read_text()[-400:]
+                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {log.strip()[-300:]}")
+                    w = workload_from_record(rec, [0], rec["units_per_step"])
+                    parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
+                                  "optimizer_s": w.optimizer_s})
+                    key = str(rec["threads_per_process"])
+                got = {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
+                if copies > 1:
+                    got["concurrent"] = copies
+                rounds.setdefault(key, []).append(got)
+    out = {}
+    for key, got in rounds.items():  # the round with the median step (the lower middle of an even count)
+        ranked = sorted(got, key=lambda g: g["data_s"] + g["forward_s"] + g["backward_s"] + g["optimizer_s"])
+        out[key] = ranked[(len(ranked) - 1) // 2]
+    return out
