@@ -58,13 +58,15 @@ def test_killed_stage_restarts_and_ends_bitwise_equal(tmp_path, tiny_data):
     assert summary["steps"] == 120 and summary["valid_ppl"] < 40  # the tiny corpus' 40 words: it learned
 
 
-def test_two_replicas_of_two_stages_from_the_command_line(tmp_path, tiny_data):
+def test_two_replicas_of_two_stages_from_the_command_line_in_fp16(tmp_path, tiny_data):
     (tmp_path / "gpt.toml").write_text(GPT)
     r = paratrain("train", "gpt.toml", "--data-dir", tiny_data, "--run-dir", "hybrid", "--nproc", "4",
                   "--set", "dist.microbatches=2", "--set", "dist.pipeline_schedule=gpipe", "--set", "train.max_steps=8",
-                  cwd=tmp_path, timeout=300)
+                  "--set", "train.precision=fp16", cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert records(tmp_path / "hybrid", "summary")[-1]["steps"] == 8
+    losses = [t["loss"] for t in records(tmp_path / "hybrid", "train")]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses)  # finite: no shape-inference NaN in step 1's log
 
 
 @pytest.mark.parametrize("config, extra, words", [

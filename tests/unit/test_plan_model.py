@@ -122,6 +122,28 @@ def test_mfu_is_achieved_over_peak():
     assert math.isnan(mfu(math.nan, 0.5, 4, 1e12))
 
 
+def test_cpu_peak_is_the_fastest_product_kernel(monkeypatch, tmp_path):
+    """A kernel slower than another (float16 ``torch.mm`` on a CPU without float16 arithmetic) does
+    not set the peak: the fastest of :data:`PRODUCTS` does."""
+    import time
+
+    import torch
+
+    from paratrain.bench import mfu as m
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def slow(a, b):
+        time.sleep(0.05)  # at least 50 ms for 2 x 64^3 FLOPs: at most 10.5 MFLOP/s
+        return a @ b
+
+    monkeypatch.setattr(m, "PRODUCTS", {"fast": torch.mm, "slow": slow})
+    fast = m.measured_cpu_peak(torch.float32, size=64, seconds=0.05)
+    monkeypatch.setattr(m, "PRODUCTS", {"slow": slow})
+    slowest = m.measured_cpu_peak(torch.float32, size=64, seconds=0.05)
+    assert slowest <= 2 * 64 ** 3 / 0.05 < fast
+
+
 def test_flops_of_a_linear_layer_forward_and_backward():
     import torch
 

@@ -12,9 +12,12 @@ et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Mode
 Units of sharding: the model's blocks (:func:`paratrain.models.checkpointing.blocks`: Transformer
 blocks, LSTM layers), each direct child that holds parameters of its own and shares none (an
 untied embedding or decoder), then the root (what is left, e.g. tied embedding and decoder).
-``train.precision = "bf16"`` adds FSDP2's ``MixedPrecisionPolicy`` (parameters all-gathered and
-computed in bf16, gradients reduced in float32, float32 outputs) under part 1's autocast; the
-sharded master weights stay float32. Checkpoints are DCP folders (:mod:`.sharded`).
+``train.precision = "bf16"`` or ``"fp16"`` adds FSDP2's ``MixedPrecisionPolicy`` (parameters
+all-gathered and computed in the low dtype, gradients reduced in float32, float32 outputs) under
+part 1's autocast; the sharded master weights stay float32. fp16 scales the loss with
+``torch.amp.GradScaler``: its inf/NaN check runs on the gradients' DTensor shards, and DTensor
+reduces the flag over the mesh, so an overflow in one rank's shard is every rank's skipped step
+(tested). Checkpoints are DCP folders (:mod:`.sharded`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .allreduce import AllReduce
+from .precision import LOW_DTYPES
 from .sharded import ShardedCheckpoints, by_index, by_name, parameter_names
 
 # FSDP2 warns when a wrapped module returns a view (nn.LSTM's outputs); paratrain does no in-place op on them
@@ -60,7 +64,6 @@ class FSDP(ShardedCheckpoints, AllReduce):
     name = "fsdp"
     dist_keys = ("reshard_after_forward",)
     cost_model = "sharded_parameters"  # paratrain.bench.costmodel_sharded.predict_fsdp
-    supports_fp16 = False  # a GradScaler's inf check sees one shard: ranks could disagree on a skip
     collective_forward = True  # every forward all-gathers: ranks run the same number of forwards
 
     @classmethod
@@ -87,8 +90,9 @@ class FSDP(ShardedCheckpoints, AllReduce):
                 dist.broadcast(t.data, 0)
         self._before = dict(module.named_parameters())
         mesh = init_device_mesh(self.device.type, (self.env.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  output_dtype=torch.float32) if self.precision == "bf16" else MixedPrecisionPolicy()
+        low = LOW_DTYPES.get(self.precision)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32,
+                                  output_dtype=torch.float32) if low is not None else MixedPrecisionPolicy()
         reshard = bool(self.options.get("reshard_after_forward", True))
         self.units = shard_units(module)
         for unit in self.units:
@@ -188,7 +192,7 @@ class FSDP(ShardedCheckpoints, AllReduce):
             self._torch_view = False
 
     def eval_context(self) -> ContextManager:
-        """Under bf16 the shards are gathered in bf16 and each unit returns float32
+        """Under bf16/fp16 the shards are gathered in the low dtype and each unit returns float32
         (``MixedPrecisionPolicy``): evaluation runs under the training autocast too."""
         return self.autocast()
 

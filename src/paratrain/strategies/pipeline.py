@@ -27,6 +27,11 @@ give holds the whole model; on each process only its stage's parameters get grad
 optimizer state. Evaluation, ``state_dict`` and the non-finite check see the whole model: each
 stage's parameters are broadcast to the other stages of its replica first. Checkpoints are DCP
 folders (:mod:`.sharded`): each stage writes its own parameters and optimizer state.
+
+``train.precision = "bf16"`` runs the stages under autocast (activations travel in bf16).
+``"fp16"`` does too, and the last stage scales each micro-batch's loss with a
+``ShardedGradScaler`` before the schedule's backward; every stage unscales its own gradients and the
+inf/NaN flag is all-reduced over the job, so every process skips the same steps.
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
     name = "pipeline"
     dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule", "pipeline_split")
     cost_model = "stages"  # paratrain.bench.costmodel_sharded.predict_pipeline
-    supports_fp16 = False  # the loss scale would have to be applied inside the schedule's backward
+    rank_local_gradients = True  # fp16: each stage checks its own gradients; ShardedGradScaler shares the flag
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
     @classmethod
     def options(cls, cfg) -> dict[str, Any]:
@@ -151,13 +156,15 @@ class Pipeline(ShardedCheckpoints, AllReduce):
                             loss_fn=self._chunk_loss, scale_grads=False)
         self._step_loss: Callable | None = None
         self._busy_s, self.bubble, self.bubbles = 0.0, float("nan"), [float("nan")] * self.stages
+        self._forwards = self._losses = 0  # this step's micro-batch forwards and losses (last stage)
         for name in ("forward_one_chunk", "backward_one_chunk"):  # this stage's compute, timed per call
-            setattr(self.pp_stage, name, self._timed(getattr(self.pp_stage, name)))
+            setattr(self.pp_stage, name, self._timed(getattr(self.pp_stage, name), name == "forward_one_chunk"))
         return module
 
-    def _timed(self, fn: Callable) -> Callable:
+    def _timed(self, fn: Callable, forward: bool) -> Callable:
         def run(*args, **kwargs):
             t0 = time.perf_counter()
+            self._forwards += forward
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -189,8 +196,12 @@ class Pipeline(ShardedCheckpoints, AllReduce):
     def _chunk_loss(self, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch (last stage): the trainer's loss function on the
         micro-batch's rows ``index`` of this replica's batch, with the stage output as the model's."""
+        if self._forwards <= self._losses:  # the schedule's shape inference (first step) on placeholder
+            return output.float().sum()  # inputs: not a micro-batch of the data, kept out of the task's loss log
+        self._losses += 1
         lo, hi = int(index[0]), int(index[-1]) + 1
-        return self._step_loss(_Given(output), self._chunk(self._batch, lo, hi))
+        loss = self._step_loss(_Given(output), self._chunk(self._batch, lo, hi))
+        return loss if self.scaler is None else self.scaler.scale(loss)  # fp16: the schedule's backward is scaled
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                    clip: float = 0.0) -> StepResult:
@@ -205,6 +216,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         t0 = c.mark()
         first, last = self.pp_stage.is_first, self.pp_stage.is_last
         self._busy_s, w0 = 0.0, time.perf_counter()
+        self._forwards = self._losses = 0
         with self.autocast():
             x = self._input(self._batch)  # every stage: the rows' count; stage 0 feeds it
             index = torch.arange(x.size(0), device=self.device)
@@ -225,6 +237,8 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         shared = torch.zeros(1 + self.stages, dtype=torch.float64, device=self.device)
         if losses:
             shared[0] = torch.stack(losses).sum().detach().double()
+            if self.scaler is not None:
+                shared[0] /= self.scaler.get_scale()  # a power of two: exact
         shared[1 + self.stage_index] = self.bubble
         dist.all_reduce(shared, group=self.pp_group)
         total, self.bubbles = shared[0].to(self._dtype()), shared[1:].tolist()

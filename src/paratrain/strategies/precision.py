@@ -7,7 +7,11 @@ LSTM cells in the low dtype; softmax, log-softmax, losses, norms and reductions 
 autocast's own op lists) and returns its floating outputs as float32. fp16 scales the loss with
 ``torch.amp.GradScaler`` (:meth:`MixedPrecision.backward`); the merged gradient is unscaled before
 clipping and before the non-finite check, and a step the scaler finds inf/NaN in is the
-non-finite guard's skipped step (one mechanism).
+non-finite guard's skipped step (one mechanism). A strategy whose ranks hold different plain
+gradients after the merge (the pipeline's stages) scales with
+``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``, whose ``unscale_`` all-reduces the
+inf/NaN flag over every rank: all ranks skip the same steps and keep the same loss scale (fsdp's
+DTensor gradients reduce the flag over the mesh themselves).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from ..errors import UsageError
 from .step import StepRecord
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class MixedPrecision:
@@ -28,6 +32,7 @@ class MixedPrecision:
     ``self.optimizer``, ``self.model``, ``self.record`` and ``self.name`` from the strategy."""
 
     supports_fp16: bool = True  # float16 autocast with a GradScaler (the merge happens before optimizer.step())
+    rank_local_gradients: bool = False  # ranks hold different plain gradients after the merge: share the inf check
     precision: str = "fp32"
     scaler: torch.amp.GradScaler | None = None  # fp16: made by start_precision() for the device
 
@@ -47,13 +52,24 @@ class MixedPrecision:
         self.precision = precision
 
     def start_precision(self) -> None:
-        """In ``setup``, once the device is known: fp16's GradScaler."""
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
+        """In ``setup``, once the device is known: fp16's GradScaler (``ShardedGradScaler`` where
+        :attr:`rank_local_gradients`: its ``unscale_`` is then a collective over every rank)."""
+        if self.precision != "fp16":
+            self.scaler = None
+        elif self.rank_local_gradients:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device.type)
+        else:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        if self.scaler is not None:  # the scale tensor exists before the first scaled loss: a pipeline stage
+            self.scaler.scale(torch.zeros((), device=self.device))  # without a loss, or the zero-gradient step
+            # with which torch's get_state_dict creates optimizer state, unscale too
 
     def autocast(self) -> ContextManager:
         """``torch.autocast`` on this strategy's device type in bf16/fp16 (nothing for fp32). The wrapped
         model's forward runs under it; a user's own loss computation may too."""
-        low = _LOW.get(self.precision)
+        low = LOW_DTYPES.get(self.precision)
         return nullcontext() if low is None else torch.autocast(self.device.type, dtype=low)
 
     def backward(self, loss: torch.Tensor) -> None:
