@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from .test_cli import final_model, paratrain
 from .test_reliability import records, survivors
