@@ -30,6 +30,9 @@ What each call does on every strategy:
   last micro-batch of a step (DDP's ``no_sync``; a no-op where nothing is communicated).
 * the learning rate: set ``optimizer.param_groups[i]["lr"]`` or use an LR scheduler
   as before (the parameter server sends group 0's lr with every push).
+* one call per step: :func:`train_step` runs forward, backward, merge, clipping and the
+  optimizer's step; under ``pipeline`` (each process one stage) it is the way to train, and
+  :func:`gather_model` makes the model whole before an evaluation.
 * the wrapped model behaves as yours: ``model.init_hidden(...)`` and other
   attributes, ``state_dict()`` without prefixes; evaluation and ``torch.no_grad()``
   forward run the plain module (no collective).
@@ -47,7 +50,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -146,14 +149,65 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, b
                          "models in one nn.Module)")
     s.strategy.skip_nonfinite = skip_nonfinite
     s.strategy.set_precision(precision)
+    if s.strategy.name == "pipeline":  # pt.train_step's batches: rows along dim 0, cut by TaskBase's defaults
+        if batch_dim != 0:
+            raise UsageError(f"strategy 'pipeline' cuts each batch into micro-batches along dimension 0, not "
+                             f"batch_dim={batch_dim}: lay the rows of your batches along dimension 0")
+        from types import SimpleNamespace
+
+        s.strategy.task = SimpleNamespace(batch_dim=0)
     wrapped, opt = s.strategy.setup(model, optimizer, batch_dim=batch_dim, sync_batchnorm=sync_batchnorm)
     s.strategy.arm_timeouts(s.config.train.timeout_s)  # set-up is over: collectives time out after timeout_s
     s.models.append(wrapped)
     return wrapped if optimizer is None else (wrapped, opt)
 
 
+def train_step(batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, clip: float = 0.0) -> float:
+    """One whole optimizer step on this rank's ``batch``, the session's strategy's way: forward,
+    backward (with fp16's loss scale), the merge, clipping of the merged gradient to global norm
+    ``clip`` (0: off), ``optimizer.step()`` and ``optimizer.zero_grad()``. Every rank must call it.
+
+    The one way to train under ``pipeline`` (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
+    2019): each process holds one stage, and the schedule runs its micro-batches' forwards and
+    backwards. It works under every other strategy too, in place of the usual five lines.
+    ``batch``: a tensor, or a tuple/list of tensors (inputs, targets, ...), rows along dimension 0
+    (the pipeline cuts it into ``dist.microbatches`` micro-batches of rows; it feeds stage 0 the
+    first tensor). ``loss_fn(model, batch) -> loss``: the mean loss over that batch's rows (0-dim),
+    from the model's output on ``batch``'s inputs; it is called once per micro-batch (pipeline:
+    on the last stage, with a stand-in model that returns the last stage's output). Returns this
+    replica's loss, the mean over ``batch`` (a float; :func:`all_mean` for the global mean).
+    UsageError when the strategy cannot run it."""
+    s = _current()
+    if not s.models:
+        raise UsageError("pt.train_step needs the model and optimizer: call pt.setup(model, optimizer) first")
+    if s.strategy.optimizer is None:
+        raise UsageError("pt.train_step steps the optimizer: pass one to pt.setup(model, optimizer)")
+    rows = _rows(batch)
+
+    def share(model: nn.Module, micro_batch: Any) -> torch.Tensor:  # its part of the mean over the batch
+        return loss_fn(model, micro_batch) * (_rows(micro_batch) / rows)
+
+    return float(s.strategy.train_step([batch], share, clip).loss)
+
+
+def _rows(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise UsageError(f"pt.train_step needs a batch of tensors with rows along dimension 0 (a tensor, or a "
+                         f"tuple/list whose first item is one), not {type(batch).__name__}")
+    return first.size(0)
+
+
+def gather_model() -> None:
+    """``pipeline``: every stage's current parameters to the other stages of its replica, so that each
+    process holds the whole model (before evaluating it; ``model.state_dict()`` gathers by itself).
+    Nothing on the other strategies, whose processes hold the whole model. Every rank must call it."""
+    _current().strategy.gather_whole()
+
+
 def shard(data: Any, *, dim: int | None = None, seed: int = 0, allow_uneven: bool = False) -> Any:
-    """This rank's part of ``data`` (see :mod:`paratrain.data.sharding`): a tensor of B parallel
+    """This rank's part of ``data`` (see :mod:`paratrain.data.sharding`; under ``pipeline``, its
+    replica's part: every stage of a replica reads the same batches): a tensor of B parallel
     streams ``(L, B)`` (its contiguous columns; ``dim`` for another dimension), a ``DataLoader`` of
     global batches (batch B/W, a shared-seed ``DistributedSampler``, ``set_epoch`` at every new
     iteration), a map-style dataset (call ``set_epoch`` on the result each epoch), or an iterable of
@@ -161,8 +215,8 @@ def shard(data: Any, *, dim: int | None = None, seed: int = 0, allow_uneven: boo
     that are not even (unless ``allow_uneven``)."""
     from .data.sharding import shard as shard_data
 
-    env = _current().env
-    return shard_data(data, env.rank, env.world_size, dim=dim, seed=seed, allow_uneven=allow_uneven)
+    index, count = _current().strategy.data_share()  # (pipeline: the stages of a replica read the same share)
+    return shard_data(data, index, count, dim=dim, seed=seed, allow_uneven=allow_uneven)
 
 
 def backward(loss: torch.Tensor) -> None:

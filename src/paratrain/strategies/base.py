@@ -241,6 +241,11 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
         raise UsageError(f"strategy {self.name!r} cannot train on uneven inputs (ranks with different numbers of "
                          f"batches); give every rank the same number (drop_last=True) or use allreduce or zero1")
 
+    def before_plain_forward(self) -> None:
+        """Before the wrapped model runs the plain module (evaluation, ``torch.no_grad()``): raise
+        UsageError where that module is not current (the pipeline before its stages are gathered).
+        Default: nothing."""
+
     def begin_step(self) -> None:
         """Start an optimizer step (before its first forward): :meth:`train_step` calls it, and so does
         the wrapped model's first training forward after a step in a user's own loop. Default: nothing

@@ -132,8 +132,8 @@ class Pipeline(ShardedCheckpoints, AllReduce):
             raise UsageError("strategy 'pipeline' runs one stage per process; start it with paratrain train "
                              "--nproc N (N = replicas x dist.pipeline_stages)")
         if self.task is None:
-            raise UsageError("strategy 'pipeline' runs under paratrain train (the Task API): its schedule runs "
-                             "forward and backward itself; in your own loop use allreduce, fsdp or zero1")
+            raise UsageError("strategy 'pipeline' needs to know how a batch is fed and cut: run it under "
+                             "paratrain train (the Task API), or with pt.setup and pt.train_step in your own loop")
         parts = cut_stages(module, self.stages, self.options.get("pipeline_split", ""))  # the model's reason first
         self._input, self._chunk = task_hooks(self.task)
         self.mesh = init_device_mesh(self.device.type, (self.num_replicas, self.stages), mesh_dim_names=("dp", "pp"))
@@ -160,6 +160,19 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         for name in ("forward_one_chunk", "backward_one_chunk"):  # this stage's compute, timed per call
             setattr(self.pp_stage, name, self._timed(getattr(self.pp_stage, name), name == "forward_one_chunk"))
         return module
+
+    whole_current = True  # every process holds every stage's current parameters (after gather_whole)
+
+    def begin_step(self) -> None:
+        """The wrapped model's training forward would run the whole model on every process, its
+        gradients never merged: refused (the schedule runs each stage's forwards in train_step)."""
+        raise UsageError("under strategy 'pipeline' each process runs one stage inside the schedule: train "
+                         "with pt.train_step(batch, loss_fn) instead of model(x), loss.backward(), optimizer.step()")
+
+    def before_plain_forward(self) -> None:
+        if not self.whole_current:
+            raise UsageError("under strategy 'pipeline' each process updated only its own stage: call "
+                             "pt.gather_model() on every rank before evaluating the model")
 
     def _timed(self, fn: Callable, forward: bool) -> Callable:
         def run(*args, **kwargs):
@@ -217,6 +230,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         first, last = self.pp_stage.is_first, self.pp_stage.is_last
         self._busy_s, w0 = 0.0, time.perf_counter()
         self._forwards = self._losses = 0
+        self.whole_current = False  # from here, the other stages' parameters on this process are stale
         with self.autocast():
             x = self._input(self._batch)  # every stage: the rows' count; stage 0 feeds it
             index = torch.arange(x.size(0), device=self.device)
@@ -312,6 +326,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
             dist.broadcast(flat, group=self.pp_group, group_src=s)
             if s != self.stage_index:
                 self._unflatten(flat, params, grads=False)
+        self.whole_current = True
 
     def before_eval(self) -> None:
         self.gather_whole()

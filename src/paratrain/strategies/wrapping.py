@@ -57,6 +57,7 @@ class ReplicaModule(nn.Module):
                 s.begin_step()
                 out = self._engine(*args, **kwargs)
             else:
+                s.before_plain_forward()
                 out = self.module(*args, **kwargs)
         return out if s.precision == "fp32" else to_float32(out)
 
