@@ -239,7 +239,7 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
         from ..errors import UsageError
 
         raise UsageError(f"strategy {self.name!r} cannot train on uneven inputs (ranks with different numbers of "
-                         f"batches); give every rank the same number (drop_last=True) or use allreduce or zero1")
+                         f"batches); give every rank the same number (drop_last=True) or use allreduce")
 
     def before_plain_forward(self) -> None:
         """Before the wrapped model runs the plain module (evaluation, ``torch.no_grad()``): raise
