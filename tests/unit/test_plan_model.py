@@ -144,6 +144,29 @@ def test_cpu_peak_is_the_fastest_product_kernel(monkeypatch, tmp_path):
     assert slowest <= 2 * 64 ** 3 / 0.05 < fast
 
 
+def test_a_cached_cpu_peak_below_a_runs_achieved_rate_is_measured_again(monkeypatch, tmp_path):
+    """A peak cached while the cores were shared (too low) is measured again when a run achieves
+    more; the cache keeps the best value; a peak still below the achieved rate gives no MFU."""
+    import json
+
+    import torch
+
+    from paratrain.bench import mfu as m
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(m, "PRODUCTS", {"mm": torch.mm})
+    key = f"{m._cpu_name()}|threads={torch.get_num_threads()}|torch.float32|1024|mm"
+    m._cache_path().parent.mkdir(parents=True)
+    m._cache_path().write_text(json.dumps({key: 1e6}))  # 1 MFLOP/s: measured on a busy machine
+    assert m.peak_flops(torch.device("cpu"), "float32")[0] == 1e6  # no run to contradict it: the cache
+    peak, source = m.peak_flops(torch.device("cpu"), "float32", achieved=2e6)
+    assert peak > 1e8 and source.startswith("measured: float32")  # any CPU multiplies faster than that
+    assert json.loads(m._cache_path().read_text())[key] == peak  # the better value replaced the cached one
+    assert m.measured_cpu_peak(torch.float32, seconds=0.01, fresh=True) >= peak  # a worse one never does
+    nan, why = m.peak_flops(torch.device("cpu"), "float32", achieved=1e20)
+    assert math.isnan(nan) and "no MFU" in why and "below this run's" in why
+
+
 def test_flops_of_a_linear_layer_forward_and_backward():
     import torch
 

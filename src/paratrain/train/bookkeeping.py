@@ -165,7 +165,8 @@ class Bookkeeper:
                     "rank0_tracked_memory_mb": {k: round(v / 2**20, 2) for k, v in self.tracked_memory.items()}}
                    if self.train.track_memory_step else {})
         dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(self.train.precision, self.train.dtype)
-        peak, source = peak_flops(self.env.device, dtype)
+        achieved = flops / (step_ms / 1000) / devices if flops > 0 and step_ms > 0 else None
+        peak, source = peak_flops(self.env.device, dtype, achieved)
         return {"model_flops_per_step": flops, f"flops_per_{self.unit.rstrip('s')}": flops / units_per_step,
                 "mfu": mfu(flops, step_ms / 1000, devices, peak), "peak_flops_per_device": peak,
                 "peak_flops_source": source, **tracked}
