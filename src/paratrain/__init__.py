@@ -25,7 +25,8 @@ from .tasks import Task, TaskBase, TaskEnv, TrainStep
 
 __version__ = "0.2.0"
 
-__all__ = ["init", "setup", "train_step", "gather_model", "shard", "backward", "no_sync", "join", "clip_grad_norm_", "print", "save", "load",
+__all__ = ["init", "setup", "train_step", "gather_model", "shard", "backward", "no_sync", "join", "clip_grad_norm_",
+           "print", "save", "load",
            "all_mean", "barrier", "shutdown", "session", "Session", "Config", "load_config", "shard_range", "DistEnv",
            "DataError", "TrainingStopped", "UsageError", "LSTMLM", "STRATEGIES", "NoSyncMixin", "StepResult",
            "Strategy", "get_strategy", "Task", "TaskBase", "TaskEnv", "TrainStep", "__version__"]

@@ -183,6 +183,7 @@ def train_step(batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
     if s.strategy.optimizer is None:
         raise UsageError("pt.train_step steps the optimizer: pass one to pt.setup(model, optimizer)")
     rows = _rows(batch)
+    s.strategy.check_rows(rows)
 
     def share(model: nn.Module, micro_batch: Any) -> torch.Tensor:  # its part of the mean over the batch
         return loss_fn(model, micro_batch) * (_rows(micro_batch) / rows)

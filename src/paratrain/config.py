@@ -261,6 +261,7 @@ class Config:
                 f"global batch {b} is not divisible by world_size {w} x accumulation x towers {k}; "
                 f"use a multiple of {unit} for train.batch_size"
             )
+        STRATEGIES[self.dist.strategy].check_global_batch(self)
 
 
 SECTIONS = {"train": TrainConfig, "dist": DistConfig}

@@ -8,7 +8,9 @@ each; ``pipeline``: one stage each), at W=2 with gloo:
   its scale halves once per skip;
 * without overflow, fsdp and pipeline train as ``single`` does under fp16 (float16 rounds:
   compared to 1e-2 relative), and log the same losses;
-* fsdp's fp16 resume is bitwise (the scaler's state is in the DCP checkpoint's metadata).
+* fsdp's fp16 resume is bitwise, the loss scaler's state included (it is in the DCP checkpoint's
+  metadata, and the zero-gradient step with which torch creates a stateless optimizer's state on
+  every save is no training step).
 
 Every spawn runs all its cases (start-up dominates).
 """
@@ -29,9 +31,10 @@ HIGH = 2.0 ** 24  # the first steps of the tiny gpt overflow float16 at this los
 STRATEGIES = ("fsdp", "pipeline")
 
 
-def fp16_cfg(strategy: str, world: int, steps: int = STEPS) -> dict:
+def fp16_cfg(strategy: str, world: int, steps: int = STEPS, momentum: float = 0.9) -> dict:
     d = cfg_dict("gpt", strategy, world, 1, steps)
-    d["train"].update(dtype="float32", precision="fp16", clip=1.0, log_every=1, checkpoint_every=4)
+    d["train"].update(dtype="float32", precision="fp16", clip=1.0, log_every=1, checkpoint_every=4,
+                      momentum=momentum)
     if strategy == "pipeline":
         d["dist"].update(pipeline_stages=2, microbatches=2)
     return d
@@ -51,7 +54,7 @@ def fit_fp16(d: dict, env, data_dir: str, run_dir, init_scale: float | None = No
         tr.restore(latest(Path(run_dir)))
     tr.fit()
     out = {"scaler": type(tr.strategy.scaler).__name__, "scale": tr.strategy.scaler.get_scale(),
-           "skips": tr.guards.nonfinite_steps}
+           "skips": tr.guards.nonfinite_steps, "state": tr.strategy.scaler.state_dict()}
     tr.close()
     return out
 
@@ -101,8 +104,12 @@ def _job(rank: int, world: int, data_dir: str, work: str) -> dict:
     for strategy in STRATEGIES:
         out[f"{strategy}-high"] = fit_fp16(fp16_cfg(strategy, world), env, data_dir, f"{work}/{strategy}-high", HIGH)
         out[strategy] = fit_fp16(fp16_cfg(strategy, world), env, data_dir, f"{work}/{strategy}")
-    fit_fp16(fp16_cfg("fsdp", world, STEPS // 2), env, data_dir, f"{work}/fsdp-resumed")
-    out["resumed"] = fit_fp16(fp16_cfg("fsdp", world), env, data_dir, f"{work}/fsdp-resumed", resume=True)
+    # SGD without momentum keeps no state: torch's get_state_dict creates it with a zero-gradient step
+    # on every save, which must not count as a step of the loss scaler
+    out["whole"] = fit_fp16(fp16_cfg("fsdp", world, momentum=0.0), env, data_dir, f"{work}/fsdp-whole")
+    fit_fp16(fp16_cfg("fsdp", world, STEPS // 2, momentum=0.0), env, data_dir, f"{work}/fsdp-resumed")
+    out["resumed"] = fit_fp16(fp16_cfg("fsdp", world, momentum=0.0), env, data_dir, f"{work}/fsdp-resumed",
+                              resume=True)
     return out
 
 
@@ -126,8 +133,8 @@ def test_an_overflow_on_one_rank_alone_is_skipped_by_every_rank(runs, strategy):
     _, _, ranks = runs
     local = [r[f"local-{strategy}"] for r in ranks]
     assert local[0]["mine_finite"] and not local[1]["mine_finite"]  # the inf is in rank 1's shard/stage alone
-    assert all(r["skipped"] for r in local)
-    assert [r["scale"] for r in local] == [2.0 ** 15] * 2  # both halved the scale
+    assert all(r["skipped"] for r in local)  # (the norm the guard checks is global: both skip in any case)
+    assert [r["scale"] for r in local] == [2.0 ** 15] * 2  # both halved the scale: the flag was shared
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -157,6 +164,7 @@ def test_fp16_trains_as_single_does(runs, strategy):
 
 def test_fsdp_fp16_resume_is_bitwise(runs):
     work, _, ranks = runs
-    assert ranks[0]["resumed"]["scale"] == ranks[0]["fsdp"]["scale"]
-    whole, resumed = whole_model(work / "fsdp"), whole_model(work / "fsdp-resumed")
+    for r in ranks:  # the scaler's whole state: scale and growth tracker (STEPS good steps, saves not counted)
+        assert r["resumed"]["state"] == r["whole"]["state"] and r["whole"]["state"]["_growth_tracker"] == STEPS
+    whole, resumed = whole_model(work / "fsdp-whole"), whole_model(work / "fsdp-resumed")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -2,7 +2,8 @@
 per step, clipping on, float64) under ``paratrain launch --strategy pipeline`` with 2 stages and 4
 micro-batches, and as 2 replicas x 2 stages, ends at the parameters (and logs the losses) of the
 same script in one plain ``python`` process, to 1e-10. Under ``pipeline`` a plain loop's
-``model(x)`` and an evaluation before ``pt.gather_model()`` are one line each, exit 2.
+``model(x)``, an evaluation before ``pt.gather_model()`` and a batch that does not split into the
+micro-batches are one line each, exit 2; after loading a whole state_dict no gather is needed.
 """
 from __future__ import annotations
 
@@ -51,23 +52,34 @@ import sys, torch, torch.nn as nn
 import paratrain as pt
 pt.init()
 model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).double()
+start = {k: v.clone() for k, v in model.state_dict().items()}
 model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
-if sys.argv[1] == "eval":
-    pt.train_step((x, y), lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
-    with torch.no_grad():
-        model.eval()(x)
-else:
+loss = lambda m, b: (m(b[0]) - b[1]).pow(2).mean()
+mode = sys.argv[1]
+if mode == "train":
     (model(x) - y).pow(2).mean().backward()
+pt.train_step((x, y), loss)
+if mode == "uneven":
+    pt.train_step((x[:6], y[:6]), loss)
+if mode == "loaded":
+    model.load_state_dict(start)  # every process now holds the whole model
+with torch.no_grad():
+    model.eval()(x)
 """
 
 
 @pytest.mark.parametrize("mode, match", [
     ("train", "train with pt.train_step(batch, loss_fn) instead of model(x)"),
-    ("eval", "call pt.gather_model() on every rank before evaluating the model")])
-def test_pipeline_refuses_a_plain_loop_and_a_stale_evaluation_in_one_line(tmp_path, mode, match):
+    ("eval", "call pt.gather_model() on every rank before evaluating the model"),
+    ("uneven", "a batch of 6 rows does not split into dist.microbatches = 4 micro-batches"),
+    ("loaded", None)])
+def test_pipeline_refuses_a_plain_loop_a_stale_evaluation_and_uneven_batches_in_one_line(tmp_path, mode, match):
     (tmp_path / "loop.py").write_text(PLAIN_LOOP)
     r = run(launch("--nproc", 2, "--strategy", "pipeline", "loop.py", mode), tmp_path)
+    if match is None:  # a loaded whole model needs no gather
+        assert r.returncode == 0, r.stderr[-2000:]
+        return
     assert r.returncode == 2, r.stderr[-2000:]
     said = [ln for ln in r.stderr.splitlines() if ln.startswith("paratrain: rank")]
     assert said and all(match in ln for ln in said if "failed first" not in ln), r.stderr[-2000:]

@@ -137,7 +137,7 @@ def test_cpu_peak_is_the_fastest_product_kernel(monkeypatch, tmp_path):
         time.sleep(0.05)  # at least 50 ms for 2 x 64^3 FLOPs: at most 10.5 MFLOP/s
         return a @ b
 
-    monkeypatch.setattr(m, "PRODUCTS", {"fast": torch.mm, "slow": slow})
+    monkeypatch.setattr(m, "PRODUCTS", {"slow": slow, "fast": torch.mm})
     fast = m.measured_cpu_peak(torch.float32, size=64, seconds=0.05)
     monkeypatch.setattr(m, "PRODUCTS", {"slow": slow})
     slowest = m.measured_cpu_peak(torch.float32, size=64, seconds=0.05)
@@ -148,6 +148,7 @@ def test_a_cached_cpu_peak_below_a_runs_achieved_rate_is_measured_again(monkeypa
     """A peak cached while the cores were shared (too low) is measured again when a run achieves
     more; the cache keeps the best value; a peak still below the achieved rate gives no MFU."""
     import json
+    import time
 
     import torch
 
@@ -162,7 +163,14 @@ def test_a_cached_cpu_peak_below_a_runs_achieved_rate_is_measured_again(monkeypa
     peak, source = m.peak_flops(torch.device("cpu"), "float32", achieved=2e6)
     assert peak > 1e8 and source.startswith("measured: float32")  # any CPU multiplies faster than that
     assert json.loads(m._cache_path().read_text())[key] == peak  # the better value replaced the cached one
-    assert m.measured_cpu_peak(torch.float32, seconds=0.01, fresh=True) >= peak  # a worse one never does
+
+    def slow(a, b):
+        time.sleep(0.05)
+        return a @ b
+
+    monkeypatch.setattr(m, "PRODUCTS", {"mm": slow})  # the same key, a worse measurement
+    m.measured_cpu_peak(torch.float32, seconds=0.01, fresh=True)
+    assert json.loads(m._cache_path().read_text())[key] == peak  # never replaces the better one
     nan, why = m.peak_flops(torch.device("cpu"), "float32", achieved=1e20)
     assert math.isnan(nan) and "no MFU" in why and "below this run's" in why
 

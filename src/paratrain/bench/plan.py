@@ -235,7 +235,8 @@ def refusal(config: str, task: str | None, overrides: list[str], layout: Layout)
         sets.append(f"dist.nproc={layout.n}")
     sets += [f"dist.{k}={json.dumps(v)}" for k, v in layout.overrides.items()]
     try:
-        configuration.load(config, sets, {"task": {"entry": task}} if task else None)
+        cfg = configuration.load(config, sets, {"task": {"entry": task}} if task else None)
+        STRATEGIES[layout.strategy].check_global_batch(cfg)
     except UsageError as e:
         return str(e)
     return None

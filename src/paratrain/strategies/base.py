@@ -241,6 +241,10 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
         raise UsageError(f"strategy {self.name!r} cannot train on uneven inputs (ranks with different numbers of "
                          f"batches); give every rank the same number (drop_last=True) or use allreduce")
 
+    def check_rows(self, rows: int) -> None:
+        """UsageError for a ``pt.train_step`` batch of ``rows`` rows this strategy cannot take (the
+        pipeline: a multiple of its micro-batches, the same every step). Default: any."""
+
     def before_plain_forward(self) -> None:
         """Before the wrapped model runs the plain module (evaluation, ``torch.no_grad()``): raise
         UsageError where that module is not current (the pipeline before its stages are gathered).

@@ -180,6 +180,14 @@ class FSDP(ShardedCheckpoints, AllReduce):
 
     _torch_view = False  # inside torch.distributed.checkpoint: the optimizer's own (sharded) state dicts
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, base_step, closure=None):
+        """Inside torch's state-dict functions (``get_state_dict`` creates a stateless optimizer's state
+        with a step of zero gradients at lr 0, on every save): the optimizer's own step, no training
+        step (no guard, no loss-scale update). Otherwise :meth:`Strategy.optimizer_step`."""
+        if self._torch_view:
+            return base_step()
+        return super().optimizer_step(optimizer, base_step, closure)
+
     @contextmanager
     def _plain_optimizer(self):
         """While torch's state-dict functions run: they call ``optimizer.state_dict()`` and

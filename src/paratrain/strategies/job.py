@@ -21,6 +21,12 @@ class JobSpec:
         cls.check_precision(cfg.train.precision)
 
     @classmethod
+    def check_global_batch(cls, cfg) -> None:
+        """Raise UsageError for a ``train.batch_size`` this strategy cannot split, beyond its division
+        over the ranks (:meth:`paratrain.config.Config.check_world`, run for recipes, not for a
+        user's own loop, whose batches are its own). Default: nothing."""
+
+    @classmethod
     def processes_per_node(cls, dist) -> int:
         """Processes the launcher starts on every node (workers, plus servers for a parameter server)."""
         return dist.nproc

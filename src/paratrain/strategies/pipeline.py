@@ -88,14 +88,31 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         if t.accumulation != 1:
             raise UsageError("strategy 'pipeline' splits each step into dist.microbatches itself; set "
                              "train.accumulation = 1 and use dist.microbatches")
-        replicas = world // d.pipeline_stages
-        if t.batch_size % (replicas * d.microbatches):
-            raise UsageError(f"global batch {t.batch_size} does not split into {replicas} replica(s) x "
-                             f"{d.microbatches} micro-batches; use a multiple of {replicas * d.microbatches} for "
-                             f"train.batch_size or change dist.microbatches")
         if cfg.placement:
             raise UsageError("strategy 'pipeline' places the stages on processes itself; remove [placement]")
         split_blocks(d.pipeline_split, d.pipeline_stages)
+
+    @classmethod
+    def check_global_batch(cls, cfg) -> None:
+        d, b = cfg.dist, cfg.train.batch_size
+        replicas = d.nproc * d.nnodes // d.pipeline_stages
+        if b % (replicas * d.microbatches):
+            raise UsageError(f"global batch {b} does not split into {replicas} replica(s) x "
+                             f"{d.microbatches} micro-batches; use a multiple of {replicas * d.microbatches} for "
+                             f"train.batch_size or change dist.microbatches")
+
+    def check_rows(self, rows: int) -> None:
+        """``pt.train_step``'s batch of ``rows`` rows: a multiple of the micro-batches, and the same every
+        step (the stages fix their shapes at the first step). UsageError otherwise."""
+        m = int(self.options.get("microbatches", 4))
+        if rows % m:
+            raise UsageError(f"a batch of {rows} rows does not split into dist.microbatches = {m} micro-batches: "
+                             f"give pt.train_step batches of a multiple of {m} rows (drop a last partial batch)")
+        first = getattr(self, "_rows", None)
+        if first is not None and rows != first:
+            raise UsageError(f"a batch of {rows} rows after batches of {first}: the pipeline's stages keep the shapes "
+                             f"of the first step; give pt.train_step batches of one size (drop a last partial batch)")
+        self._rows = rows
 
     @classmethod
     def data_parallel_ranks(cls, dist) -> int:
@@ -210,7 +227,9 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         """The schedule's loss of one micro-batch (last stage): the trainer's loss function on the
         micro-batch's rows ``index`` of this replica's batch, with the stage output as the model's."""
         if self._forwards <= self._losses:  # the schedule's shape inference (first step) on placeholder
-            return output.float().sum()  # inputs: not a micro-batch of the data, kept out of the task's loss log
+            outs = output if isinstance(output, (tuple, list)) else (output,)  # inputs: not a micro-batch of the
+            return sum(o.float().sum() for o in outs  # data, kept out of the task's loss log
+                       if isinstance(o, torch.Tensor) and o.is_floating_point())
         self._losses += 1
         lo, hi = int(index[0]), int(index[-1]) + 1
         loss = self._step_loss(_Given(output), self._chunk(self._batch, lo, hi))
@@ -359,3 +378,10 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         """Load a whole model and a whole by-index optimizer state (any strategy's) on every stage."""
         self.module.load_state_dict(model)
         base_load_state_dict(self.optimizer, optim)
+        self.whole_current = True
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
+        """Load a whole plain state_dict on every process (each then holds the whole current model)."""
+        out = super().load_state_dict(state, strict)
+        self.whole_current = True
+        return out
