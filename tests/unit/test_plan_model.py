@@ -263,6 +263,46 @@ def test_sync_batchnorm_adds_its_seconds_to_allreduce_zero1_fsdp_and_ps_sync_and
     for cls, overrides in LAYOUTS[3:4] + LAYOUTS[6:]:  # towers sync in their process; ps-async refuses the key
         a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x) for x in (INPUTS, synced)]
         assert a == b
+    towers, _ = LAYOUTS[3]  # they pay their threads' meetings instead
+    a, b = [step_parts(towers, Layout("x", 2, {}), W, link, Config(), x)
+            for x in (INPUTS, {**INPUTS, "tower_sync_batchnorm_s": 0.004})]
+    assert b["step_s"] == pytest.approx(a["step_s"] + 0.004, abs=1e-15)
+    assert b["comm_s"] == pytest.approx(a["comm_s"] + 0.004, abs=1e-15)
+    for cls, overrides in LAYOUTS[:3] + LAYOUTS[5:]:  # processes do not
+        a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x)
+                for x in (INPUTS, {**INPUTS, "tower_sync_batchnorm_s": 0.004})]
+        assert a == b
+
+
+def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minus_one_here_only():
+    from pathlib import Path
+
+    from paratrain.bench.plan import tower_sync_batchnorm_s
+    from paratrain.config import load
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    cfg, off = load(recipe, []), load(recipe, ["model.sync_batchnorm=false"])
+    prof = {"batchnorm_inputs": [[64, 16, 8, 8]], "tower_sync_batchnorm_s": 0.003}
+    assert tower_sync_batchnorm_s(prof, cfg, 2, on_this_machine=True) == 0.003
+    assert tower_sync_batchnorm_s(prof, cfg, 4, on_this_machine=True) == pytest.approx(0.009)
+    assert tower_sync_batchnorm_s(prof, cfg, 1, on_this_machine=True) == 0.0
+    assert tower_sync_batchnorm_s(prof, cfg, 2, on_this_machine=False) == 0.0
+    assert tower_sync_batchnorm_s(prof, off, 2, on_this_machine=True) == 0.0
+    assert tower_sync_batchnorm_s({"batchnorm_inputs": []}, cfg, 2, on_this_machine=True) == 0.0
+
+
+def test_the_tower_microbenchmark_prices_the_threads_meeting_in_synchronised_batchnorm():
+    """Two towers that meet twice per layer cost more than the same towers with plain BatchNorm; the
+    process' intra-op threads are as before when it ends."""
+    import torch
+
+    from paratrain.bench.microbench import measured_tower_sync_batchnorm
+
+    threads = torch.get_num_threads()
+    got = measured_tower_sync_batchnorm([[32, 8, 8, 8], [32, 16, 4, 4]], repeats=15, warmup=2, compute_s=2e-4)
+    assert 0.0 < got < 0.5
+    assert torch.get_num_threads() == threads
+    assert measured_tower_sync_batchnorm([], repeats=3) == 0.0
 
 
 def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer_on_a_cluster():

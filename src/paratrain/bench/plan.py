@@ -269,7 +269,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
-              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine)}
+              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
+              "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine)}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
     if parts is None:
@@ -314,6 +315,18 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     if on_this_machine and "sync_batchnorm_s" in prof:
         return prof["sync_batchnorm_s"] + ring(n) - ring(2)
     return ring(n)
+
+
+def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
+    """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
+    profile's measurement at two towers (``tower_sync_batchnorm_s``, :func:`~.microbench.measured_tower_sync_batchnorm`:
+    the tower threads meet twice per BatchNorm layer in the forward), times n - 1 beyond two (each
+    meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
+    the key, at n = 1, and for a cluster's devices (their towers exchange C + 1 numbers per layer
+    between device threads: not modelled)."""
+    if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
+        return 0.0
+    return prof.get("tower_sync_batchnorm_s", 0.0) * (n - 1)
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

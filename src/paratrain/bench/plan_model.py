@@ -188,10 +188,12 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages;
     ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
-    ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay none of it, a
+    ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay
+    ``inputs["tower_sync_batchnorm_s"]`` instead (their threads meeting inside the forward), a
     pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    extra = inputs.get("sync_batchnorm_s", 0.0) if pays_sync_batchnorm(cls) else 0.0
+    extra = (inputs.get("sync_batchnorm_s", 0.0) if pays_sync_batchnorm(cls)
+             else inputs.get("tower_sync_batchnorm_s", 0.0) if (cls.cost_model or RING) == TOWERS else 0.0)
     if parts is None or not extra:
         return parts
     step = parts["step_s"] + extra

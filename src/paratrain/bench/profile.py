@@ -19,7 +19,8 @@ whole and halved). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
-(``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`).
+(``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`) and, on a CPU, between two
+towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench.measured_tower_sync_batchnorm`).
 
 :func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
@@ -37,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 5  # 5: memory copies, the RPC link to 64 MiB (4: the RPC link over TensorPipe's uv)
+PROFILE_VERSION = 6  # 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC link to 64 MiB (4: the RPC link over TensorPipe's uv)
 STAGE_COUNTS = (2, 4)
 
 
@@ -198,9 +199,11 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
         if out["batchnorm_inputs"]:
-            from .microbench import measured_sync_batchnorm
+            from .microbench import measured_sync_batchnorm, measured_tower_sync_batchnorm
 
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
+            if device.type == "cpu":  # CPU towers meet in this process' threads
+                out["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(out["batchnorm_inputs"], repeats=60)
     return out
 
 

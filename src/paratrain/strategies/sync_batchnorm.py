@@ -13,7 +13,7 @@ normalisation with the statistics of the global batch, as in ``torch.nn.SyncBatc
     [count, sum]  = reduce([N * prod(*), x.sum over (N, *)])          # (1 + C,)
     mean          = sum / count                                         # (C,)
     var           = reduce(((x - mean)^2).sum over (N, *)) / count      # (C,), biased
-    y             = (x - mean) / sqrt(var + eps) * weight + bias
+    y             = (x - mean) * (weight / sqrt(var + eps)) + bias
 
 Running statistics (eval) are updated with the global mean and the unbiased global
 variance (``var * count / (count - 1)``), identical on every replica. The backward
@@ -99,9 +99,12 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         count, mean = stats[0], stats[1:] / stats[0]
         xmu = x - mean.view(shape)
         var = self.reducer(xmu.pow(2).sum(dims)) / count
-        y = xmu * torch.rsqrt(var + self.eps).view(shape)
+        scale = torch.rsqrt(var + self.eps)  # (C,)
+        if self.affine:  # one full-size product: autograd keeps xmu and (C,) tensors, as much as plain BatchNorm
+            scale = scale * self.weight
+        y = xmu * scale.view(shape)
         if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
+            y = y + self.bias.view(shape)
         if self.training and self.track_running_stats and self.reducer.updates_buffers():
             self._update_running(mean.detach(), var.detach(), count.detach())
         return y
