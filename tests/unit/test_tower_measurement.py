@@ -102,3 +102,34 @@ def test_sync_batchnorm_over_one_replica_equals_plain_batchnorm_in_float64():
         grads.append((out.detach(), x.grad.clone(), bn.weight.grad.clone(), bn.bias.grad.clone(), bn.running_var.clone()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_dataparallel_replica_threads_reach_the_callers_flop_counter(monkeypatch):
+    """CUDA towers (``SeededDataParallel``) run every replica in a thread of torch's
+    ``parallel_apply``; here a CPU stand-in for it runs them in threads the same way."""
+    import importlib
+    import threading
+
+    from paratrain.strategies.towers import SeededDataParallel
+
+    def threaded(modules, inputs, kwargs, devices=None):
+        out = [None] * len(modules)
+
+        def run(i):
+            out[i] = modules[i](*inputs[i], **kwargs[i])
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(modules))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    # the module, not torch.nn.parallel's function of the same name
+    monkeypatch.setattr(importlib.import_module("torch.nn.parallel.data_parallel"), "parallel_apply", threaded)
+    model = _cnn()
+    x = torch.randn(16, 1, 8, 8)
+    dp = SeededDataParallel(model)  # no CUDA: a plain holder of the module; its parallel_apply is what runs
+    _, one = count_flops(lambda: model(x))
+    _, both = count_flops(lambda: dp.parallel_apply([model, model], [(x[:8],), (x[8:],)], [{}, {}]))
+    assert one > 0
+    assert both == one

@@ -30,7 +30,8 @@ or ``FlopCounterMode``: ``train.track_memory_step``, MFU's FLOP count) is thread
 would see tower 0's forward alone (on the digits CNN it counted 17% fewer FLOPs than one device
 running the same global batch, and half the towers' activations). :class:`CPUTowers` hands each
 such mode to every tower thread through :class:`SharedMode`, which lets one operation at a time
-reach it (the modes' counters are plain Python dicts).
+reach it (the modes' counters are plain Python dicts); :class:`SeededDataParallel` does the same
+for DataParallel's replica threads.
 
 Input splitting (:func:`scatter`) walks tensors, tuples, lists and dicts; a tensor
 whose size along the batch dimension is not divisible by the number of towers is an
@@ -184,6 +185,27 @@ class SeededDataParallel(nn.DataParallel):
             for d, seed in zip(self.device_ids, tower_seeds(len(self.device_ids))):
                 torch.cuda.default_generators[d].manual_seed(seed)
         return super().forward(*inputs, **kwargs)
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+        """DataParallel's threaded forwards (every replica in a thread of its own), with the caller's
+        measurement modes shared to each thread (see the module doc)."""
+        modes = _get_current_dispatch_mode_stack()
+        if modes:
+            lock = threading.RLock()
+            replicas = [_UnderModes(r, modes, lock) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class _UnderModes(nn.Module):
+    """``module`` called under :func:`shared_modes` (``modes``, ``lock``) in the calling thread."""
+
+    def __init__(self, module: nn.Module, modes: Sequence[TorchDispatchMode], lock: threading.RLock) -> None:
+        super().__init__()
+        self.module, self.modes, self.lock = module, modes, lock
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with shared_modes(self.modes, self.lock, caller=False):
+            return self.module(*args, **kwargs)
 
 
 def shallow_replica(module: nn.Module) -> nn.Module:
