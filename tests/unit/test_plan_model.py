@@ -107,6 +107,22 @@ def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores(
     assert joined.exposed_comm_s == pytest.approx(0.00101)
     one = predict_towers(W, 1, link, output_bytes=1e6, shared_cores=True, copy_s=lambda b: 1.0)
     assert one.exposed_comm_s == 0  # one tower joins nothing
+    # the forwards side by side as measured (0.25 s for the 4), the backward 4 x 0.2 s in the caller's thread
+    side = predict_towers(W, 4, link, output_bytes=1e6, shared_cores=True, forward_side_by_side_s=0.25)
+    assert side.step_s == pytest.approx(0.25 + 4 * 0.2 + 0.05)
+    apart = predict_towers(W, 4, link, output_bytes=1e6, forward_side_by_side_s=0.25)  # own devices: ignored
+    assert apart.step_s == pytest.approx(p.step_s)
+
+
+def test_towers_forward_side_by_side_is_the_concurrent_one_thread_forward_times_n_over_cores():
+    from paratrain.bench.plan import towers_forward_s
+
+    prof = {"workloads": {"2": {"forward_s": 0.02}, "1": {"forward_s": 0.03, "concurrent": 2}}}
+    assert towers_forward_s(prof, 2) == pytest.approx(0.03)  # 2 towers of 1 thread on 2 cores: as measured
+    assert towers_forward_s(prof, 4) == pytest.approx(0.06)  # 4 towers on 2 cores: two rounds
+    assert towers_forward_s(prof, 2, ratio=0.5) == pytest.approx(0.015)  # half the batch per tower
+    assert towers_forward_s(prof, 1) is None  # fewer towers than cores: each has several threads, not measured
+    assert towers_forward_s({"workloads": {"2": {"forward_s": 0.02}}}, 2) is None  # one core: not measured
 
 
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():

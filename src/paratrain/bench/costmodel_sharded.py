@@ -193,7 +193,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
 
 
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
-                   shared_cores: bool = False, copy_s: Callable[[float], float] | None = None) -> Prediction:
+                   shared_cores: bool = False, copy_s: Callable[[float], float] | None = None,
+                   forward_side_by_side_s: float | None = None) -> Prediction:
     """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
     (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
     devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
@@ -202,13 +203,16 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     ``output_bytes`` beta) each way through device 0's link), reduce the gradients onto device 0
     ((n-1) alpha + P (beta + gamma)), one optimizer step. ``shared_cores``: CPU virtual devices,
     towers as threads of one process on the same cores (no transfers; the parameters are shared):
-    the towers' compute adds up (n x forward + backward), as one device's step of n batches, and the
-    join of their outputs is a memory copy of n x ``output_bytes``: ``copy_s(n output_bytes)`` (none
-    without ``copy_s``)."""
+    the forwards run side by side in the tower threads, each with its share of the threads:
+    ``forward_side_by_side_s``, measured that way (None: n x forward, one after the other); the one
+    backward runs in the calling thread with every thread through the n towers' graphs (n x backward);
+    the join of their outputs is a memory copy of n x ``output_bytes``: ``copy_s(n output_bytes)``
+    (none without ``copy_s``)."""
     _check_n(n)
     s, P = compute_scale, sum(w.param_bytes)
     towers = n if shared_cores else 1
-    compute = ((w.forward_s + w.backward_s) * towers + w.data_s + w.optimizer_s) * s
+    forward = forward_side_by_side_s if shared_cores and forward_side_by_side_s is not None else w.forward_s * towers
+    compute = (forward + w.backward_s * towers + w.data_s + w.optimizer_s) * s
     if n == 1:
         comm = 0.0
     elif shared_cores:

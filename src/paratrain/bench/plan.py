@@ -270,7 +270,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
-              "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine)}
+              "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
+              "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
     if parts is None:
@@ -315,6 +316,19 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     if on_this_machine and "sync_batchnorm_s" in prof:
         return prof["sync_batchnorm_s"] + ring(n) - ring(2)
     return ring(n)
+
+
+def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
+    """Seconds of n CPU towers' forwards side by side on this machine's cores, each tower thread with
+    its share of the threads: the profile's one-thread forward measured ``concurrent`` (= cores)
+    processes at once, times n / cores (n >= cores: each core runs n / cores towers in turn), the
+    batch scaled by ``ratio``. None where that was not measured or n < cores (towers of several
+    threads each)."""
+    one = prof.get("workloads", {}).get("1")
+    cores = int(one.get("concurrent", 0)) if one else 0
+    if not cores or n < cores:
+        return None
+    return one["forward_s"] * ratio * n / cores
 
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:

@@ -145,5 +145,6 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
                                 microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"))
     if model == TOWERS:
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
-                              shared_cores=inputs.get("shared_cores", False), copy_s=copy_s)
+                              shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
+                              forward_side_by_side_s=inputs.get("towers_forward_s"))
     raise ValueError(f"no cost model named {model!r}; use one of {', '.join(MODELS)}")
