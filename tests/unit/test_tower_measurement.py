@@ -99,7 +99,8 @@ def test_sync_batchnorm_over_one_replica_equals_plain_batchnorm_in_float64():
         x.grad = None
         out = bn(x)
         (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
-        grads.append((out.detach(), x.grad.clone(), bn.weight.grad.clone(), bn.bias.grad.clone(), bn.running_var.clone()))
+        grads.append((out.detach(), x.grad.clone(), bn.weight.grad.clone(), bn.bias.grad.clone(),
+                      bn.running_var.clone()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 6  # 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC link to 64 MiB (4: the RPC link over TensorPipe's uv)
+PROFILE_VERSION = 6  # 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link to 64 MiB; 4: RPC over uv)
 STAGE_COUNTS = (2, 4)
 
 
