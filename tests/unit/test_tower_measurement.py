@@ -40,14 +40,14 @@ def test_flop_count_of_two_towers_equals_one_device_with_the_same_global_batch()
 
 def test_tracked_memory_of_two_towers_holds_both_towers_activations():
     """The activations of B samples split over 2 towers are those of B samples on one device (the
-    same tensors, halved), so the tracked peaks agree; tower 1's alone unseen gave about half."""
+    same tensors, halved), so the tracked peaks agree; with tower 1 unseen the peak was 35% low."""
     torch.manual_seed(0)  # small weights, 4096 samples: the activations make the peak
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
     _, one = track_memory(_step(model, x, y), model, None)
     _, towers = track_memory(_step(CPUTowers(model, 2, 0, threads=2), x, y), model, None)
     assert one["activations"] > 20 * one["params"]
-    assert abs(towers["peak"] - one["peak"]) <= 0.1 * one["peak"], (towers, one)  # tower 0's alone: -35%
+    assert abs(towers["peak"] - one["peak"]) <= 0.1 * one["peak"], (towers, one)
 
 
 class _Alone:
@@ -134,3 +134,8 @@ def test_dataparallel_replica_threads_reach_the_callers_flop_counter(monkeypatch
     _, both = count_flops(lambda: dp.parallel_apply([model, model], [(x[:8],), (x[8:],)], [{}, {}]))
     assert one > 0
     assert both == one
+    # one replica: torch runs it in this thread, where the modes are already (counted once, not twice)
+    monkeypatch.setattr(importlib.import_module("torch.nn.parallel.data_parallel"), "parallel_apply",
+                        lambda modules, inputs, kwargs, devices=None: [modules[0](*inputs[0], **kwargs[0])])
+    _, alone = count_flops(lambda: dp.parallel_apply([model], [(x,)], [{}]))
+    assert alone == one

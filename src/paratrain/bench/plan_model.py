@@ -241,7 +241,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
                       overlap=overlap, links=links)
     if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
-    if model == TOWERS:  # towers sharing the cores compute one after the other: the formula's compute
+    if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer
     return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
 

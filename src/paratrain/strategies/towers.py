@@ -29,8 +29,8 @@ Measurement modes: a dispatch mode the caller entered around the step (torch's `
 or ``FlopCounterMode``: ``train.track_memory_step``, MFU's FLOP count) is thread-local, so it
 would see tower 0's forward alone (on the digits CNN it counted 17% fewer FLOPs than one device
 running the same global batch, and half the towers' activations). :class:`CPUTowers` hands each
-such mode to every tower thread through :class:`SharedMode`, which lets one operation at a time
-reach it (the modes' counters are plain Python dicts); :class:`SeededDataParallel` does the same
+such mode to every tower thread through :class:`SharedMode`, which lets one dispatched operation
+at a time reach it (the modes' counters are plain Python dicts); :class:`SeededDataParallel` does the same
 for DataParallel's replica threads.
 
 Input splitting (:func:`scatter`) walks tensors, tuples, lists and dicts; a tensor
@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from ..seeding import hash_seed
 
@@ -189,8 +189,8 @@ class SeededDataParallel(nn.DataParallel):
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
         """DataParallel's threaded forwards (every replica in a thread of its own), with the caller's
         measurement modes shared to each thread (see the module doc)."""
-        modes = _get_current_dispatch_mode_stack()
-        if modes:
+        modes = measurement_modes()
+        if modes and len(replicas) > 1:  # one replica runs in this thread, under the modes themselves
             lock = threading.RLock()
             replicas = [_UnderModes(r, modes, lock) for r in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
@@ -245,14 +245,26 @@ def run_threads(fns: Sequence[Callable[[], Any]], on_error: Callable[[], None] |
     return out
 
 
+def measurement_modes() -> list[TorchDispatchMode]:
+    """This thread's dispatch modes, bottom first (a measurement's: MemTracker, FlopCounterMode), to
+    share with the tower threads; none where torch's infrastructure modes (fake tensors,
+    functionalisation) are among them: those stay with the thread that has them."""
+    modes = _get_current_dispatch_mode_stack()
+    return [] if any(m.is_infra_mode() for m in modes) else modes
+
+
 class SharedMode(TorchDispatchMode):
-    """``mode`` (a dispatch mode another thread entered) for this thread too: every ATen call of the
-    threads that enter it reaches ``mode.__torch_dispatch__`` under ``lock``, one at a time (a
-    measurement step, so serialised operations cost only time)."""
+    """``mode`` (a dispatch mode another thread entered) for this thread too: every dispatched ATen
+    call of the threads that enter it reaches ``mode.__torch_dispatch__`` under ``lock``, one at a
+    time (a measurement step, so serialised operations cost only time). The mode's other entry points
+    (MemTracker's callbacks when a storage is freed) run unlocked, as in one thread; under the GIL
+    their single dict updates do not interleave."""
 
     def __init__(self, mode: TorchDispatchMode, lock: threading.RLock) -> None:
         super().__init__()
         self.mode, self.lock = mode, lock
+        # torch's flop counter handles higher-order operators (torch.cond, flex attention) itself
+        self.supports_higher_order_operators = getattr(mode, "supports_higher_order_operators", False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         with self.lock:
@@ -268,10 +280,24 @@ def shared_modes(modes: Sequence[TorchDispatchMode], lock: threading.RLock, call
     if not modes:
         yield
         return
-    with (_disable_current_modes() if caller else contextlib.nullcontext()), contextlib.ExitStack() as stack:
+    with (_pop_modes(modes) if caller else contextlib.nullcontext()), contextlib.ExitStack() as stack:
         for mode in modes:
             stack.enter_context(SharedMode(mode, lock))
         yield
+
+
+@contextlib.contextmanager
+def _pop_modes(modes: Sequence[TorchDispatchMode]):
+    """Inside: ``modes`` (the top of this thread's dispatch-mode stack, bottom first) are off the
+    stack; they are pushed back in order at the end, also on an error."""
+    for mode in reversed(modes):
+        if _pop_mode() is not mode:
+            raise RuntimeError("a measurement's dispatch modes are not on top of the stack")
+    try:
+        yield
+    finally:
+        for mode in modes:
+            _push_mode(mode)
 
 
 class TowerGroup:
@@ -332,7 +358,7 @@ class CPUTowers(nn.Module):
         # autocast is thread-local: the tower threads take the caller's (as DataParallel's parallel_apply does)
         amp = {"device_type": "cpu", "dtype": torch.get_autocast_dtype("cpu"),
                "enabled": torch.is_autocast_enabled("cpu")}
-        modes, lock = _get_current_dispatch_mode_stack(), threading.RLock()  # a measurement's: see the module doc
+        modes, lock = measurement_modes(), threading.RLock()  # a measurement's: see the module doc
 
         def tower(t: int) -> Callable[[], Any]:
             def call() -> Any:
