@@ -149,13 +149,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, b
                          "models in one nn.Module)")
     s.strategy.skip_nonfinite = skip_nonfinite
     s.strategy.set_precision(precision)
-    if s.strategy.name == "pipeline":  # pt.train_step's batches: rows along dim 0, cut by TaskBase's defaults
-        if batch_dim != 0:
-            raise UsageError(f"strategy 'pipeline' cuts each batch into micro-batches along dimension 0, not "
-                             f"batch_dim={batch_dim}: lay the rows of your batches along dimension 0")
-        from types import SimpleNamespace
-
-        s.strategy.task = SimpleNamespace(batch_dim=0)
+    s.strategy.prepare_own_loop(batch_dim)
     wrapped, opt = s.strategy.setup(model, optimizer, batch_dim=batch_dim, sync_batchnorm=sync_batchnorm)
     s.strategy.arm_timeouts(s.config.train.timeout_s)  # set-up is over: collectives time out after timeout_s
     s.models.append(wrapped)

@@ -317,7 +317,7 @@ def test_the_tower_microbenchmark_prices_the_threads_meeting_in_synchronised_bat
 
     import torch
 
-    from paratrain.bench.microbench import measured_tower_sync_batchnorm
+    from paratrain.bench.microbench_towers import measured_tower_sync_batchnorm
     from paratrain.strategies.towers import TowerGroup
 
     exchange = TowerGroup.exchange

@@ -143,6 +143,15 @@ def _time_p2p(nbytes: int, repeats: int, warmup: int) -> float:
     return float(t)
 
 
+def products_for(a: torch.Tensor, seconds: float) -> int:
+    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1): the
+    compute a micro-benchmark puts before a layer, as inside a training step."""
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
+
+
 def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
     """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
     ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
@@ -159,10 +168,7 @@ def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, comput
     synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
     plain = SyncBatchNorm(shape[1], reducer=None)
     a = torch.randn(96, 96)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    k = torch.tensor([max(1, round(compute_s * 10 / max(1e-7, time.perf_counter() - t0)))], dtype=torch.int64)
+    k = torch.tensor([products_for(a, compute_s)], dtype=torch.int64)
     dist.broadcast(k, 0)  # every rank computes as much (rank 0's calibration)
 
     def once(layer) -> float:
@@ -283,64 +289,6 @@ def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 4
     points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
                                op="sync_batchnorm")
     return sum(t for _, t in points)
-
-
-def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int = 2, *, repeats: int = 40,
-                                  warmup: int = 5, compute_s: float = 1e-3) -> float:
-    """Seconds per training step that synchronising BatchNorm layers with these per-tower input shapes
-    (N, C, *) costs ``towers`` CPU towers of this process beyond plain BatchNorm: per layer, the
-    towers' forward (:class:`~paratrain.strategies.towers.CPUTowers`, each tower thread with its share
-    of this process' intra-op threads, about ``compute_s`` of compute before the layer, as inside a
-    training step) meets twice at :meth:`~paratrain.strategies.towers.TowerGroup.exchange` (count and
-    sum, then the variance) and the one backward runs through the sums. Median of ``repeats``
-    interleaved forward + backward passes, synchronised minus plain, summed over the layers. 0 for no
-    shapes. Runs in this process; every thread it starts ends before it returns."""
-    from torch import nn
-
-    from ..strategies.sync_batchnorm import SyncBatchNorm, TowerReducer
-    from ..strategies.towers import CPUTowers, TowerGroup
-
-    if not shapes or towers < 2:
-        return 0.0
-    threads = torch.get_num_threads()
-    a = torch.randn(96, 96)
-    torch.set_num_threads(max(1, threads // towers))  # a tower thread's share: calibrate the compute there
-    try:
-        t0 = time.perf_counter()
-        for _ in range(10):
-            a @ a
-        k = max(1, round(compute_s * 10 / max(1e-7, time.perf_counter() - t0)))
-    finally:
-        torch.set_num_threads(threads)
-
-    class Busy(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(k):
-                a @ a
-            return x
-
-    total = 0.0
-    for shape in shapes:
-        shape = [int(d) for d in shape]
-        x = torch.randn(towers * shape[0], *shape[1:], requires_grad=True)
-        group = TowerGroup(towers)
-        synced = CPUTowers(nn.Sequential(Busy(), SyncBatchNorm(shape[1], reducer=TowerReducer(
-            group, [torch.device("cpu")] * towers))), towers, 0, threads, group)
-        plain = CPUTowers(nn.Sequential(Busy(), SyncBatchNorm(shape[1], reducer=None)), towers, 0, threads)
-
-        def once(layer) -> float:
-            t = time.perf_counter()
-            layer(x).sum().backward()
-            return time.perf_counter() - t
-
-        alone, reduced = [], []
-        for i in range(warmup + repeats):
-            got = once(plain), once(synced)
-            if i >= warmup:
-                alone.append(got[0])
-                reduced.append(got[1])
-        total += max(0.0, statistics.median(reduced) - statistics.median(alone))
-    return total
 
 
 def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:

@@ -333,8 +333,9 @@ def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
     """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
-    profile's measurement at two towers (``tower_sync_batchnorm_s``, :func:`~.microbench.measured_tower_sync_batchnorm`:
-    the tower threads meet twice per BatchNorm layer in the forward), times n - 1 beyond two (each
+    profile's measurement at two towers (``tower_sync_batchnorm_s``,
+    :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower threads meet twice per
+    BatchNorm layer in the forward), times n - 1 beyond two (each
     meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
     the key, at n = 1, and for a cluster's devices (their towers exchange C + 1 numbers per layer
     between device threads: not modelled)."""

@@ -20,7 +20,7 @@ profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strate
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
 (``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`) and, on a CPU, between two
-towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench.measured_tower_sync_batchnorm`).
+towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
 
 :func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
@@ -199,7 +199,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
         if out["batchnorm_inputs"]:
-            from .microbench import measured_sync_batchnorm, measured_tower_sync_batchnorm
+            from .microbench import measured_sync_batchnorm
+            from .microbench_towers import measured_tower_sync_batchnorm
 
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
             if device.type == "cpu":  # CPU towers meet in this process' threads

@@ -241,6 +241,10 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
         raise UsageError(f"strategy {self.name!r} cannot train on uneven inputs (ranks with different numbers of "
                          f"batches); give every rank the same number (drop_last=True) or use allreduce")
 
+    def prepare_own_loop(self, batch_dim: int) -> None:
+        """Before :func:`paratrain.api.setup` wraps a user's model (the minimal-change API, no Task):
+        UsageError for a ``batch_dim`` this strategy cannot split along. Default: nothing."""
+
     def check_rows(self, rows: int) -> None:
         """UsageError for a ``pt.train_step`` batch of ``rows`` rows this strategy cannot take (the
         pipeline: a multiple of its micro-batches, the same every step). Default: any."""

@@ -101,6 +101,15 @@ class Pipeline(ShardedCheckpoints, AllReduce):
                              f"{d.microbatches} micro-batches; use a multiple of {replicas * d.microbatches} for "
                              f"train.batch_size or change dist.microbatches")
 
+    def prepare_own_loop(self, batch_dim: int) -> None:
+        """``pt.train_step``'s batches: rows along dimension 0, cut by TaskBase's defaults."""
+        if batch_dim != 0:
+            raise UsageError(f"strategy 'pipeline' cuts each batch into micro-batches along dimension 0, not "
+                             f"batch_dim={batch_dim}: lay the rows of your batches along dimension 0")
+        from types import SimpleNamespace
+
+        self.task = SimpleNamespace(batch_dim=0)
+
     def check_rows(self, rows: int) -> None:
         """``pt.train_step``'s batch of ``rows`` rows: a multiple of the micro-batches, and the same every
         step (the stages fix their shapes at the first step). UsageError otherwise."""

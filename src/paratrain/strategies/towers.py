@@ -272,7 +272,7 @@ class SharedMode(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def shared_modes(modes: Sequence[TorchDispatchMode], lock: threading.RLock, caller: bool):
+def shared_modes(modes: Sequence[TorchDispatchMode], lock: threading.RLock | None, caller: bool):
     """Inside: ``modes`` (the calling thread's dispatch-mode stack, bottom first) reach this
     thread's operations through :class:`SharedMode`. ``caller``: this thread entered them itself;
     they step aside for their shared stand-ins until the end (so that its operations take the lock
@@ -358,7 +358,8 @@ class CPUTowers(nn.Module):
         # autocast is thread-local: the tower threads take the caller's (as DataParallel's parallel_apply does)
         amp = {"device_type": "cpu", "dtype": torch.get_autocast_dtype("cpu"),
                "enabled": torch.is_autocast_enabled("cpu")}
-        modes, lock = measurement_modes(), threading.RLock()  # a measurement's: see the module doc
+        modes = measurement_modes()  # a measurement's: see the module doc
+        lock = threading.RLock() if modes else None
 
         def tower(t: int) -> Callable[[], Any]:
             def call() -> Any:
