@@ -62,9 +62,12 @@ def test_memory_of_a_pipeline_stage_counts_its_micro_batches_in_flight():
 
 
 def test_memory_of_a_parameter_server_worker_and_server():
-    # worker: no optimizer state: forward end 100 + 60 = 160, step 100 + 100 = 200; server: (P + O) / K
+    # worker: no optimizer state: forward end 100 + 60 = 160, step 100 + 100 = 200; server, synchronous:
+    # (P + 4 received gradients + the mean's buffer + the answer's copy + O) / K = (700 + 200) / 2
     m = memory_per_device(PS, 4, M, num_ps=2)
-    assert (m["total"], m["server"]) == (200, 150)
+    assert (m["total"], m["server"]) == (200, 450)
+    # asynchronous: one update's gradient and the answer's copy: (300 + 200) / 2
+    assert memory_per_device(PS, 4, M, num_ps=2, synchronous_buckets=False)["server"] == 250
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block():
@@ -89,6 +92,92 @@ def test_ps_async_rate_is_the_workers_or_the_servers_bound():
     assert step == pytest.approx(0.43) and rate == pytest.approx(4 / 0.43)
     rate16, _ = ps_async_rate(W, 16, 1, link)  # 16 workers would send 37 updates/s: the server's 12.5 bound
     assert rate16 == pytest.approx(12.5)
+
+
+def test_ps_async_rate_adds_the_servers_update_to_both_bounds():
+    link = Link(name="x", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    # worker: 0.43 s as above + 0.01 s that its push waits for the update = 0.44; 4 workers: 9.09 updates/s;
+    # server: 0.08 + 0.01 = 0.09 s per update: 11.1 updates/s
+    rate, step = ps_async_rate(W, 4, 1, link, update_s=0.01)
+    assert step == pytest.approx(0.44) and rate == pytest.approx(4 / 0.44)
+    rate16, _ = ps_async_rate(W, 16, 1, link, update_s=0.01)
+    assert rate16 == pytest.approx(1 / 0.09)
+
+
+def test_ps_update_seconds_are_linear_in_the_workers_and_split_over_the_servers():
+    from paratrain.bench.plan_model import ps_update_s
+
+    got = {"sync_1": 0.006, "sync_2": 0.008, "async": 0.0025}
+    assert ps_update_s(got, 2, 1) == pytest.approx(0.008)
+    assert ps_update_s(got, 4, 1) == pytest.approx(0.012)  # 0.006 + 3 x 0.002: one more gradient added each
+    assert ps_update_s(got, 4, 2) == pytest.approx(0.006)  # each server updates half the bytes
+    assert ps_update_s(got, 4, 2, synchronous=False) == pytest.approx(0.00125)
+    assert ps_update_s(None, 4, 2) == 0.0
+
+
+def test_ps_sync_step_pays_the_servers_update_after_the_messages():
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    measured = {**INPUTS, "ps_update_s": {"sync_1": 0.006, "sync_2": 0.008, "async": 0.0025}}
+    cls, _ = LAYOUTS[5]
+    for n, k, update in ((2, 1, 0.008), (4, 2, 0.006)):
+        a, b = [step_parts(cls, Layout("x", n, {"num_ps": k}), W, link, Config(), x) for x in (INPUTS, measured)]
+        assert b["step_s"] == pytest.approx(a["step_s"] + update, abs=1e-15)
+        assert b["comm_s"] == pytest.approx(a["comm_s"] + update, abs=1e-15)  # the workers wait for it
+    a, b = [step_parts(cls, Layout("x", 1, {"num_ps": 1}), W, link, Config(), x) for x in (INPUTS, measured)]
+    assert a == b  # one worker steps on its own optimizer
+
+
+def test_the_ps_update_microbenchmark_prices_the_servers_step(monkeypatch):
+    """What a server's update costs is what it measures: with the server's optimizer step made 20 ms
+    slower (a sleep, which a busy machine does not shorten), every kind of update takes 20 ms more
+    (a few ms without it, for these 4 MB); the process' intra-op threads are as before."""
+    import time
+
+    import torch
+
+    from paratrain.bench.microbench_rpc import measured_ps_update
+    from paratrain.ps.server import ShardServer
+
+    params = [torch.nn.Parameter(torch.randn(1000, 1000)), torch.nn.Parameter(torch.randn(1000))]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    threads = torch.get_num_threads()
+    plain = measured_ps_update(params, optimizer, 1.0, repeats=5, warmup=1)
+    assert set(plain) == {"sync_1", "sync_2", "async"} and all(0 < v < 0.5 for v in plain.values())
+    step = ShardServer._step
+
+    def slow(self, lr):
+        time.sleep(0.02)
+        return step(self, lr)
+
+    monkeypatch.setattr(ShardServer, "_step", slow)
+    slowed = measured_ps_update(params, optimizer, 1.0, repeats=5, warmup=1)
+    assert all(0.02 <= v < 0.5 for v in slowed.values())
+    assert torch.get_num_threads() == threads
+
+
+def test_ps_sync_mean_reuses_its_buffers_and_equals_the_plain_mean():
+    """The synchronous server averages into buffers it keeps from step to step (no fresh tensor per
+    step), bitwise equal to clone / add / divide, and never into a worker's gradient."""
+    import torch
+
+    from paratrain.ps.server import ShardServer
+
+    server = ShardServer(0, 3, "sync", timeout_s=60.0)
+    server.init([torch.zeros(5, 3), torch.zeros(7)], torch.optim.SGD, {"lr": 1.0})
+    buffers = None
+    for step in range(3):
+        grads = [[torch.randn(5, 3), torch.randn(7)] for _ in range(3)]
+        kept = [[g.clone() for g in gs] for gs in grads]
+        before = [p.detach().clone() for p in server.params]
+        futs = [server.push(w, server.version, grads[w], 1.0, 0.0) for w in range(3)]
+        torch.futures.wait_all(futs)
+        for i in range(2):
+            mean = (kept[0][i].clone() + kept[1][i] + kept[2][i]) / 3
+            assert torch.equal(server.params[i].detach(), before[i] - mean)
+            assert all(torch.equal(grads[w][i], kept[w][i]) for w in range(3))
+        ptrs = [b.data_ptr() for b in server._sums]
+        assert buffers is None or ptrs == buffers
+        buffers = ptrs
 
 
 def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores():

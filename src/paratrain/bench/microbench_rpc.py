@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -79,3 +80,45 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
         points = json.loads((Path(tmp) / "results.json").read_text())
     alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
+def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *,
+                       threads: int = 1, repeats: int = 15, warmup: int = 3) -> dict[str, float]:
+    """Seconds one parameter server shard holding all of ``params`` spends on an update, measured on
+    this machine in this process: :class:`~paratrain.ps.server.ShardServer` (what ``ps-sync`` and
+    ``ps-async`` run) with ``optimizer``'s class and defaults and the recipe's ``clip``, the pushes
+    handed in from a thread of their own (as RPC handler threads do), at ``threads`` intra-op threads
+    (a server's share of this machine's cores). Keys: ``sync_1`` and ``sync_2``, a synchronous step
+    with one and two workers' gradients (mean, global-norm clipping, the optimizer's step, the
+    parameters copied for the answer); ``async``, one asynchronous update (the step and the copy).
+    Medians of ``repeats`` updates. The messages themselves are :func:`measured_rpc`'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..ps.server import ShardServer
+
+    values = [p.detach().clone() for p in params]
+    defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+    grads = [[torch.randn_like(v) * 1e-3 for v in values] for _ in range(2)]
+
+    def median_update(mode: str, workers: int) -> float:
+        server = ShardServer(0, workers, mode, timeout_s=600.0)
+        server.init(values, type(optimizer), defaults)
+        times = []
+        for i in range(warmup + repeats):
+            before, version = server.update_s, server.version
+            answers = [server.push(w, version, grads[w], defaults.get("lr"), clip if mode == "sync" else 0.0)
+                       for w in range(workers)]
+            torch.futures.wait_all(answers)
+            if i >= warmup:
+                times.append(server.update_s - before)
+        return statistics.median(times)
+
+    old = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(1) as pool:  # torch's thread count is per process: set it here, time there
+            torch.set_num_threads(max(1, threads))
+            return {"sync_1": pool.submit(median_update, "sync", 1).result(),
+                    "sync_2": pool.submit(median_update, "sync", 2).result(),
+                    "async": pool.submit(median_update, "async", 1).result()}
+    finally:
+        torch.set_num_threads(old)

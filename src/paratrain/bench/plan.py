@@ -271,6 +271,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
+              "ps_update_s": prof.get("ps_update_s"),
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)

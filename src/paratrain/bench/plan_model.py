@@ -23,7 +23,8 @@ one device, U the largest FSDP unit, all for one replica's batch):
   M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
   all M micro-batches'; 1F1B: one micro-batch's);
 * parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
-  P/K and O/K (reported apart);
+  P/K and O/K, and in its step the gradients it received (n P/K synchronous, P/K an asynchronous
+  update), the mean's buffer (P/K, synchronous) and the answer's copy (P/K): reported apart;
 * towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
   loss over every tower's output (n T); CPU virtual devices share one memory: n A;
 * activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
@@ -36,9 +37,13 @@ machine the profile measures what they cost two processes (the model's own Batch
 after some compute, as inside a step: the ranks' skew and wake-up, not only the link's latency);
 on a cluster, four ring all-reduces of C + 1 numbers per layer.
 
+Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
+servers' update (:func:`ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
+copy of the answer, measured on this machine's CPU, where a server keeps its shard).
+
 Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
-rate is the smaller of the workers' (n / (local + push + pull)) and the servers' (K servers each
-receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma)`` seconds per update);
+rate is the smaller of the workers' (n / (local + push + pull + update)) and the servers' (K servers
+each receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma) + update`` seconds);
 the staleness of an update is about n - 1 versions (each of the other workers pushes once while
 one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et al. 2013, SSP).
 """
@@ -100,7 +105,10 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                              schedule, synchronous_buckets)
     elif model == PS:
         o, g_kept = 0.0, 0.0
-        out["server"] = (m.params + m.optimizer) / num_ps
+        # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
+        # synchronous, one update's when not), the mean's buffer (kept) and the parameters copied for the answer
+        received = n if synchronous_buckets else 1
+        out["server"] = (m.params * (received + 1 + (2 if synchronous_buckets else 1)) + m.optimizer) / num_ps
     elif model == TOWERS:
         g_kept = 0.0  # one process, no buckets
         act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
@@ -152,12 +160,29 @@ class Layout:
     label: str = ""
 
 
-def ps_async_rate(w: Workload, n: int, k: int, link: Link) -> tuple[float, float]:
+def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True) -> float:
+    """Seconds one of k servers spends on an update of its 1/k of the parameters, from the profile's
+    measurement of one server holding them all (``ps_update_s``,
+    :func:`~.microbench_rpc.measured_ps_update`). Synchronous, n workers: the mean of n gradients is
+    one copy and n - 1 additions, so the time is linear in n through the one- and two-worker
+    measurements, ``sync_1 + (n - 1)(sync_2 - sync_1)``; asynchronous: ``async`` per update. Both
+    over k (each server updates 1/k of the bytes). 0 without a measurement. The servers keep their
+    parameters on the CPU, so on a cluster this is this machine's CPU time too (an assumption)."""
+    if not measured:
+        return 0.0
+    if not synchronous:
+        return measured["async"] / k
+    one, two = measured["sync_1"], measured["sync_2"]
+    return max(0.0, one + (n - 1) * (two - one)) / k
+
+
+def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
-    workers and k servers (see the module)."""
+    workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
+    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server."""
     nbytes = sum(w.param_bytes)
-    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link)
-    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte)
+    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s
+    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
 
@@ -211,12 +236,13 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     bubble, replicas = 0.0, n
     if model == PS:
         k = layout.overrides.get("num_ps", 1)
+        update = ps_update_s(inputs.get("ps_update_s"), n, k, cls.synchronous)
         if cls.synchronous:
-            step = compute + (ps_step_s(sum(w.param_bytes), n, k, ps_link) if n > 1 else optimizer)
+            step = compute + (ps_step_s(sum(w.param_bytes), n, k, ps_link) + update if n > 1 else optimizer)
             return _parts(step, compute, 0.0 if n > 1 else optimizer, 0.0, n * w.tokens_per_step / step, n)
         scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s,
                          optimizer_s=0.0)
-        rate, _ = ps_async_rate(scaled, n, k, ps_link)
+        rate, _ = ps_async_rate(scaled, n, k, ps_link, update)
         return _parts(n / rate, compute, 0.0, 0.0, rate * w.tokens_per_step, n)
     if model == STAGES:
         stages = layout.overrides["pipeline_stages"]

@@ -13,7 +13,8 @@ one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker
 gradients, optimizer state, activations, temporaries). The links (:func:`~.microbench.measured_links`):
 :func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
 own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
-RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport); on a CPU, memory
+RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
+server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
@@ -38,7 +39,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 6  # 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link to 64 MiB; 4: RPC over uv)
+PROFILE_VERSION = 7  # 7: the PS servers' update; 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link
+# to 64 MiB; 4: RPC over uv)
 STAGE_COUNTS = (2, 4)
 
 
@@ -188,10 +190,16 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc; sync BatchNorm")
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; sync BatchNorm")
         from .microbench import measured_links
 
         out["links"] = measured_links()
+        from ..env import default_threads
+        from .microbench_rpc import measured_ps_update
+
+        # a server's share of the cores in the layout validated here: 2 workers and 1 server
+        out["ps_update_s"] = measured_ps_update(list(model.parameters()), optimizer, cfg.train.clip,
+                                                threads=default_threads(3, out["cores"]))
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies
 

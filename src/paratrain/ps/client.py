@@ -324,7 +324,8 @@ class ParameterServerStrategy(ServerCalls, Strategy):
 
     def metrics(self) -> dict[str, float]:
         """Staleness (mean, p50, p99, max over every shard update), dropped gradients,
-        updates, dead workers, and this worker's seconds waiting for servers."""
+        updates, dead workers, this worker's seconds waiting for servers, and the busiest server's
+        seconds spent on updates (``server_update_s``: means, clipping, optimizer steps, answers' copies)."""
         st = self.server_stats()
         hist: dict[int, int] = {}
         for s in st:
@@ -332,7 +333,8 @@ class ParameterServerStrategy(ServerCalls, Strategy):
                 hist[int(k)] = hist.get(int(k), 0) + n
         return {"updates": st[0]["version"], "grads_received": st[0]["received"],
                 "grads_dropped": sum(s["dropped"] for s in st), **staleness_summary(hist),
-                "dead_workers": len(st[0]["dead"]), "wait_s": self.wait_s}
+                "dead_workers": len(st[0]["dead"]), "wait_s": self.wait_s,
+                "server_update_s": max(s.get("update_s", 0.0) for s in st)}
 
     def finished(self, local_steps: int, total_steps: int) -> bool:
         """Stop on the servers' count, not this worker's: ps-sync after ``total_steps``
