@@ -557,3 +557,41 @@ def test_pipeline_stages_output_the_boundary_then_the_model_output_scaled_with_t
     prof = {"output_bytes": 1000.0, "strategy_inputs": {"stage_profiles": {"4": {"activation_bytes": 30.0}}}}
     assert stage_outputs(prof, 4, ratio=2.0) == [60.0, 60.0, 60.0, 2000.0]
     assert stage_outputs(prof, 2) is None  # no profile for 2 stages: a model that does not cut so
+
+
+def _row(label, units, mib, n=2, feasible=True, synchronous=True):
+    return {"label": label, "units_per_s": units, "n": n, "feasible": feasible, "synchronous": synchronous,
+            "memory": {"total": mib * 2 ** 20}}
+
+
+def test_the_recommendation_of_predictions_within_a_tie_is_the_one_with_the_least_memory():
+    from paratrain.bench.plan import TIE, rank
+
+    assert TIE == 0.01
+    rows = [_row("allreduce", 1000.0, 918), _row("zero1", 999.5, 900), _row("pipeline", 991.0, 324),
+            _row("fsdp", 980.0, 100), _row("ps-async", 2000.0, 50, synchronous=False),
+            _row("towers", 5000.0, 10, feasible=False)]
+    # within 1% of 1000 words/s: allreduce, zero1, pipeline (991 >= 990); fsdp (2% slower) is not, however small
+    assert [r["label"] for r in rank(rows, "words_per_s")] == [
+        "pipeline", "allreduce", "zero1", "fsdp", "ps-async", "towers"]
+    # a clear winner stays first whatever its memory
+    rows[0]["units_per_s"] = 1020.0
+    assert rank(rows, "words_per_s")[0]["label"] == "allreduce"
+    # equal memory within the tie: the faster
+    tied = [_row("a", 1000.0, 10), _row("b", 999.0, 10)]
+    assert rank(list(reversed(tied)), "words_per_s")[0]["label"] == "a"
+
+
+def test_the_validation_scores_the_recommendation_the_plan_makes():
+    from paratrain.bench.plan_validate import _choice
+
+    def row(label, predicted, mib, measured):
+        return {"label": label, "n": 2, "synchronous": True, "ok": True, "predicted_units_per_s": predicted,
+                "predicted_memory_bytes": mib * 2 ** 20, "measured_units_per_s": measured}
+
+    # gpt_wt2 on 2026-11-24: allreduce and zero1 predicted 0.07% apart; zero1 keeps less memory
+    got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0),
+                   row("towers", 900.0, 1747, 800.0)])
+    assert got == {"recommended": "zero1", "measured_fastest": "zero1", "shortfall": 0.0}
+    got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 980.0, 900, 1000.0)])
+    assert got["recommended"] == "allreduce" and got["shortfall"] == pytest.approx(0.12)

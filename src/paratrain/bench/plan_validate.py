@@ -161,12 +161,13 @@ def rescore(cfg, prof: dict, out: Path) -> int:
 
 
 def _choice(rows: list[dict]) -> dict:
-    """The predicted-fastest synchronous layout at N = 2 against the measured fastest."""
+    """The synchronous layout the plan recommends at N = 2 (the predicted fastest; of predictions
+    within :data:`~.plan.TIE`, the least memory: :func:`~.plan.pick`) against the measured fastest."""
     two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"]
            and math.isfinite(r["measured_units_per_s"])]
     if not two:
         return {}
-    chosen = max(two, key=lambda r: r["predicted_units_per_s"])
+    chosen = two[pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: r["predicted_memory_bytes"])]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
     return {"recommended": chosen["label"], "measured_fastest": fastest["label"],
             "shortfall": 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"]}
