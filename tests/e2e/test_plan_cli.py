@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from paratrain.bench.plan import TIE
+
 from .test_cli import paratrain, records
 from .test_pipeline_cli import GPT
 
@@ -71,8 +73,12 @@ def test_replanning_reads_the_cached_profile(planned, tiny_data):
     plan = json.loads((tmp / "p" / "plan.json").read_text())
     assert plan["interconnect"] == "eth25" and max(row["n"] for row in plan["rows"]) == 16
     best = plan["recommended"]
-    per_device = [row["units_per_s"] / row["n"] for row in plan["rows"] if row["feasible"] and row["synchronous"]]
-    assert best["units_per_s"] / best["n"] == pytest.approx(max(per_device))
+    rows = [row for row in plan["rows"] if row["feasible"] and row["synchronous"]]
+    top = max(row["units_per_s"] / row["n"] for row in rows)
+    # the best words/s per device, or of those within the tie (1%) the one with the least memory per device
+    tied = [row for row in rows if row["units_per_s"] / row["n"] >= top * (1 - TIE)]
+    assert best["units_per_s"] / best["n"] >= top * (1 - TIE)
+    assert best["memory"]["total"] == min(row["memory"]["total"] for row in tied)
     print(f"re-plan from the cache: {time.monotonic() - t0:.1f} s")
 
 

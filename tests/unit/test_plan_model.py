@@ -214,6 +214,45 @@ def test_towers_forward_side_by_side_is_the_concurrent_one_thread_forward_times_
     assert towers_forward_s({"workloads": {"2": {"forward_s": 0.02}}}, 2) is None  # one core: not measured
 
 
+def test_towers_forward_side_by_side_is_the_threads_measurement_where_the_profile_has_it():
+    from paratrain.bench.plan import towers_forward_s
+
+    prof = {"workloads": {"2": {"forward_s": 0.02}, "1": {"forward_s": 0.03, "concurrent": 2}},
+            "towers_forward_threads": {"towers": 2, "seconds": 0.04}}
+    assert towers_forward_s(prof, 2) == pytest.approx(0.04)  # the threads' 40 ms, not the processes' 30
+    assert towers_forward_s(prof, 4) == pytest.approx(0.08)  # 4 towers on 2 cores: two rounds
+    assert towers_forward_s(prof, 2, ratio=0.5) == pytest.approx(0.02)
+    assert towers_forward_s(prof, 1) is None
+
+
+def test_the_towers_forward_microbenchmark_runs_the_forwards_side_by_side_after_a_full_thread_step():
+    """Three forwards that each sleep 50 ms (a sleep, which a busy machine does not shorten) take
+    about 50 ms side by side, not 150 in a row; each runs in its own thread with one intra-op thread,
+    on its own replica; every step before them has the process' threads."""
+    import threading
+    import time
+
+    import torch
+
+    from paratrain.bench.microbench_towers import measured_towers_forward
+
+    model = torch.nn.Linear(3, 3)
+    seen, steps = [], []
+
+    def forward(module):
+        seen.append((threading.get_ident(), torch.get_num_threads(), id(module)))
+        time.sleep(0.05)
+
+    threads = torch.get_num_threads()
+    got = measured_towers_forward(model, forward, lambda: steps.append(torch.get_num_threads()), 3,
+                                  repeats=3, warmup=1)
+    assert 0.05 <= got < 0.1
+    assert steps == [threads] * 4 and torch.get_num_threads() == threads
+    assert {n for _, n, _ in seen} == {1}
+    assert len({m for _, _, m in seen}) == 3 and id(model) in {m for _, _, m in seen}
+    assert len({t for t, _, _ in seen[:3]}) == 3
+
+
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
     from paratrain.bench.microbench import fit_latency_bandwidth
 

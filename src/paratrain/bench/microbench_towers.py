@@ -1,11 +1,12 @@
-"""In-process micro-benchmark of CPU towers (threads of one process): what synchronised BatchNorm's
-meetings between the tower threads cost a training step (:func:`measured_tower_sync_batchnorm`).
+"""In-process micro-benchmarks of CPU towers (threads of one process): what synchronised BatchNorm's
+meetings between the tower threads cost a training step (:func:`measured_tower_sync_batchnorm`), and
+the towers' forwards side by side in their threads (:func:`measured_towers_forward`).
 The collectives between processes are in :mod:`.microbench`."""
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -65,3 +66,38 @@ def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int =
                 reduced.append(got[1])
         total += max(0.0, statistics.median(reduced) - statistics.median(alone))
     return total
+
+
+def measured_towers_forward(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
+                            step: Callable[[], None], towers: int, *, repeats: int = 5, warmup: int = 2) -> float:
+    """Seconds of ``towers`` forwards of one replica's batch side by side in threads of this process,
+    each thread with one intra-op thread, right after a training step at this process' threads: what
+    CPU towers (:class:`~paratrain.strategies.towers.CPUTowers`) run on this machine's cores, in the
+    same threads (:func:`~paratrain.strategies.towers.run_threads`, tower 0 in this thread) and after
+    the same full-thread backward and optimizer step. ``forward(module)``: one replica's loss through
+    ``module`` (kept until the thread ends, as a tower's graph is); ``step()``: one training step of
+    ``model``. Median of ``repeats`` after ``warmup``. Processes of one thread each, the profile's
+    other measurement of a side-by-side forward, were up to 30% faster than these threads here (ptb_small:
+    38 against 46-53 ms), which the towers' prediction must not assume."""
+    from ..strategies.towers import run_threads, shallow_replica
+
+    replicas = [model] + [shallow_replica(model) for _ in range(towers - 1)]
+    threads = torch.get_num_threads()
+
+    def tower(module: torch.nn.Module) -> Callable[[], None]:
+        def call() -> None:
+            torch.set_num_threads(1)
+            forward(module)
+        return call
+
+    times = []
+    for i in range(warmup + repeats):
+        step()
+        start = time.perf_counter()
+        try:
+            run_threads([tower(m) for m in replicas])
+        finally:  # tower 0 ran in this thread: the next step gets every thread back
+            torch.set_num_threads(threads)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -137,7 +137,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 7
+    phases = 8
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -321,15 +321,21 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
 
 def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
     """Seconds of n CPU towers' forwards side by side on this machine's cores, each tower thread with
-    its share of the threads: the profile's one-thread forward measured ``concurrent`` (= cores)
-    processes at once, times n / cores (n >= cores: each core runs n / cores towers in turn), the
-    batch scaled by ``ratio``. None where that was not measured or n < cores (towers of several
-    threads each)."""
-    one = prof.get("workloads", {}).get("1")
-    cores = int(one.get("concurrent", 0)) if one else 0
+    its share of the threads: the profile's ``cores`` forwards side by side in threads of one process
+    after a training step (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`;
+    from an older profile, its one-thread forward measured ``concurrent`` = cores processes at once),
+    times n / cores (n >= cores: each core runs n / cores towers in turn), the batch scaled by
+    ``ratio``. None where neither was measured or n < cores (towers of several threads each)."""
+    got = prof.get("towers_forward_threads")
+    if got:
+        cores, seconds = int(got["towers"]), got["seconds"]
+    else:
+        one = prof.get("workloads", {}).get("1")
+        cores = int(one.get("concurrent", 0)) if one else 0
+        seconds = one["forward_s"] if cores else 0.0
     if not cores or n < cores:
         return None
-    return one["forward_s"] * ratio * n / cores
+    return seconds * ratio * n / cores
 
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:

@@ -22,6 +22,8 @@ the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm lay
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
 (``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`) and, on a CPU, between two
 towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
+On a CPU of several cores, one forward per core side by side in this process' threads, right after a
+training step, as CPU towers run them (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`).
 
 :func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
@@ -39,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 7  # 7: the PS servers' update; 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link
+PROFILE_VERSION = 8  # 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link
 # to 64 MiB; 4: RPC over uv)
 STAGE_COUNTS = (2, 4)
 
@@ -213,6 +215,12 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
             if device.type == "cpu":  # CPU towers meet in this process' threads
                 out["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(out["batchnorm_inputs"], repeats=60)
+    if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
+        from .microbench_towers import measured_towers_forward
+
+        progress("CPU towers' forwards side by side")
+        out["towers_forward_threads"] = {"towers": out["cores"], "seconds": measured_towers_forward(
+            model, lambda m: loss_fn(draw(), m), one_step, out["cores"])}
     return out
 
 
@@ -220,7 +228,7 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     """The task's freshly built model (seeded, on ``dist.device`` in ``train.dtype``, training mode)
     and its first training batch: ``(model, device, tokens, draw, loss_fn)``; ``draw()`` gives the
     batch's micro-batches on the device, ``loss_fn(micro_batches)`` the step's loss (mean over its
-    ``tokens``)."""
+    ``tokens``; through ``module`` instead of the model when given)."""
     from ..devices import resolve
 
     device = resolve(cfg.dist.device)
@@ -233,10 +241,10 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     def draw():
         return [_to(mb, device) for mb in first.micro_batches]
 
-    def loss_fn(micro_batches) -> torch.Tensor:
+    def loss_fn(micro_batches, module: torch.nn.Module | None = None) -> torch.Tensor:
         total = 0
         for mb in micro_batches:
-            loss_sum, _ = task.loss(model, mb)
+            loss_sum, _ = task.loss(model if module is None else module, mb)
             total = total + loss_sum / tokens
         return total
 
