@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 8  # 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm (5: memory copies, the RPC link
-# to 64 MiB; 4: RPC over uv)
+PROFILE_VERSION = 8  # 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
+# BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
 STAGE_COUNTS = (2, 4)
 
 
