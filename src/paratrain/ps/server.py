@@ -84,9 +84,11 @@ class ShardServer:
 
     # ---- setup and state ---------------------------------------------------
     def init(self, params: list[torch.Tensor], opt_cls: type, opt_defaults: dict) -> None:
+        from ..train.optim import optimizer_like  # paratrain.train imports the strategies, which import this
+
         with self.lock:
             self.params = [p.detach().clone().requires_grad_(True) for p in params]
-            self.optimizer = opt_cls(self.params, **opt_defaults) if self.params else None
+            self.optimizer = optimizer_like(opt_cls, self.params, opt_defaults) if self.params else None
             self.lr = opt_defaults.get("lr")
             now = time.monotonic()
             self.last_seen = {w: now for w in range(self.W)}

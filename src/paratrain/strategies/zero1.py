@@ -20,7 +20,6 @@ optimizer state by parameter name (reshardable to any world size and strategy).
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,8 @@ class Zero1(ShardedCheckpoints, AllReduce):
     def _after_setup(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from ..train.optim import optimizer_like  # paratrain.train imports the strategies
+
         opt = self.optimizer
         if opt is None:
             return
@@ -66,8 +67,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
                 shards.append(shard)
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shards})
         cls = type(opt).__mro__[2]  # the user's class: (Distributed<X>, _Distributed, X, ...)
-        accepted = inspect.signature(cls.__init__).parameters  # defaults may hold more (AdamW's decoupled_...)
-        self.shard_optimizer = cls(groups, **{k: v for k, v in opt.defaults.items() if k in accepted})
+        self.shard_optimizer = optimizer_like(cls, groups, opt.defaults)
         self._names = parameter_names(self.module, opt)
         self._layout = self._row_layout()
 

@@ -113,3 +113,16 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         self.plateau_scale, self.best, self.bad_evals = state["plateau_scale"], state["best"], state["bad_evals"]
+
+
+def optimizer_like(cls: type, params, defaults: dict) -> torch.optim.Optimizer:
+    """``cls(params, **defaults)`` with only the keywords ``cls.__init__`` accepts: an optimizer's
+    ``defaults`` may hold more than its constructor takes (``AdamW`` passes
+    ``decoupled_weight_decay=True`` to ``Adam`` and does not accept it back). For the same update
+    rule over other parameters (the parameter server's shards, ZeRO-1's row shards)."""
+    import inspect
+
+    accepted = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return cls(params, **defaults)
+    return cls(params, **{k: v for k, v in defaults.items() if k in accepted})
