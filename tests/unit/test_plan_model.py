@@ -113,6 +113,8 @@ def test_ps_update_seconds_are_linear_in_the_workers_and_split_over_the_servers(
     assert ps_update_s(got, 4, 2) == pytest.approx(0.006)  # each server updates half the bytes
     assert ps_update_s(got, 4, 2, synchronous=False) == pytest.approx(0.00125)
     assert ps_update_s(None, 4, 2) == 0.0
+    # a second gradient measured cheaper than one (noise) never makes more workers cheaper
+    assert ps_update_s({"sync_1": 0.008, "sync_2": 0.007, "async": 0.0}, 16, 1) == pytest.approx(0.008)
 
 
 def test_ps_sync_step_pays_the_servers_update_after_the_messages():
@@ -177,6 +179,7 @@ def test_ps_sync_mean_reuses_its_buffers_and_equals_the_plain_mean():
             assert all(torch.equal(grads[w][i], kept[w][i]) for w in range(3))
         ptrs = [b.data_ptr() for b in server._sums]
         assert buffers is None or ptrs == buffers
+        assert not server._sum_busy  # free for the next step, which therefore averages into them
         buffers = ptrs
 
 
@@ -619,6 +622,9 @@ def test_the_recommendation_of_predictions_within_a_tie_is_the_one_with_the_leas
     # equal memory within the tie: the faster
     tied = [_row("a", 1000.0, 10), _row("b", 999.0, 10)]
     assert rank(list(reversed(tied)), "words_per_s")[0]["label"] == "a"
+    # a plateau: 16 devices no faster than 8 is not recommended for its smaller shards
+    plateau = [_row("fsdp", 1000.0, 100, n=8), _row("fsdp", 999.0, 50, n=16)]
+    assert rank(plateau, "words_per_s")[0]["n"] == 8
 
 
 def test_the_validation_scores_the_recommendation_the_plan_makes():

@@ -237,3 +237,16 @@ def test_sync_batchnorm_is_refused_by_the_config_where_workers_do_not_step_toget
     with pytest.raises(UsageError, match=f"sync_batchnorm needs workers that step together; {strategy}"):
         config.load(str(recipe), [f'dist.strategy="{strategy}"', "dist.nproc=2", *extra])
     config.load(str(recipe), ['dist.strategy="ps-sync"', "dist.nproc=2"])  # workers in step: accepted
+
+
+def test_server_update_seconds_leave_out_the_servers_norm_all_reduce():
+    """``update_s`` is the shard's own work: the clipping all-reduce among the servers waits for the
+    other servers' pushes, so a 0.3 s wait there is not counted."""
+    def slow_allreduce(t):
+        time.sleep(0.3)
+        return t
+
+    s = ShardServer(0, 1, "sync", timeout_s=5, norm_allreduce=slow_allreduce)
+    s.init([torch.zeros(3)], torch.optim.SGD, {"lr": 1.0})
+    s.push(0, 0, [torch.ones(3)], 1.0, 1.0).wait()
+    assert s.version == 1 and 0 < s.update_s < 0.2

@@ -96,7 +96,7 @@ def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Op
 
     from ..ps.server import ShardServer
 
-    values = [p.detach().clone() for p in params]
+    values = [p.detach().to("cpu", copy=True) for p in params]  # a server keeps its shard on the CPU
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
     grads = [[torch.randn_like(v) * 1e-3 for v in values] for _ in range(2)]
 

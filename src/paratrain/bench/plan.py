@@ -378,13 +378,14 @@ def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, de
 TIE = 0.01
 """Predictions closer than this fraction are a tie: the plan's inputs are medians of runs that spread
 by more than that (the profile's repeats differ by 5-10% on this VM), so it cannot tell such
-layouts apart, and it recommends the one that leaves the most device memory (:func:`pick`)."""
+layouts apart, and it recommends the one on the fewest devices, then the one that leaves the most device
+memory (:func:`pick`)."""
 
 
 def pick(items: list, value, memory) -> int:
     """Index of the recommended item: among those whose ``value(item)`` (higher is better) is within
-    :data:`TIE` of the best, the one with the least ``memory(item)`` (the first of equals, so the
-    faster). -1 for no items."""
+    :data:`TIE` of the best, the one with the least ``memory(item)`` (a key: fewer devices first,
+    then bytes per device), the faster of equals. -1 for no items."""
     if not items:
         return -1
     best = max(value(x) for x in items)
@@ -394,15 +395,15 @@ def pick(items: list, value, memory) -> int:
 
 def rank(rows: list[dict], objective: str) -> list[dict]:
     """Feasible synchronous rows best first by the objective (words/s, or words/s per device for
-    cost; ties: fewer devices), then the asynchronous ones, then the infeasible ones. The first is
-    the recommendation: of the feasible synchronous rows within :data:`TIE` of the best, the one
-    with the least memory per device (:func:`pick`)."""
+    cost; equal: fewer devices), then the asynchronous ones, then the infeasible ones. The first is
+    the recommendation: of the feasible synchronous rows within :data:`TIE` of the best, the one on
+    the fewest devices, then with the least memory per device (:func:`pick`)."""
     def value(r):
         return r["units_per_s"] / (r["n"] if objective == "cost" else 1)
 
     out = sorted(rows, key=lambda r: (not r["feasible"], not r["synchronous"], -value(r), r["n"]))
     top = [r for r in out if r["feasible"] and r["synchronous"]]
-    i = pick(top, value, lambda r: (r["memory"]["total"], r["n"]))
+    i = pick(top, value, lambda r: (r["n"], r["memory"]["total"]))
     if i > 0:
         out.insert(0, out.pop(out.index(top[i])))
     return out

@@ -173,7 +173,7 @@ def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: 
     if not synchronous:
         return measured["async"] / k
     one, two = measured["sync_1"], measured["sync_2"]
-    return max(0.0, one + (n - 1) * (two - one)) / k
+    return (one + (n - 1) * max(0.0, two - one)) / k  # a second gradient never makes it cheaper (noise)
 
 
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:

@@ -167,7 +167,7 @@ def _choice(rows: list[dict]) -> dict:
            and math.isfinite(r["measured_units_per_s"])]
     if not two:
         return {}
-    chosen = two[pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: r["predicted_memory_bytes"])]
+    chosen = two[pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: (r["n"], r["predicted_memory_bytes"]))]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
     return {"recommended": chosen["label"], "measured_fastest": fastest["label"],
             "shortfall": 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"]}

@@ -276,18 +276,34 @@ class ShardServer:
     def _finish_sync_step(self, grads: list[torch.Tensor] | None, waiters: list[Future], n: int) -> None:
         """(lock not held) Clip by the global norm (an all-reduce among the servers: every server
         takes part, an empty shard or a dropped version with zero), then step under the lock and
-        resolve the waiting pushes."""
-        t0 = time.perf_counter()
+        resolve the waiting pushes. ``update_s`` counts this shard's own work: not the all-reduce
+        (it waits for the other servers' pushes) nor the wait for the lock."""
+        try:
+            out = self._update_sync(grads, n)
+        except BaseException:
+            if grads is not None and grads is self._sums:
+                self._sum_busy = False  # the next step may use the buffers again
+            raise
+        for f in waiters:
+            f.set_result(out)
+
+    def _update_sync(self, grads: list[torch.Tensor] | None, n: int) -> tuple:
+        """(lock not held) :meth:`_finish_sync_step`'s clipping and step; returns the answer."""
         clip = getattr(self, "clip", 0.0)
-        coef = None
+        coef, own = None, 0.0
         if clip > 0:
+            t0 = time.perf_counter()
             # global norm over every shard, computed as torch.nn.utils.clip_grad_norm_ does (per-tensor
             # norms in the gradients' dtype, then the norm of those), so float32 runs match allreduce
             mine = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).pow(2).sum() if grads
                     else torch.zeros((), dtype=torch.float64))
+            own += time.perf_counter() - t0
             total = self.norm_allreduce(mine.double()).sqrt()
+            t0 = time.perf_counter()
             coef = (clip / (total + 1e-6)).clamp(max=1.0)
+            own += time.perf_counter() - t0
         with self.lock:
+            t0 = time.perf_counter()
             if grads is not None:
                 for p, g in zip(self.params, grads):
                     p.grad = g.mul_(coef.to(g.dtype)) if coef is not None else g
@@ -299,9 +315,8 @@ class ShardServer:
             out = (self.version, [p.detach().clone() for p in self.params], grads is None)
             if grads is not None and grads is self._sums:
                 self._sum_busy = False
-            self.update_s += time.perf_counter() - t0
-        for f in waiters:
-            f.set_result(out)
+            self.update_s += own + time.perf_counter() - t0
+        return out
 
     def _apply_async(self, worker: int, pulled_version: int, grads: list[torch.Tensor]) -> None:
         staleness = self.version - pulled_version
