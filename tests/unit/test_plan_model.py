@@ -3,14 +3,17 @@ never predicts a slower step; more shards never predict more memory per device."
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
-from paratrain.bench.plan_model import PS, Layout, MemoryInputs, memory_per_device, ps_async_rate, step_parts
+from paratrain.bench.plan_model import (PS, Layout, MemoryInputs, expected_max_normal, memory_per_device, ps_async_rate,
+                                       step_parts, straggle_s)
 from paratrain.config import Config
 from paratrain.errors import UsageError
 from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
@@ -419,6 +422,101 @@ def test_sync_batchnorm_adds_its_seconds_to_allreduce_zero1_fsdp_and_ps_sync_and
         a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x)
                 for x in (INPUTS, {**INPUTS, "tower_sync_batchnorm_s": 0.004})]
         assert a == b
+
+
+def test_expected_maximum_of_normals_matches_the_order_statistics_tables():
+    # E[max of 2] = 1/sqrt(pi) exactly; 3: 3/(2 sqrt(pi)); 4, 8, 10, 100, 1000: Harter's (1961) tables
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-9)
+    assert expected_max_normal(3) == pytest.approx(1.5 / math.sqrt(math.pi), abs=1e-9)
+    assert expected_max_normal(4) == pytest.approx(1.029375, abs=1e-6)
+    assert expected_max_normal(8) == pytest.approx(1.423600, abs=1e-6)
+    assert expected_max_normal(10) == pytest.approx(1.538753, abs=1e-6)
+    assert expected_max_normal(100) == pytest.approx(2.507594, abs=1e-6)
+    assert expected_max_normal(1000) == pytest.approx(3.241436, abs=1e-6)
+    assert expected_max_normal(1) == 0.0
+    with pytest.raises(ValueError):
+        expected_max_normal(0)
+
+
+def test_expected_maximum_of_normals_is_the_mean_of_the_largest_draw():
+    import random
+
+    rng = random.Random(0)
+    draws = [max(rng.gauss(0, 1) for _ in range(4)) for _ in range(200_000)]
+    assert sum(draws) / len(draws) == pytest.approx(expected_max_normal(4), abs=0.01)
+
+
+def test_ranks_that_meet_every_step_wait_for_the_slowest_and_towers_pipelines_and_ps_async_do_not():
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
+    spread = Workload(**{**W.__dict__, "local_sd_s": 0.01})
+    assert straggle_s(4, 0.01) == pytest.approx(0.01 * 1.029375, abs=1e-8)
+    assert straggle_s(1, 0.01) == 0.0 and straggle_s(4, 0.0) == 0.0
+    for n in (2, 4):
+        for cls, overrides in LAYOUTS[:3] + LAYOUTS[5:6]:  # all-reduce, zero1, fsdp, ps-sync
+            a = step_parts(cls, Layout("x", n, dict(overrides)), W, link, Config(), INPUTS)
+            b = step_parts(cls, Layout("x", n, dict(overrides)), spread, link, Config(), INPUTS)
+            assert b["step_s"] == pytest.approx(a["step_s"] + 0.01 * expected_max_normal(n), abs=1e-15)
+            assert b["comm_s"] == pytest.approx(a["comm_s"] + 0.01 * expected_max_normal(n), abs=1e-15)
+            # time-shared cores stretch the spread with the compute
+            c = step_parts(cls, Layout("x", n, dict(overrides)), spread, link, Config(), INPUTS, compute_scale=2.0)
+            d = step_parts(cls, Layout("x", n, dict(overrides)), W, link, Config(), INPUTS, compute_scale=2.0)
+            assert c["step_s"] == pytest.approx(d["step_s"] + 0.02 * expected_max_normal(n), abs=1e-15)
+        for cls, overrides in LAYOUTS[3:5] + LAYOUTS[6:]:  # towers, pipeline, ps-async
+            a, b = [step_parts(cls, Layout("x", n, dict(overrides)), x, link, Config(), INPUTS) for x in (W, spread)]
+            assert a == b
+
+
+def test_zero1_and_fsdp_pay_the_dtensor_optimizers_dispatch_and_the_others_do_not():
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
+    priced = {**INPUTS, "sharded_optimizer_s": 0.003}
+    for cls, overrides in LAYOUTS[1:3]:  # zero1, fsdp
+        a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x) for x in (INPUTS, priced)]
+        assert b["step_s"] == pytest.approx(a["step_s"] + 0.003, abs=1e-15)
+        assert b["optimizer_s"] == pytest.approx(a["optimizer_s"] + 0.003, abs=1e-15)
+        assert b["comm_s"] == pytest.approx(a["comm_s"], abs=1e-15)
+        c, d = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x, compute_scale=2.0)
+                for x in (INPUTS, priced)]
+        assert d["step_s"] == pytest.approx(c["step_s"] + 0.006, abs=1e-15)  # time-shared cores
+    for cls, overrides in LAYOUTS[:1] + LAYOUTS[3:]:
+        a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x) for x in (INPUTS, priced)]
+        assert a == b
+
+
+class _SlowOnDTensors(torch.optim.SGD):
+    """SGD that sleeps 20 ms a step when its parameters are DTensors."""
+
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.param_groups[0]["params"][0].data, DTensor):
+            time.sleep(0.02)
+        return super().step(closure)
+
+
+def test_the_sharded_optimizer_microbenchmark_prices_what_dtensor_shards_add_to_the_step():
+    import torch.distributed as dist
+
+    from paratrain.bench.microbench_sharded import measured_sharded_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4)),
+              torch.nn.Parameter(torch.tensor(1.0))]
+    got = measured_sharded_optimizer(params, _SlowOnDTensors(params, lr=0.1, momentum=0.9), repeats=5, warmup=1)
+    assert 0.018 <= got < 0.1
+    assert not dist.is_initialized()  # the one-rank group it made is gone
+    plain = measured_sharded_optimizer(params, torch.optim.SGD(params, lr=0.1), repeats=5, warmup=1)
+    assert 0.0 <= plain < 0.018
+
+
+def test_the_plans_workload_carries_the_measured_spread_scaled_with_the_batch():
+    from paratrain.bench.plan import workload
+
+    step = {"data_s": 0.001, "forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.003}
+    prof = {"workloads": {"2": {**step, "local_sd_s": 0.002}, "1": {**step, "local_sd_s": 0.005, "concurrent": 2}},
+            "param_bytes": [4, 8], "tokens_per_step": 64.0}
+    assert workload(prof, 1).local_sd_s == pytest.approx(0.005)
+    assert workload(prof, None, ratio=0.5).local_sd_s == pytest.approx(0.001)
+    del prof["workloads"]["2"]["local_sd_s"]  # a profile without it: no straggling priced
+    assert workload(prof, 2).local_sd_s == 0.0
 
 
 def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minus_one_here_only():

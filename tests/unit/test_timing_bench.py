@@ -46,6 +46,8 @@ def test_rank_timer_sums_spans_and_splits_idle():
     assert means["step_ms"] == pytest.approx(1000 * (12 + 5) / 2)
     s = t.summary()
     assert s["measured_steps"] == 2 and s["data_ms"] == pytest.approx(1000.0)
+    # local time (step less comm and idle): 12 - 4 = 8 s and 5 - 1 = 4 s: mean 6, standard deviation 2
+    assert s["local_sd_ms"] == pytest.approx(2000.0)
     b = breakdown(s)
     # the parts and "other" add up to the step exactly
     assert sum(v for k, v in b.items() if k != "step_ms") == pytest.approx(b["step_ms"])

@@ -176,7 +176,9 @@ class Workload:
     (reverse module order is fine); tokens_per_step: target tokens (words) per replica per step;
     payload_ratio: bytes a communication hook hands to all-reduce per gradient byte (1 plain, 0.5
     fp16/bf16, PowerSGD's measured ratio); buckets are still formed by gradient bytes, as DDP does.
-    The hook's own compute (casts, PowerSGD's matrix products) is not modelled.
+    The hook's own compute (casts, PowerSGD's matrix products) is not modelled. local_sd_s: the
+    standard deviation from step to step of the local time (the step less communication), in seconds
+    (:func:`~.plan_model.straggle_s`); 0 where not measured.
     """
 
     forward_s: float
@@ -186,9 +188,10 @@ class Workload:
     param_bytes: tuple[int, ...]
     tokens_per_step: int
     payload_ratio: float = 1.0
+    local_sd_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("forward_s", "backward_s", "data_s", "optimizer_s"):
+        for key in ("forward_s", "backward_s", "data_s", "optimizer_s", "local_sd_s"):
             if not getattr(self, key) >= 0:
                 raise UsageError(f"Workload.{key} = {getattr(self, key)} must be >= 0 seconds")
         if any(p < 0 for p in self.param_bytes):

@@ -161,13 +161,14 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
     """The profile's one-device step at the measured thread count nearest ``threads`` (None: the
-    default run's) with the per-replica batch scaled by ``ratio`` (compute linear in the batch)."""
+    default run's) with the per-replica batch scaled by ``ratio`` (compute, and its spread from step
+    to step, linear in the batch)."""
     measured = {int(k): v for k, v in prof["workloads"].items()}
     want = threads or max(measured)  # None: the default run (the most threads)
     w = measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
     return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
                     optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
-                    tokens_per_step=prof["tokens_per_step"] * ratio)
+                    tokens_per_step=prof["tokens_per_step"] * ratio, local_sd_s=w.get("local_sd_s", 0.0) * ratio)
 
 
 def memory_inputs(prof: dict) -> MemoryInputs:
@@ -272,6 +273,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
+              "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)

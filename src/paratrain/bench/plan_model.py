@@ -37,6 +37,12 @@ machine the profile measures what they cost two processes (the model's own Batch
 after some compute, as inside a step: the ranks' skew and wake-up, not only the link's latency);
 on a cluster, four ring all-reduces of C + 1 numbers per layer.
 
+Ranks that meet every step (all-reduce, ZeRO-1, FSDP, a synchronous PS) wait for the slowest: the
+step gains :func:`straggle_s`, the expected maximum of n normal local times over their mean, from
+the spread of the one-device step measured by the profile. ZeRO-1 and FSDP step the optimizer on
+DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
+measured on this machine (``sharded_optimizer_s``).
+
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
 servers' update (:func:`ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
 copy of the answer, measured on this machine's CPU, where a server keeps its shard).
@@ -49,6 +55,8 @@ one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et a
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -187,6 +195,39 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     return rate, worker_step
 
 
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normal variables]: 0 for n = 1, 1/sqrt(pi) = 0.5642 for 2,
+    1.0294 for 4, 1.4236 for 8, 3.2482 for 1024 (order statistics: Tippett 1925, Harter 1961). The integral
+    ``int x n phi(x) Phi(x)^(n-1) dx`` by Simpson's rule over [-12, 12] (4,800 intervals).
+    Raises ValueError for n < 1."""
+    if n < 1:
+        raise ValueError(f"expected_max_normal needs n >= 1 variables, got {n}")
+    if n == 1:
+        return 0.0
+    lo, hi, m = -12.0, 12.0, 4800
+    h = (hi - lo) / m
+
+    def f(x: float) -> float:
+        return x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * math.erfc(-x / math.sqrt(2))) ** (n - 1)
+
+    total = f(lo) + f(hi) + sum((4 if i % 2 else 2) * f(lo + i * h) for i in range(1, m))
+    return total * h / 3
+
+
+def straggle_s(n: int, local_sd_s: float) -> float:
+    """Seconds per step that n ranks which meet every step wait for the last of them: each rank's
+    local time (its step less communication) varies from step to step with standard deviation
+    ``local_sd_s`` (measured: :meth:`~.timing.RankTimer.summary`'s ``local_sd_ms`` of the profile's
+    one-device runs), and a collective ends only after the slowest rank arrives, so the step is the
+    mean local time plus ``E[max of n] - mean = local_sd_s * expected_max_normal(n)`` (ranks
+    independent and normal: the straggler effect that backup workers answer, Chen et al. 2016,
+    "Revisiting Distributed Synchronous SGD"; Dean & Barroso 2013, "The Tail at Scale"). One meeting
+    a step: a strategy that meets several times a step (FSDP's units, synchronised BatchNorm) waits at
+    each, which this leaves out. 0 for n = 1."""
+    return expected_max_normal(n) * local_sd_s if n > 1 and local_sd_s > 0 else 0.0
+
+
 def pays_sync_batchnorm(cls) -> bool:
     """Whether strategy class ``cls`` pays synchronised BatchNorm's collectives between processes:
     all-reduce, ZeRO-1, FSDP and a synchronous PS do; towers synchronise in their own process, a
@@ -215,14 +256,24 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay
     ``inputs["tower_sync_batchnorm_s"]`` instead (their threads meeting inside the forward), a
-    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
+    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``. The same
+    processes that meet every step (all but towers, pipelines and an asynchronous PS) wait for the
+    slowest rank: :func:`straggle_s` of ``w.local_sd_s`` (times ``compute_scale``), as exposed
+    communication. A pipeline's stages also meet, but pass micro-batches along rather than all
+    waiting at once; not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
+    per-operation dispatch ``inputs["sharded_optimizer_s"]`` (measured,
+    :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
+    optimizer's 1/n of the plain step."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    extra = (inputs.get("sync_batchnorm_s", 0.0) if pays_sync_batchnorm(cls)
+    meets = pays_sync_batchnorm(cls)  # processes that wait for one another every step
+    extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if (cls.cost_model or RING) == TOWERS else 0.0)
-    if parts is None or not extra:
+    sharded = (cls.cost_model or RING) in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1
+    dispatch = inputs.get("sharded_optimizer_s", 0.0) * compute_scale if sharded else 0.0
+    if parts is None or not (extra or dispatch):
         return parts
-    step = parts["step_s"] + extra
-    return _parts(step, parts["compute_s"], parts["optimizer_s"], parts["bubble_s"],
+    step = parts["step_s"] + extra + dispatch
+    return _parts(step, parts["compute_s"], parts["optimizer_s"] + dispatch, parts["bubble_s"],
                   parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
 
 

@@ -14,7 +14,9 @@ gradients, optimizer state, activations, temporaries). The links (:func:`~.micro
 :func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
 own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
 RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
-server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`); on a CPU, memory
+server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`), what the
+optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
+:func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
@@ -41,8 +43,9 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 8  # 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
-# BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
+PROFILE_VERSION = 9  # 9: the one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
+# towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC
+# link to 64 MiB; 4: RPC over uv
 STAGE_COUNTS = (2, 4)
 
 
@@ -202,6 +205,11 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # a server's share of the cores in the layout validated here: 2 workers and 1 server
         out["ps_update_s"] = measured_ps_update(list(model.parameters()), optimizer, cfg.train.clip,
                                                 threads=default_threads(3, out["cores"]))
+        from .microbench_sharded import measured_sharded_optimizer
+
+        # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
+        out["sharded_optimizer_s"] = measured_sharded_optimizer(list(model.parameters()), optimizer,
+                                                                threads=default_threads(2, out["cores"]))
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies
 

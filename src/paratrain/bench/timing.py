@@ -102,6 +102,7 @@ class RankTimer:
         self.prev_comm_end: Any = None
         self.totals = dict.fromkeys(("step",) + CATEGORIES, 0.0)
         self.measured_steps = 0
+        self.local_squares = 0.0  # sum over measured steps of (step - comm - idle)^2, seconds^2
 
     def add(self, step: int, start: Any, end: Any, spans: list[Span], comm: tuple[Any, Any] | None) -> None:
         """Record step ``step`` (0-based) from ``start`` to ``end`` with its spans; ``comm``:
@@ -139,16 +140,22 @@ class RankTimer:
                 self.measured_steps += 1
                 for k in self.totals:
                     self.totals[k] += row[k]
+                self.local_squares += (row["step"] - row["comm"] - row["idle"]) ** 2
         self.rows.clear()
         if not rows:
             return {}
         return {f"{k}_ms": 1000.0 * sum(r[k] for r in rows) / len(rows) for k in ("step",) + CATEGORIES}
 
     def summary(self) -> dict[str, float]:
-        """Mean milliseconds per measured step (after warm-up) of each category and of the step."""
+        """Mean milliseconds per measured step (after warm-up) of each category and of the step, and
+        ``local_sd_ms``: the standard deviation over the measured steps of the step's local time (the
+        step less its ``comm`` and ``idle``: what a rank takes between two meetings with the others;
+        :func:`~.plan_model.straggle_s` prices the waiting it causes)."""
         n = max(self.measured_steps, 1)
         out = {f"{k}_ms": 1000.0 * v / n for k, v in self.totals.items()}
         out["measured_steps"] = self.measured_steps
+        mean = (self.totals["step"] - self.totals["comm"] - self.totals["idle"]) / n
+        out["local_sd_ms"] = 1000.0 * math.sqrt(max(0.0, self.local_squares / n - mean * mean))
         return out
 
 
