@@ -59,6 +59,9 @@ def test_warmup_intervals_are_not_counted():
     t.add(0, 0, 1, [("forward", 0, 1)], None)
     t.finish_interval(t.flush(), [math.nan], count=False)
     assert t.summary()["measured_steps"] == 0
+    t.add(1, 1, 3, [("forward", 1, 3)], None)  # one counted 2 s step: the 1 s warm-up step adds no spread
+    t.finish_interval(t.flush(), [math.nan])
+    assert t.summary()["local_sd_ms"] == 0.0
 
 
 def test_summarise_ranks_skew_and_slowest():

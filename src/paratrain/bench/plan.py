@@ -161,14 +161,16 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
     """The profile's one-device step at the measured thread count nearest ``threads`` (None: the
-    default run's) with the per-replica batch scaled by ``ratio`` (compute, and its spread from step
-    to step, linear in the batch)."""
+    default run's) with the per-replica batch scaled by ``ratio``: compute linear in the batch, its
+    spread from step to step by sqrt(ratio) (between noise independent per sample, sqrt, and jitter
+    of the machine that no batch size changes, constant; unvalidated: the validation runs ratio 1)."""
     measured = {int(k): v for k, v in prof["workloads"].items()}
     want = threads or max(measured)  # None: the default run (the most threads)
     w = measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
     return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
                     optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
-                    tokens_per_step=prof["tokens_per_step"] * ratio, local_sd_s=w.get("local_sd_s", 0.0) * ratio)
+                    tokens_per_step=prof["tokens_per_step"] * ratio,
+                    local_sd_s=w.get("local_sd_s", 0.0) * math.sqrt(ratio))
 
 
 def memory_inputs(prof: dict) -> MemoryInputs:

@@ -259,8 +259,9 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``. The same
     processes that meet every step (all but towers, pipelines and an asynchronous PS) wait for the
     slowest rank: :func:`straggle_s` of ``w.local_sd_s`` (times ``compute_scale``), as exposed
-    communication. A pipeline's stages also meet, but pass micro-batches along rather than all
-    waiting at once; not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
+    communication. A pipeline's stages pass micro-batches along rather than all waiting at once, and
+    the replicas of a hybrid (DP x PP) layout, which do all-reduce every step, are not priced for it
+    either: not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
     per-operation dispatch ``inputs["sharded_optimizer_s"]`` (measured,
     :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
     optimizer's 1/n of the plain step."""
