@@ -32,8 +32,8 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from ..strategies.zero1 import row_dtensor
     from ..train.optim import optimizer_like
 
     values = [p.detach().clone() for p in params]
@@ -49,9 +49,8 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
         torch.set_num_threads(max(1, threads))
         mesh = init_device_mesh(device.type, (1,))
 
-        def wrap(t: torch.Tensor) -> DTensor:
-            placement = Shard(0) if t.dim() else Replicate()
-            return DTensor.from_local(t, mesh, [placement], shape=t.shape, stride=t.stride(), run_check=False)
+        def wrap(t: torch.Tensor):
+            return row_dtensor(t, t, mesh)  # zero1's wrap: on one rank the rows are the whole tensor
 
         def median_step(shards: list[torch.Tensor], sharded: bool) -> float:
             opt = optimizer_like(type(optimizer), [{"params": shards}], optimizer.defaults)

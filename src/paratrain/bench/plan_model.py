@@ -228,11 +228,19 @@ def straggle_s(n: int, local_sd_s: float) -> float:
     return expected_max_normal(n) * local_sd_s if n > 1 and local_sd_s > 0 else 0.0
 
 
-def pays_sync_batchnorm(cls) -> bool:
-    """Whether strategy class ``cls`` pays synchronised BatchNorm's collectives between processes:
-    all-reduce, ZeRO-1, FSDP and a synchronous PS do; towers synchronise in their own process, a
-    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``."""
+def meets_every_step(cls) -> bool:
+    """Whether strategy class ``cls`` runs processes that all wait for one another every step:
+    all-reduce, ZeRO-1, FSDP and a synchronous PS do; towers meet in their own process, a pipeline's
+    stages pass micro-batches along, an asynchronous PS's workers never wait for each other. These
+    pay :func:`straggle_s` and synchronised BatchNorm between processes."""
     return bool(cls.synchronous) and (cls.cost_model or RING) in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
+
+
+def pays_sync_batchnorm(cls) -> bool:
+    """Whether strategy class ``cls`` pays synchronised BatchNorm's collectives between processes
+    (:func:`meets_every_step`; a pipeline refuses BatchNorm models, an asynchronous PS refuses
+    ``model.sync_batchnorm``)."""
+    return meets_every_step(cls)
 
 
 def with_extra_step_s(p: Prediction, extra_s: float) -> Prediction:
@@ -266,7 +274,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
     optimizer's 1/n of the plain step."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    meets = pays_sync_batchnorm(cls)  # processes that wait for one another every step
+    meets = meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if (cls.cost_model or RING) == TOWERS else 0.0)
     sharded = (cls.cost_model or RING) in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1

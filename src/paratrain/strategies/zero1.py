@@ -39,6 +39,16 @@ def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows)
 
 
+def row_dtensor(rows: torch.Tensor, p: torch.Tensor, mesh):
+    """``rows``, this rank's rows of a tensor of ``p``'s shape (all of it for a 0-dim ``p``), as a
+    DTensor on the 1-D ``mesh`` (no copy: the DTensor's local part is ``rows``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not p.dim():
+        return DTensor.from_local(rows, mesh, [Replicate()], run_check=False)
+    return DTensor.from_local(rows, mesh, [Shard(0)], shape=p.shape, stride=p.stride(), run_check=False)
+
+
 class Zero1(ShardedCheckpoints, AllReduce):
     """Options: those of ``allreduce`` (``bucket_mb``, the communication hook)."""
 
@@ -72,13 +82,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
         self._layout = self._row_layout()
 
     def _dtensor(self, rows: torch.Tensor, p: torch.Tensor):
-        """``rows``, this rank's rows of a tensor of ``p``'s shape (all of it for a 0-dim ``p``), as a
-        DTensor (no copy: the DTensor's local part is ``rows``)."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        if not p.dim():
-            return DTensor.from_local(rows, self.mesh, [Replicate()], run_check=False)
-        return DTensor.from_local(rows, self.mesh, [Shard(0)], shape=p.shape, stride=p.stride(), run_check=False)
+        return row_dtensor(rows, p, self.mesh)
 
     def _sync_hyperparameters(self) -> None:
         for mine, theirs in zip(self.shard_optimizer.param_groups, self.optimizer.param_groups):

@@ -1,0 +1,98 @@
+"""What ``paratrain plan`` reads from a cached profile (:mod:`.profile`) for one layout: the
+one-device step at a thread count and batch (:func:`workload`), the memory inputs, the pipeline
+stages' outputs, and the measured costs that only some layouts pay (synchronised BatchNorm between
+processes and between CPU towers, CPU towers' side-by-side forward). Pure functions of the profile."""
+from __future__ import annotations
+
+import math
+
+from .costmodel import Link, Workload
+from .plan_model import MemoryInputs
+
+
+def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
+    """The profile's one-device step at the measured thread count nearest ``threads`` (None: the
+    default run's) with the per-replica batch scaled by ``ratio``: compute linear in the batch, its
+    spread from step to step by sqrt(ratio) (between noise independent per sample, sqrt, and jitter
+    of the machine that no batch size changes, constant; unvalidated: the validation runs ratio 1)."""
+    measured = {int(k): v for k, v in prof["workloads"].items()}
+    want = threads or max(measured)  # None: the default run (the most threads)
+    w = measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
+    return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
+                    optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
+                    tokens_per_step=prof["tokens_per_step"] * ratio,
+                    local_sd_s=w.get("local_sd_s", 0.0) * math.sqrt(ratio))
+
+
+def memory_inputs(prof: dict) -> MemoryInputs:
+    mem = prof["memory_measured"]
+    return MemoryInputs(params=prof["param_total_bytes"] + prof.get("buffer_bytes", 0),
+                        optimizer=prof["optimizer_state_bytes"], activations=prof["activation_bytes"],
+                        temporaries=mem.get("temporaries", 0.0),
+                        largest_unit=max(prof["strategy_inputs"]["units"] or [0]),
+                        blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
+                        blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]))
+
+
+def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | None:
+    """Bytes each of ``stages`` pipeline stages outputs for the profiled batch x ``ratio``: the stage
+    boundary's activations (measured after stage 0; a Transformer's or an LSTM's boundaries all carry
+    the hidden states) and, on the last stage, the model's output. None for a model that does not cut."""
+    pipe = prof["strategy_inputs"].get("stage_profiles", {}).get(str(stages))
+    if not pipe:
+        return None
+    return [pipe["activation_bytes"] * ratio] * (stages - 1) + [prof.get("output_bytes", 0.0) * ratio]
+
+
+def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
+    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: four
+    ring all-reduces of C + 1 numbers per BatchNorm layer and forward (count and sums, the variance,
+    and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`); on this machine the
+    profile's measurement at two processes (``sync_batchnorm_s``: the model's BatchNorm input shapes,
+    each layer meeting a rank that was computing) plus what the ring adds beyond two processes. 0
+    without BatchNorm, without the key or at n = 1."""
+    from .costmodel import ring_allreduce_s
+    from .microbench import FLOAT32_BYTES  # BatchNorm statistics: float32 for float32 models
+
+    shapes = prof.get("batchnorm_inputs") or []
+    if n < 2 or not shapes or not cfg.model_value("sync_batchnorm", False):
+        return 0.0
+
+    def ring(k: int) -> float:
+        return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) for shape in shapes)
+
+    if on_this_machine and "sync_batchnorm_s" in prof:
+        return prof["sync_batchnorm_s"] + ring(n) - ring(2)
+    return ring(n)
+
+
+def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
+    """Seconds of n CPU towers' forwards side by side on this machine's cores, each tower thread with
+    its share of the threads: the profile's ``cores`` forwards side by side in threads of one process
+    after a training step (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`;
+    from an older profile, its one-thread forward measured ``concurrent`` = cores processes at once),
+    times n / cores (n >= cores: each core runs n / cores towers in turn), the batch scaled by
+    ``ratio``. None where neither was measured or n < cores (towers of several threads each)."""
+    got = prof.get("towers_forward_threads")
+    if got:
+        cores, seconds = int(got["towers"]), got["seconds"]
+    else:
+        one = prof.get("workloads", {}).get("1")
+        cores = int(one.get("concurrent", 0)) if one else 0
+        seconds = one["forward_s"] if cores else 0.0
+    if not cores or n < cores:
+        return None
+    return seconds * ratio * n / cores
+
+
+def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
+    """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
+    profile's measurement at two towers (``tower_sync_batchnorm_s``,
+    :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower threads meet twice per
+    BatchNorm layer in the forward), times n - 1 beyond two (each
+    meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
+    the key, at n = 1, and for a cluster's devices (their towers exchange C + 1 numbers per layer
+    between device threads: not modelled)."""
+    if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
+        return 0.0
+    return prof.get("tower_sync_batchnorm_s", 0.0) * (n - 1)
