@@ -16,6 +16,11 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   proportional to its parameter bytes. Each collective has FSDP2's copy-in and copy-out around it
   (the shard into the all-gather's buffer, the gathered parameters out of it; the gradients into the
   reduce-scatter's buffer, the reduced shard out), priced as measured memory copies where known.
+  The root unit (first in forward order) stays gathered from its forward to its backward. After the
+  backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
+  where FSDP2's collectives block (no streams), each unit's collectives are priced as measured
+  between two processes (:func:`fsdp_paths_s`), and every collective waits for the last rank to
+  arrive (:func:`meeting_seconds`).
 * ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
   shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
   time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
@@ -35,6 +40,8 @@ from typing import Callable, Sequence
 
 from ..errors import UsageError
 from .costmodel import MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
+
+FLOAT32_BYTES = 4
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -62,14 +69,26 @@ def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm:
 
 
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
-                  overlap: bool = True, gather_link: Link | None = None) -> Prediction:
+                  overlap: bool = True, gather_link: Link | None = None,
+                  meeting_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
-    were measured apart, else ``link``)."""
+    were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`, the latency of a
+    blocking collective inside a step on this machine, used for the all-gather's alpha where larger
+    (it follows the sharded optimizer step)."""
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale, overlap=overlap)
-    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, gather_link or link)
+    glink = met(gather_link or link, meeting_s, w.optimizer_s * compute_scale / n) if n > 1 else link
+    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, glink)
     return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
+
+
+def met(link: Link, meeting_s: Callable[[float], float] | None, compute_s: float) -> Link:
+    """``link`` with its alpha raised to ``meeting_s(compute_s)`` (where given and larger): a blocking
+    collective that ranks reach from ``compute_s`` of compute (:func:`meeting_seconds`)."""
+    if meeting_s is None:
+        return link
+    return replace(link, alpha_s=max(link.alpha_s, meeting_s(compute_s)))
 
 
 def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[float],
@@ -95,26 +114,43 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
     return max(compute_end, comm_free)
 
 
+def _piecewise(points: Sequence[Sequence[float]], what: str, proportional_above: bool) -> Callable[[float], float]:
+    """y(x) linear between the measured ``(x > 0, y >= 0)`` points, the smallest x's y below them, and
+    above them the largest x's y (or, ``proportional_above``, its y per x times x)."""
+    pts = sorted((float(b), float(t)) for b, t in points)
+    if not pts or any(b <= 0 or t < 0 for b, t in pts):
+        raise UsageError(f"{what} needs ({'bytes' if 'copy' in what else 'seconds'} > 0, seconds >= 0) points, "
+                         f"got {points}")
+
+    def y(x: float) -> float:
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if x <= b1:
+                return t0 + (t1 - t0) * (x - b0) / (b1 - b0)
+        return pts[-1][1] * x / pts[-1][0] if proportional_above else pts[-1][1]
+    return y
+
+
 def copy_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
     """Seconds of a memory copy of x bytes from measured ``(bytes, seconds)`` points
     (:func:`~.microbench.measure_copies`): linear between the two measured sizes around x, the
-    smallest size's time below it, the largest size's seconds per byte above it. A copy's cost per
-    byte is not one number on a CPU: small ones stay in cache or reuse freed memory, large ones
-    fault in fresh pages."""
-    pts = sorted((float(b), float(t)) for b, t in points)
-    if not pts or any(b <= 0 or t < 0 for b, t in pts):
-        raise UsageError(f"copy_seconds needs (bytes > 0, seconds >= 0) points, got {points}")
+    smallest size's time below it, the largest size's seconds per byte above it (0 for x <= 0). A
+    copy's cost per byte is not one number on a CPU: small ones stay in cache or reuse freed memory,
+    large ones fault in fresh pages."""
+    y = _piecewise(points, "copy_seconds", proportional_above=True)
+    return lambda nbytes: y(nbytes) if nbytes > 0 else 0.0
 
-    def seconds(nbytes: float) -> float:
-        if nbytes <= 0:
-            return 0.0
-        if nbytes <= pts[0][0]:
-            return pts[0][1]
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if nbytes <= b1:
-                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-        return pts[-1][1] * nbytes / pts[-1][0]
-    return seconds
+
+def meeting_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
+    """Seconds that one blocking collective of a small message costs ranks coming to it from c seconds
+    of compute, from measured ``(compute seconds, seconds)`` points (:func:`~.microbench.measured_meetings`):
+    linear between the two measured points around c, the nearest end's value outside them. It is the
+    latency a ring step pays inside a training step on this machine, where the collective's alpha
+    (fitted back to back after a barrier) leaves out the wait for the rank that arrives last and the
+    waking of the threads that run it (here 0.5 ms after 0.25 ms of compute, 2.0-2.5 ms after 4-64
+    ms, against an all-gather's alpha of 0.35 ms)."""
+    return _piecewise(points, "meeting_seconds", proportional_above=False)
 
 
 def fsdp_copies_s(nbytes: float, n: int, copy_s: Callable[[float], float] | None) -> float:
@@ -130,29 +166,79 @@ def fsdp_copies_s(nbytes: float, n: int, copy_s: Callable[[float], float] | None
 
 def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], reshard: bool = True,
                  compute_scale: float = 1.0, overlap: bool = True, gather_link: Link | None = None,
-                 scatter_link: Link | None = None, copy_s: Callable[[float], float] | None = None) -> Prediction:
+                 scatter_link: Link | None = None, copy_s: Callable[[float], float] | None = None,
+                 meeting_s: Callable[[float], float] | None = None,
+                 unit_path_s: Callable[[float], Sequence[float]] | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
-    sharded), in forward order (the root unit last). ``gather_link`` / ``scatter_link``: the
-    all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at the
-    all-reduce's alpha, beta, gamma). ``copy_s``: seconds of a memory copy of so many bytes, for the
-    copies FSDP2 makes around each collective (:func:`fsdp_copies_s`; measured on a CPU, where they
-    take the cores that compute).
-    ``overlap=False``: no collective overlaps compute (all exposed)."""
+    sharded), in forward order: the root first (its own parameters, which FSDP2 keeps gathered from
+    the forward to the backward: no second all-gather), then the units. A unit of 0 bytes has no
+    collective. ``gather_link`` / ``scatter_link``: the all-gather's and reduce-scatter's own
+    measured links (default ``link``: ring algorithms at the all-reduce's alpha, beta, gamma).
+    ``copy_s``: seconds of a memory copy of so many bytes, for the copies FSDP2 makes around each
+    collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
+    After the backward, the trainer's non-finite guard (and clipping) all-reduces the norm of the
+    sharded gradient: one more collective of 4 bytes on ``link``. ``meeting_s``
+    (:func:`meeting_seconds`): every collective's alpha is at least the latency of a blocking
+    collective reached from the step's compute split evenly between its collectives (on a CPU FSDP2's
+    collectives all block: they have no stream of their own). ``overlap=False``: no collective
+    overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
+    are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``."""
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
-        raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order")
-    ag = [ring_allgather_s(b, n, gather_link or link) + fsdp_copies_s(b, n, copy_s) for b in unit_bytes]
-    rs = [ring_reduce_scatter_s(b, n, scatter_link or link) + fsdp_copies_s(b, n, copy_s) for b in unit_bytes]
+        raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order, the root first")
     s = compute_scale
-    if not overlap:
-        other = (w.data_s + w.optimizer_s / n) * s
-        compute = (w.forward_s + w.backward_s) * s + other
-        return _prediction(w, n, compute + sum(ag) * (2 if reshard else 1) + sum(rs), compute, "sharded_parameters")
-    fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
-    back = list(reversed(unit_bytes))
-    bwd = fsdp_phases_s(w.backward_s * s, back, list(reversed(ag)) if reshard else [], list(reversed(rs)))
     other = (w.data_s + w.optimizer_s / n) * s
-    return _prediction(w, n, fwd + bwd + other, (w.forward_s + w.backward_s) * s + other, "sharded_parameters")
+    compute = (w.forward_s + w.backward_s) * s + other
+    if n == 1:
+        return _prediction(w, n, compute, compute, "sharded_parameters")
+    units = sum(1 for b in unit_bytes if b)
+    count = units * 2 + (units - (1 if unit_bytes[0] else 0) if reshard else 0) + 1  # + the norm's all-reduce
+    norm = ring_allreduce_s(FLOAT32_BYTES, n, met(link, meeting_s, compute / count))
+    glink, slink = gather_link or link, scatter_link or link
+    if unit_path_s is not None and not overlap:
+        wait = max(0.0, meeting_s(compute / count) - glink.alpha_s) if meeting_s is not None else 0.0
+        paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink, wait)
+        return _prediction(w, n, compute + paths + norm, compute, "sharded_parameters")
+    glink, slink = (met(x, meeting_s, compute / count) for x in (glink, slink))
+    ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
+    again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
+    if not overlap:
+        return _prediction(w, n, compute + sum(ag) + sum(again) + sum(rs) + norm, compute, "sharded_parameters")
+    fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
+    bwd = fsdp_phases_s(w.backward_s * s, list(reversed(unit_bytes)), list(reversed(again)), list(reversed(rs)))
+    return _prediction(w, n, fwd + bwd + norm + other, compute, "sharded_parameters")
+
+
+def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: Callable[[float], Sequence[float]],
+                 gather_link: Link, scatter_link: Link, wait_s: float) -> float:
+    """Seconds of FSDP2's collectives in one step of n ranks, none overlapped, from what they were
+    measured to cost a unit of so many bytes between 2 ranks, the unit's hooks alone taken out
+    (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
+    :func:`~.microbench_sharded.time_fsdp_unit`: the copies in and out and the Python around each
+    collective, which the alpha-beta model leaves out): per unit of ``unit_bytes`` (forward order,
+    the root first and never gathered again; 0 bytes: no collective), its forward and its backward,
+    plus for n != 2 the ring model's difference between n and 2 ranks on the links, plus ``wait_s``
+    per collective (the ranks reach a collective inside a step apart, which the measurement, started
+    after a barrier, leaves out)."""
+    total = 0.0
+    for i, b in enumerate(unit_bytes):
+        if not b:
+            continue
+        fwd, bwd_again, bwd_kept = unit_path_s(b)
+        again = reshard and i > 0
+        d_ag = ring_allgather_s(b, n, gather_link) - ring_allgather_s(b, 2, gather_link)
+        d_rs = ring_reduce_scatter_s(b, n, scatter_link) - ring_reduce_scatter_s(b, 2, scatter_link)
+        total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs + wait_s * (3 if again else 2)
+    return total
+
+
+def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[float, float, float]]:
+    """``unit_path_s`` for :func:`fsdp_paths_s` from measured ``[bytes, forward, backward resharded,
+    backward kept]`` rows (:func:`~.microbench_sharded.measured_fsdp_units`): each column linear in
+    the bytes between the measured sizes, the smallest's below them, proportional above them."""
+    cols = [_piecewise([(r[0], r[k]) for r in points], "unit_paths", proportional_above=True) for k in (1, 2, 3)]
+    return lambda nbytes: (cols[0](nbytes), cols[1](nbytes), cols[2](nbytes))
 
 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
@@ -232,4 +318,5 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "fsdp_copies_s", "predict_pipeline", "predict_towers", "bubble_fraction", "MIB"]
+           "copy_seconds", "meeting_seconds", "met", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline",
+           "predict_towers", "bubble_fraction", "MIB"]

@@ -50,8 +50,11 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
+            from .microbench_sharded import time_fsdp_unit
+
             timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
-                     "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm}[op]
+                     "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm,
+                     "meeting": _time_meeting, "fsdp_unit": time_fsdp_unit}[op]
             results = [(size, timer(size, repeats, warmup)) for size in sizes_bytes]
         finally:
             leave_group()
@@ -189,6 +192,32 @@ def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, comput
     return max(0.0, statistics.median(reduced) - statistics.median(alone))
 
 
+def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
+    """Mean seconds, over the repeats and the ranks, that one blocking all-gather of 8 float32 takes
+    when each rank comes to it from about ``compute_us`` microseconds of one-thread compute (rank 0's
+    calibration, the same on every rank), as a collective inside a training step does: the link's
+    latency, the wait for the rank that arrives last and the waking of gloo's threads. The mean, not
+    the median: a step pays the rare long waits too. About 1 s of timed repeats: 30 to ``repeats``
+    of them. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    a = torch.randn(96, 96)
+    k = torch.tensor([products_for(a, compute_us * 1e-6) if compute_us > 0 else 0], dtype=torch.int64)
+    dist.broadcast(k, 0)
+    part, out = torch.zeros(8), torch.zeros(8 * dist.get_world_size())
+    times, repeats = [], max(30, min(repeats, round(1e6 / max(1, compute_us))))
+    for i in range(warmup + repeats):
+        for _ in range(int(k)):
+            a @ a
+        t0 = time.perf_counter()
+        dist.all_gather_single(out, part)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    mean = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
 def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
     """The error message for ranks that hung (killed here) or failed, None if all exited 0."""
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -218,12 +247,15 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ``timeout_s`` seconds of starting (they are killed); the message holds their tracebacks.
     ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip);
     ``all_gather`` / ``reduce_scatter``: those collectives; ``sync_batchnorm``: ``sizes_bytes`` are
-    BatchNorm input shapes (N, C, *), returned as lists with :func:`_time_sync_batchnorm`'s seconds.
+    BatchNorm input shapes (N, C, *), returned as lists with :func:`_time_sync_batchnorm`'s seconds;
+    ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
+    seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`).
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
     sizes = ([list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # input shapes, not bytes
+             else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="paratrain-allreduce-") as tmp:
@@ -238,7 +270,8 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
         message = _failure(procs, workdir, timeout_s)
         if message:
             raise RuntimeError(message)
-        return [(s, float(t)) for s, t in json.loads((workdir / "results.json").read_text())]
+        got = json.loads((workdir / "results.json").read_text())
+        return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
 
 
 def median_seconds(run, repeats: int, warmup: int) -> float:
@@ -289,6 +322,17 @@ def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 4
     points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
                                op="sync_batchnorm")
     return sum(t for _, t in points)
+
+
+def measured_meetings(compute_s: Sequence[float] = (2.5e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2), *,
+                      timeout_s: float = 120.0) -> list[list[float]]:
+    """``[compute seconds, seconds]``: what one blocking collective costs two local gloo processes (one
+    thread each) that come to it from that much compute (:func:`_time_meeting`: about 1 s of timed
+    repeats per point, 30 to 400 of them). For :func:`~.costmodel_sharded.meeting_seconds`. Raises
+    RuntimeError as :func:`measure_allreduce`."""
+    points = measure_allreduce(2, [max(1, round(c * 1e6)) for c in compute_s], repeats=400, warmup=3,
+                               timeout_s=timeout_s, op="meeting")
+    return [[us * 1e-6, t] for us, t in points]
 
 
 def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:

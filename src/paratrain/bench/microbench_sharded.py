@@ -1,18 +1,45 @@
-"""What sharded data parallel's optimizer step costs beyond the plain one, for ``paratrain plan``.
+"""What sharded data parallel costs beyond the plain step with no collective, for ``paratrain plan``:
+the optimizer's step on DTensor shards, and FSDP2's hooks around the forward and backward.
 
 ``zero1`` and ``fsdp`` step the user's optimizer on ``DTensor`` shards of the parameters
 (:mod:`paratrain.strategies.zero1`, :mod:`paratrain.strategies.fsdp`). A DTensor dispatches every
 operation through Python (sharding propagation, then the local operation), so a step over many small
 tensors costs far more than 1/N of the plain step: on digits_cnn's 11 tensors SGD took 0.61 ms on
 DTensors against 0.21 ms on plain tensors. The cost model's ``optimizer / N`` sees none of that.
+FSDP2's pre- and post-forward and backward hooks, and the gradient norm on DTensors, cost digits_cnn
+about 2 ms a step more (:func:`measured_fsdp_overhead`).
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Callable, Sequence
 
 import torch
+
+
+@contextmanager
+def _one_rank_mesh(device: torch.device, threads: int):
+    """A one-rank ``DeviceMesh`` of ``device``'s type over a gloo group made for it (destroyed after,
+    unless one existed), at ``threads`` intra-op threads (restored after). RuntimeError if a default
+    process group of another size exists."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("the DTensor and FSDP2 micro-benchmarks need a one-rank process group or none")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads))
+        yield init_device_mesh(device.type, (1,))
+    finally:
+        torch.set_num_threads(old)
+        if made:
+            dist.destroy_process_group()
 
 
 def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
@@ -25,13 +52,12 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     parameters' device (a process group is made for it and destroyed after, unless one exists), at
     ``threads`` intra-op threads. The per-operation dispatch it measures does not depend on the
     number of ranks; the arithmetic it leaves out (the plain step) shrinks with the shard, which the
-    cost model counts apart. Left out: gradient clipping (FSDP clips DTensor gradients: more dispatch
-    and a norm all-reduce). FSDP's gradients arrive as DTensors from its reduce-scatter, so the wrap
-    timed here (zero1's) is charged to FSDP too: a few hundredths of a millisecond a tensor. Raises
+    cost model counts apart. Left out: gradient clipping (FSDP clips DTensor gradients: more
+    dispatch; the norm itself is :func:`measured_fsdp_overhead`'s). FSDP's gradients arrive as
+    DTensors from its reduce-scatter, so the wrap timed here (zero1's) is charged to FSDP too: a few
+    hundredths of a millisecond a tensor. Raises
     RuntimeError if a default process group of another size exists."""
-    import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
 
     from ..strategies.zero1 import row_dtensor
     from ..train.optim import optimizer_like
@@ -39,16 +65,7 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     values = [p.detach().clone() for p in params]
     device = values[0].device if values else torch.device("cpu")
     grads = [torch.randn_like(v) * 1e-3 for v in values]
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        raise RuntimeError("measured_sharded_optimizer needs a one-rank process group or none")
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(max(1, threads))
-        mesh = init_device_mesh(device.type, (1,))
-
+    with _one_rank_mesh(device, threads) as mesh:
         def wrap(t: torch.Tensor):
             return row_dtensor(t, t, mesh)  # zero1's wrap: on one rank the rows are the whole tensor
 
@@ -71,10 +88,123 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
         plain = median_step([nn.Parameter(v) for v in values], False)
         sharded = median_step([nn.Parameter(wrap(v)) for v in values], True)
         return max(0.0, sharded - plain)
-    finally:
-        torch.set_num_threads(old)
-        if made:
-            dist.destroy_process_group()
 
 
-__all__ = ["measured_sharded_optimizer"]
+def measured_fsdp_overhead(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], *,
+                           threads: int = 1, repeats: int = 15, warmup: int = 3) -> float:
+    """Seconds per step that FSDP2 (``fully_shard`` on :func:`~paratrain.strategies.fsdp.shard_units`
+    and the root, as ``fsdp`` wraps) adds to a forward, backward and gradient norm of one replica's
+    batch beyond the same on the plain model, with no collective: measured in this process on a
+    one-rank gloo mesh, where FSDP2 skips its all-gathers and reduce-scatters but keeps its hooks,
+    its unsharded parameters' set-up and the DTensor dispatch of the gradient's norm (the trainer's
+    non-finite guard computes it every step). ``loss(module)``: one replica's loss through
+    ``module``. The median over ``repeats`` pairs of steps (one of each, after ``warmup`` pairs) of
+    the pair's difference, clamped at 0 (pairs: a slow spell of the machine hits both), at
+    ``threads`` intra-op threads. The collectives, their buffers' copies and the optimizer's
+    DTensor step are priced apart (:func:`~.costmodel_sharded.predict_fsdp`,
+    :func:`measured_sharded_optimizer`); the copy FSDP2 makes here of each unit's shard into its
+    unsharded parameters is one of those copies, counted twice (a few microseconds per MiB). A
+    deep copy of ``model`` is wrapped; ``model`` is left as it was (its gradients cleared). Raises
+    RuntimeError if a default process group of another size exists."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from ..strategies.fsdp import shard_units
+
+    def step(module: torch.nn.Module) -> float:
+        t0 = time.perf_counter()
+        loss(module).backward()
+        nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None], foreach=True)
+        t = time.perf_counter() - t0
+        module.zero_grad(set_to_none=True)
+        return t
+
+    with _one_rank_mesh(next(model.parameters()).device, threads) as mesh:
+        wrapped = copy.deepcopy(model)
+        for unit in shard_units(wrapped):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(wrapped, mesh=mesh)
+        gaps = []
+        for i in range(warmup + repeats):
+            a, b = step(model), step(wrapped)
+            if i >= warmup:
+                gaps.append(b - a)
+        return max(0.0, statistics.median(gaps))
+
+
+def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
+    """What FSDP2's collectives cost one shard unit of ``nbytes`` of float32 parameters between the
+    ranks of the default group (gloo), beyond the same unit on a one-rank mesh (hooks alone, no
+    collective): ``[forward, backward resharded, backward kept]`` seconds, each the difference of
+    the means over 20 to ``repeats`` passes (about 1 s of each kind) after ``warmup`` (a barrier
+    before each, so the ranks start together; the wait for a rank that arrives late is
+    :func:`~.microbench.measured_meetings`').
+    The forward all-gathers the unit (copy-in, collective, copy-out); the backward reduce-scatters
+    its gradient (copy-in, collective, the shard out) after gathering it again when it was resharded
+    after the forward (``reshard_after_forward``; FSDP2 keeps the root's). The unit's compute is a
+    product with one element. Collective: every rank of the group calls it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    class Unit(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(max(2, nbytes // 4)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight[:1].sum()
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    x = torch.ones(1)
+
+    def passes(group, reshard: bool) -> tuple[float, float]:
+        root = nn.Sequential(Unit())
+        mesh = DeviceMesh.from_group(group, "cpu")
+        fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(root, mesh=mesh)
+        fwd, bwd = [], []
+        for i in range(warmup + count):
+            dist.barrier()
+            t0 = time.perf_counter()
+            y = root(x)
+            t1 = time.perf_counter()
+            y.sum().backward()
+            t2 = time.perf_counter()
+            root.zero_grad(set_to_none=True)
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+        return statistics.fmean(fwd), statistics.fmean(bwd)
+
+    count = 10
+    f2, b2 = passes(dist.group.WORLD, True)  # then as many passes as fit in about 1 s (rank 0's count)
+    count = torch.tensor([max(20, min(repeats, round(1.0 / max(f2 + b2, 1e-6))))])
+    dist.broadcast(count, 0)
+    count = int(count)
+    (f2, b2), (_, k2) = passes(dist.group.WORLD, True), passes(dist.group.WORLD, False)
+    (f1, b1), (_, k1) = passes(alone, True), passes(alone, False)
+    got = torch.tensor([max(0.0, f2 - f1), max(0.0, b2 - b1), max(0.0, k2 - k1)], dtype=torch.float64)
+    dist.all_reduce(got)  # the ranks' mean
+    return [float(v) / world for v in got]
+
+
+def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeout_s: float = 300.0
+                        ) -> list[list[float]]:
+    """``[bytes, forward, backward resharded, backward kept]`` (seconds) per distinct unit size > 0:
+    :func:`time_fsdp_unit` between two local gloo processes of one thread each. For
+    :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError
+    as :func:`~.microbench.measure_allreduce`."""
+    from .microbench import measure_allreduce
+
+    sizes = sorted({int(b) for b in unit_bytes if b > 0})
+    if not sizes:
+        return []
+    points = measure_allreduce(2, sizes, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
+    return [[float(b), *t] for b, t in points]
+
+__all__ = ["measured_sharded_optimizer", "measured_fsdp_overhead", "time_fsdp_unit", "measured_fsdp_units"]

@@ -18,7 +18,11 @@ server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
-whole and halved). Pipeline stage
+whole and halved), what a blocking collective costs two processes reaching it from compute
+(``meetings``, :func:`~.microbench.measured_meetings`) and what FSDP2's collectives cost each unit
+size between two processes (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
+FSDP2's hooks and gradient norm without collectives, in this process (``fsdp_overhead_s``,
+:func:`~.microbench_sharded.measured_fsdp_overhead`). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
@@ -43,7 +47,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 9  # 9: the one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
+PROFILE_VERSION = 10  # 10: FSDP2's hooks and its collectives per unit, a collective's wait inside a step; 9: the
+# one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
 # towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC
 # link to 64 MiB; 4: RPC over uv
 STAGE_COUNTS = (2, 4)
@@ -210,12 +215,22 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
         out["sharded_optimizer_s"] = measured_sharded_optimizer(list(model.parameters()), optimizer,
                                                                 threads=default_threads(2, out["cores"]))
-        if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
-            from .microbench import measure_copies
+        from .microbench_sharded import measured_fsdp_overhead
 
-            units = out["strategy_inputs"]["units"]
+        # FSDP2's hooks and norm at a worker's share of 2 workers' cores (its first steps are slow)
+        step_s = sum(timed[k] for k in ("forward_s", "backward_s"))
+        out["fsdp_overhead_s"] = measured_fsdp_overhead(
+            model, lambda m: loss_fn(draw(), m), threads=default_threads(2, out["cores"]),
+            repeats=max(3, min(15, round(1.0 / max(step_s, 1e-3)))), warmup=5)
+        units = out["strategy_inputs"]["units"]
+        if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
+            from .microbench import measure_copies, measured_meetings
+            from .microbench_sharded import measured_fsdp_units
+
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
+            out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
+            out["fsdp_units"] = measured_fsdp_units(units)
         if out["batchnorm_inputs"]:
             from .microbench import measured_sync_batchnorm
             from .microbench_towers import measured_tower_sync_batchnorm

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from .costmodel import Link, Prediction, Workload, predict
-from .costmodel_sharded import copy_seconds, predict_fsdp, predict_pipeline, predict_towers, predict_zero1
+from .costmodel_sharded import (copy_seconds, meeting_seconds, predict_fsdp, predict_pipeline, predict_towers,
+                                predict_zero1, unit_paths)
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
     "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")
@@ -122,19 +123,26 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
     ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``), else
     ``link``'s ring algorithms. ``inputs["memory_copy"]``: measured (bytes, seconds) of memory copies
-    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join and FSDP2's buffers."""
+    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join and FSDP2's buffers;
+    ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
+    (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
+    ``inputs["fsdp_units"]``: FSDP2's collectives per unit size measured here
+    (:func:`~.costmodel_sharded.unit_paths`)."""
     d, links = cfg.dist, links or {}
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
+    meeting_s = meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None
+    unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     bucket = bucket_mb or d.bucket_mb
     if model == RING:
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
-                             gather_link=links.get("all_gather"))
+                             gather_link=links.get("all_gather"), meeting_s=meeting_s)
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
-                            scatter_link=links.get("reduce_scatter"), copy_s=copy_s)
+                            scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
+                            unit_path_s=unit_path_s)
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
