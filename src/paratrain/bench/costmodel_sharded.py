@@ -19,8 +19,8 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   The root unit (first in forward order) stays gathered from its forward to its backward. After the
   backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
   where FSDP2's collectives block (no streams), each unit's collectives are priced as measured
-  between two processes (:func:`fsdp_paths_s`), and every collective waits for the last rank to
-  arrive (:func:`meeting_seconds`).
+  between two processes beyond one (:func:`fsdp_paths_s`), and after each stretch of compute the
+  ranks wait for the last to arrive (:func:`meeting_seconds`).
 * ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
   shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
   time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
@@ -177,10 +177,13 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     ``copy_s``: seconds of a memory copy of so many bytes, for the copies FSDP2 makes around each
     collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
     After the backward, the trainer's non-finite guard (and clipping) all-reduces the norm of the
-    sharded gradient: one more collective of 4 bytes on ``link``. ``meeting_s``
-    (:func:`meeting_seconds`): every collective's alpha is at least the latency of a blocking
-    collective reached from the step's compute split evenly between its collectives (on a CPU FSDP2's
-    collectives all block: they have no stream of their own). ``overlap=False``: no collective
+    sharded gradient: one more collective of 4 bytes on ``link`` (a blocking one: at least
+    ``meeting_s(0)``, the ranks reaching it a moment after the last reduce-scatter). ``meeting_s``
+    (:func:`meeting_seconds`; on a CPU, where FSDP2's collectives block, having no stream of their
+    own): the ranks reach the collective after each stretch of compute apart, each unit's forward and
+    its backward (the backward's next all-gather follows a reduce-scatter at once), so the step gains
+    ``2 k (meeting_s(c) - alpha)`` for k units with parameters and c = (forward + backward) / 2k, the
+    all-gather's alpha being already in the collectives' price. ``overlap=False``: no collective
     overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
     are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``."""
     _check_n(n)
@@ -192,35 +195,37 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     if n == 1:
         return _prediction(w, n, compute, compute, "sharded_parameters")
     units = sum(1 for b in unit_bytes if b)
-    count = units * 2 + (units - (1 if unit_bytes[0] else 0) if reshard else 0) + 1  # + the norm's all-reduce
-    norm = ring_allreduce_s(FLOAT32_BYTES, n, met(link, meeting_s, compute / count))
+    norm = ring_allreduce_s(FLOAT32_BYTES, n, link)
+    if meeting_s is not None:  # a blocking collective a moment after the last reduce-scatter
+        norm = max(norm, meeting_s(0.0))
     glink, slink = gather_link or link, scatter_link or link
+    waits = 0.0
+    if meeting_s is not None and units:  # a wait per stretch of compute: each unit's forward and its backward
+        segment = (w.forward_s + w.backward_s) * s / (2 * units)
+        waits = 2 * units * max(0.0, meeting_s(segment) - glink.alpha_s)
     if unit_path_s is not None and not overlap:
-        wait = max(0.0, meeting_s(compute / count) - glink.alpha_s) if meeting_s is not None else 0.0
-        paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink, wait)
-        return _prediction(w, n, compute + paths + norm, compute, "sharded_parameters")
-    glink, slink = (met(x, meeting_s, compute / count) for x in (glink, slink))
+        paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
+        return _prediction(w, n, compute + paths + waits + norm, compute, "sharded_parameters")
     ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
-        return _prediction(w, n, compute + sum(ag) + sum(again) + sum(rs) + norm, compute, "sharded_parameters")
+        step = compute + sum(ag) + sum(again) + sum(rs) + waits + norm
+        return _prediction(w, n, step, compute, "sharded_parameters")
     fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
     bwd = fsdp_phases_s(w.backward_s * s, list(reversed(unit_bytes)), list(reversed(again)), list(reversed(rs)))
-    return _prediction(w, n, fwd + bwd + norm + other, compute, "sharded_parameters")
+    return _prediction(w, n, fwd + bwd + waits + norm + other, compute, "sharded_parameters")
 
 
 def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: Callable[[float], Sequence[float]],
-                 gather_link: Link, scatter_link: Link, wait_s: float) -> float:
+                 gather_link: Link, scatter_link: Link) -> float:
     """Seconds of FSDP2's collectives in one step of n ranks, none overlapped, from what they were
-    measured to cost a unit of so many bytes between 2 ranks, the unit's hooks alone taken out
+    measured to cost a unit of so many bytes between 2 ranks beyond the same unit on one rank
     (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
     :func:`~.microbench_sharded.time_fsdp_unit`: the copies in and out and the Python around each
     collective, which the alpha-beta model leaves out): per unit of ``unit_bytes`` (forward order,
     the root first and never gathered again; 0 bytes: no collective), its forward and its backward,
-    plus for n != 2 the ring model's difference between n and 2 ranks on the links, plus ``wait_s``
-    per collective (the ranks reach a collective inside a step apart, which the measurement, started
-    after a barrier, leaves out)."""
+    plus for n != 2 the ring model's difference between n and 2 ranks on the links."""
     total = 0.0
     for i, b in enumerate(unit_bytes):
         if not b:
@@ -229,7 +234,7 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
         again = reshard and i > 0
         d_ag = ring_allgather_s(b, n, gather_link) - ring_allgather_s(b, 2, gather_link)
         d_rs = ring_reduce_scatter_s(b, n, scatter_link) - ring_reduce_scatter_s(b, 2, scatter_link)
-        total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs + wait_s * (3 if again else 2)
+        total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs
     return total
 
 

@@ -1,20 +1,21 @@
-"""What sharded data parallel costs beyond the plain step with no collective, for ``paratrain plan``:
-the optimizer's step on DTensor shards, and FSDP2's hooks around the forward and backward.
+"""What sharded data parallel costs beyond the plain step, for ``paratrain plan``: the optimizer's
+step on DTensor shards (in this process), and FSDP2's collectives per unit (two processes).
 
 ``zero1`` and ``fsdp`` step the user's optimizer on ``DTensor`` shards of the parameters
 (:mod:`paratrain.strategies.zero1`, :mod:`paratrain.strategies.fsdp`). A DTensor dispatches every
 operation through Python (sharding propagation, then the local operation), so a step over many small
 tensors costs far more than 1/N of the plain step: on digits_cnn's 11 tensors SGD took 0.61 ms on
 DTensors against 0.21 ms on plain tensors. The cost model's ``optimizer / N`` sees none of that.
-FSDP2's pre- and post-forward and backward hooks, and the gradient norm on DTensors, cost digits_cnn
-about 2 ms a step more (:func:`measured_fsdp_overhead`).
+FSDP2's collectives cost far more than the link's alpha-beta time on a CPU: the copies in and out
+of their buffers and the Python around each (:func:`time_fsdp_unit`: digits_cnn's 91 KiB unit, 0.9
+to 1.4 ms forward and 2.0 to 2.7 ms backward, against an all-gather's 0.35 ms).
 """
 from __future__ import annotations
 
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -53,7 +54,8 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     ``threads`` intra-op threads. The per-operation dispatch it measures does not depend on the
     number of ranks; the arithmetic it leaves out (the plain step) shrinks with the shard, which the
     cost model counts apart. Left out: gradient clipping (FSDP clips DTensor gradients: more
-    dispatch; the norm itself is :func:`measured_fsdp_overhead`'s). FSDP's gradients arrive as
+    dispatch, and FSDP's norm of its DTensor gradients, which its guard computes every step). FSDP's
+    gradients arrive as
     DTensors from its reduce-scatter, so the wrap timed here (zero1's) is charged to FSDP too: a few
     hundredths of a millisecond a tensor. Raises
     RuntimeError if a default process group of another size exists."""
@@ -90,48 +92,35 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
         return max(0.0, sharded - plain)
 
 
-def measured_fsdp_overhead(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], *,
-                           threads: int = 1, repeats: int = 15, warmup: int = 3) -> float:
-    """Seconds per step that FSDP2 (``fully_shard`` on :func:`~paratrain.strategies.fsdp.shard_units`
-    and the root, as ``fsdp`` wraps) adds to a forward, backward and gradient norm of one replica's
-    batch beyond the same on the plain model, with no collective: measured in this process on a
-    one-rank gloo mesh, where FSDP2 skips its all-gathers and reduce-scatters but keeps its hooks,
-    its unsharded parameters' set-up and the DTensor dispatch of the gradient's norm (the trainer's
-    non-finite guard computes it every step). ``loss(module)``: one replica's loss through
-    ``module``. The median over ``repeats`` pairs of steps (one of each, after ``warmup`` pairs) of
-    the pair's difference, clamped at 0 (pairs: a slow spell of the machine hits both), at
-    ``threads`` intra-op threads. The collectives, their buffers' copies and the optimizer's
-    DTensor step are priced apart (:func:`~.costmodel_sharded.predict_fsdp`,
-    :func:`measured_sharded_optimizer`); the copy FSDP2 makes here of each unit's shard into its
-    unsharded parameters is one of those copies, counted twice (a few microseconds per MiB). A
-    deep copy of ``model`` is wrapped; ``model`` is left as it was (its gradients cleared). Raises
-    RuntimeError if a default process group of another size exists."""
-    import copy
-
+def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, repeats: int = 30,
+                          warmup: int = 3) -> float:
+    """Seconds per step that the norm of ``params``' gradients (their shapes, random values) costs
+    beyond the same norm on plain tensors when they are ``DTensor`` shards, as ``fsdp``'s non-finite
+    guard computes it every step (:meth:`~paratrain.strategies.fsdp.FSDP._grad_norm`:
+    ``torch.nn.utils.get_total_norm`` over the shards, then ``full_tensor``): the per-operation
+    dispatch, not the all-reduce (on a one-rank gloo mesh in this process, as
+    :func:`measured_sharded_optimizer`). Median over ``repeats`` of each after ``warmup``, difference
+    clamped at 0. Raises RuntimeError if a default process group of another size exists."""
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
 
-    from ..strategies.fsdp import shard_units
+    from ..strategies.zero1 import row_dtensor
 
-    def step(module: torch.nn.Module) -> float:
-        t0 = time.perf_counter()
-        loss(module).backward()
-        nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None], foreach=True)
-        t = time.perf_counter() - t0
-        module.zero_grad(set_to_none=True)
-        return t
+    grads = [torch.randn_like(p.detach()) for p in params]
+    device = grads[0].device if grads else torch.device("cpu")
+    with _one_rank_mesh(device, threads) as mesh:
+        sharded = [row_dtensor(g, g, mesh) for g in grads]
 
-    with _one_rank_mesh(next(model.parameters()).device, threads) as mesh:
-        wrapped = copy.deepcopy(model)
-        for unit in shard_units(wrapped):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(wrapped, mesh=mesh)
-        gaps = []
-        for i in range(warmup + repeats):
-            a, b = step(model), step(wrapped)
-            if i >= warmup:
-                gaps.append(b - a)
-        return max(0.0, statistics.median(gaps))
+        def median_norm(tensors: list[torch.Tensor]) -> float:
+            times = []
+            for i in range(warmup + repeats):
+                t0 = time.perf_counter()
+                norm = nn.utils.get_total_norm(tensors, foreach=True)
+                float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        return max(0.0, median_norm(sharded) - median_norm(grads))
 
 
 def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
@@ -207,4 +196,4 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeou
     points = measure_allreduce(2, sizes, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
     return [[float(b), *t] for b, t in points]
 
-__all__ = ["measured_sharded_optimizer", "measured_fsdp_overhead", "time_fsdp_unit", "measured_fsdp_units"]
+__all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units"]

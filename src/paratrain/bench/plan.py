@@ -244,7 +244,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
-              "fsdp_overhead_s": prof.get("fsdp_overhead_s", 0.0) if on_this_machine else 0.0,
+              "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
               "meetings": prof.get("meetings") if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}

@@ -41,8 +41,8 @@ Ranks that meet every step (all-reduce, ZeRO-1, FSDP, a synchronous PS) wait for
 step gains :func:`straggle_s`, the expected maximum of n normal local times over their mean, from
 the spread of the one-device step measured by the profile. ZeRO-1 and FSDP step the optimizer on
 DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
-measured on this machine (``sharded_optimizer_s``); FSDP's hooks and its norm on DTensors add
-``fsdp_overhead_s`` (measured here) to its compute.
+measured on this machine (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
+(``sharded_norm_s``, measured here).
 
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
 servers' update (:func:`ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
@@ -273,22 +273,21 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     either: not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
     per-operation dispatch ``inputs["sharded_optimizer_s"]`` (measured,
     :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
-    optimizer's 1/n of the plain step. FSDP's hooks around every unit's forward and backward and its
-    gradient norm on DTensors, ``inputs["fsdp_overhead_s"]`` (measured on this machine without
-    collectives, :func:`~.microbench_sharded.measured_fsdp_overhead`; times ``compute_scale``), add
-    to its compute."""
+    optimizer's 1/n of the plain step; FSDP's guard takes the norm of its DTensor gradients every
+    step, whose dispatch ``inputs["sharded_norm_s"]`` (measured,
+    :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     meets = meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if (cls.cost_model or RING) == TOWERS else 0.0)
     sharded = (cls.cost_model or RING) in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1
     dispatch = inputs.get("sharded_optimizer_s", 0.0) * compute_scale if sharded else 0.0
-    hooks = (inputs.get("fsdp_overhead_s", 0.0) * compute_scale
-             if sharded and (cls.cost_model or RING) == SHARDED_PARAMETERS else 0.0)
-    if parts is None or not (extra or dispatch or hooks):
+    if sharded and (cls.cost_model or RING) == SHARDED_PARAMETERS:  # fsdp's guard: the norm of DTensor gradients
+        dispatch += inputs.get("sharded_norm_s", 0.0) * compute_scale
+    if parts is None or not (extra or dispatch):
         return parts
-    step = parts["step_s"] + extra + dispatch + hooks
-    return _parts(step, parts["compute_s"] + hooks, parts["optimizer_s"] + dispatch, parts["bubble_s"],
+    step = parts["step_s"] + extra + dispatch
+    return _parts(step, parts["compute_s"], parts["optimizer_s"] + dispatch, parts["bubble_s"],
                   parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
 
 

@@ -16,13 +16,13 @@ own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.me
 RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
 server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
-:func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's); on a CPU, memory
+:func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
+on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved), what a blocking collective costs two processes reaching it from compute
 (``meetings``, :func:`~.microbench.measured_meetings`) and what FSDP2's collectives cost each unit
 size between two processes (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
-FSDP2's hooks and gradient norm without collectives, in this process (``fsdp_overhead_s``,
-:func:`~.microbench_sharded.measured_fsdp_overhead`). Pipeline stage
+Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 10  # 10: FSDP2's hooks and its collectives per unit, a collective's wait inside a step; 9: the
+PROFILE_VERSION = 10  # 10: FSDP2's collectives per unit, a collective's wait inside a step; 9: the
 # one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
 # towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC
 # link to 64 MiB; 4: RPC over uv
@@ -210,18 +210,14 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # a server's share of the cores in the layout validated here: 2 workers and 1 server
         out["ps_update_s"] = measured_ps_update(list(model.parameters()), optimizer, cfg.train.clip,
                                                 threads=default_threads(3, out["cores"]))
-        from .microbench_sharded import measured_sharded_optimizer
+        from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
 
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
         out["sharded_optimizer_s"] = measured_sharded_optimizer(list(model.parameters()), optimizer,
                                                                 threads=default_threads(2, out["cores"]))
-        from .microbench_sharded import measured_fsdp_overhead
-
-        # FSDP2's hooks and norm at a worker's share of 2 workers' cores (its first steps are slow)
-        step_s = sum(timed[k] for k in ("forward_s", "backward_s"))
-        out["fsdp_overhead_s"] = measured_fsdp_overhead(
-            model, lambda m: loss_fn(draw(), m), threads=default_threads(2, out["cores"]),
-            repeats=max(3, min(15, round(1.0 / max(step_s, 1e-3)))), warmup=5)
+        # fsdp's guard takes the norm of its DTensor gradients every step
+        out["sharded_norm_s"] = measured_sharded_norm(list(model.parameters()),
+                                                      threads=default_threads(2, out["cores"]))
         units = out["strategy_inputs"]["units"]
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies, measured_meetings

@@ -1,0 +1,135 @@
+"""FSDP's and ZeRO-1's collectives as the plan prices them on a CPU (bench/costmodel_sharded.py: a blocking
+collective's wait inside a step, FSDP2's measured collectives per unit, its hooks) and the micro-benchmarks
+that measure them (bench/microbench.py, bench/microbench_sharded.py), against hand computation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from paratrain.bench.costmodel import MIB, Link, Workload, ring_allreduce_s
+from paratrain.bench.costmodel_sharded import (fsdp_paths_s, meeting_seconds, met, predict_fsdp, predict_zero1,
+                                               ring_allgather_s, ring_reduce_scatter_s, unit_paths)
+from paratrain.errors import UsageError
+
+LINK = Link(name="t", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+W = Workload(forward_s=0.003, backward_s=0.005, data_s=0.0, optimizer_s=0.002, param_bytes=(MIB, MIB),
+             tokens_per_step=64)
+
+
+def test_a_meeting_is_priced_between_the_measured_compute_lengths_and_flat_outside_them():
+    wait = meeting_seconds([[0.004, 2e-3], [0.001, 1e-3]])  # any order
+    assert wait(0.0) == wait(0.0005) == 1e-3  # below the shortest compute: its time
+    assert wait(0.0025) == pytest.approx(1.5e-3)  # linear between
+    assert wait(1.0) == 2e-3  # beyond the longest: its time, not extrapolated
+    with pytest.raises(UsageError):
+        meeting_seconds([])
+    with pytest.raises(UsageError):
+        meeting_seconds([[0.0, 1e-3]])
+    # a link's alpha is raised to the meeting, never lowered
+    assert met(LINK, wait, 0.004).alpha_s == 2e-3 and met(LINK, lambda c: 1e-6, 1.0).alpha_s == 1e-4
+    assert met(LINK, None, 1.0) is LINK
+
+
+def test_fsdp_gathers_the_root_once_skips_empty_units_and_all_reduces_the_norm():
+    # the root (1 MiB, first) and a unit (2 MiB), 2 ranks, no overlap: all-gathers of both in the forward,
+    # the unit's again in the backward (FSDP2 keeps the root's), reduce-scatters of both, and the guard's norm
+    units = [MIB, 2 * MIB]
+    p = predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False)
+    compute = W.forward_s + W.backward_s + W.optimizer_s / 2
+    ag = [ring_allgather_s(b, 2, LINK) for b in units]
+    rs = [ring_reduce_scatter_s(b, 2, LINK) for b in units]
+    norm = ring_allreduce_s(4, 2, LINK)
+    assert p.step_s == pytest.approx(compute + ag[0] + 2 * ag[1] + sum(rs) + norm, rel=1e-12)
+    # a root without parameters of its own has no collective at all
+    empty = predict_fsdp(W, 2, LINK, unit_bytes=[0, 2 * MIB], overlap=False)
+    assert empty.step_s == pytest.approx(compute + 2 * ag[1] + rs[1] + norm, rel=1e-12)
+    kept = predict_fsdp(W, 2, LINK, unit_bytes=[0, 2 * MIB], overlap=False, reshard=False)
+    assert kept.step_s == pytest.approx(compute + ag[1] + rs[1] + norm, rel=1e-12)
+    assert predict_fsdp(W, 1, LINK, unit_bytes=units).step_s == pytest.approx(W.local_s())
+
+
+def test_the_ranks_wait_the_measured_meeting_after_each_units_forward_and_backward():
+    # one unit with parameters ([0, 2 MiB]): 2 stretches of compute (its forward, its backward) of
+    # (3 + 5) / 2 = 4 ms each; the meeting after 4 ms costs 0.5 + 0.1 x 4 = 0.9 ms, less the alpha (0.1 ms) the
+    # collectives already pay: 2 x 0.8 ms
+    units = [0, 2 * MIB]
+    base = predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False)
+    got = predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False, meeting_s=lambda c: 5e-4 + 0.1 * c)
+    norm_wait = 5e-4 - ring_allreduce_s(4, 2, LINK)  # the norm's all-reduce after the backward: a meeting
+    assert got.step_s == pytest.approx(base.step_s + 2 * 8e-4 + norm_wait, rel=1e-9)
+    # two units with parameters: 4 stretches of 2 ms, 0.7 - 0.1 ms each
+    two = [MIB, 2 * MIB]
+    assert (predict_fsdp(W, 2, LINK, unit_bytes=two, overlap=False, meeting_s=lambda c: 5e-4 + 0.1 * c).step_s
+            - predict_fsdp(W, 2, LINK, unit_bytes=two, overlap=False).step_s) == pytest.approx(4 * 6e-4 + norm_wait,
+                                                                                             rel=1e-9)
+    # a meeting faster than the link's alpha adds nothing
+    assert predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False, meeting_s=lambda c: 1e-6).step_s == base.step_s
+    # ZeRO-1's all-gather of the updated rows follows the optimizer's share (1 ms): 0.5 + 0.1 ms
+    z = predict_zero1(W, 2, LINK, overlap=False, meeting_s=lambda c: 5e-4 + 0.1 * c)
+    z0 = predict_zero1(W, 2, LINK, overlap=False)
+    assert z.step_s - z0.step_s == pytest.approx(6e-4 - LINK.alpha_s, rel=1e-9)
+
+
+def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_difference_beyond_two():
+    # measured at 2 ranks: a unit of 1 MiB costs 1 ms forward, 3 ms backward resharded, 2 ms kept; 2 MiB: twice that
+    rows = [[MIB, 1e-3, 3e-3, 2e-3], [2 * MIB, 2e-3, 6e-3, 4e-3]]
+    path = unit_paths(rows)
+    assert path(1.5 * MIB) == pytest.approx((1.5e-3, 4.5e-3, 3e-3))
+    assert path(4 * MIB) == pytest.approx((4e-3, 12e-3, 8e-3))  # proportional beyond the largest
+    # the root (1 MiB, kept) and a unit (2 MiB, resharded), 2 ranks: as measured
+    assert fsdp_paths_s([MIB, 2 * MIB], 2, True, path, LINK, LINK) == pytest.approx((1e-3 + 2e-3) + (2e-3 + 6e-3))
+    assert fsdp_paths_s([MIB, 2 * MIB], 2, False, path, LINK, LINK) == pytest.approx((1e-3 + 2e-3) + (2e-3 + 4e-3))
+    # 4 ranks: each collective also costs the ring's difference between 4 and 2 ranks
+    d_ag = ring_allgather_s(2 * MIB, 4, LINK) - ring_allgather_s(2 * MIB, 2, LINK)
+    d_rs = ring_reduce_scatter_s(2 * MIB, 4, LINK) - ring_reduce_scatter_s(2 * MIB, 2, LINK)
+    assert d_ag > 0 and fsdp_paths_s([0, 2 * MIB], 4, True, path, LINK, LINK) == pytest.approx(
+        2e-3 + 6e-3 + 2 * d_ag + d_rs)
+    # the whole step: compute + the units' collectives + 4 waits (2 units) + the norm's all-reduce, a meeting
+    compute = W.forward_s + W.backward_s + W.optimizer_s / 2
+    p = predict_fsdp(W, 2, LINK, unit_bytes=[MIB, 2 * MIB], overlap=False, unit_path_s=path,
+                     meeting_s=lambda c: 3e-4)
+    norm = 3e-4  # the meeting of no compute, more than the ring's 2 alpha (0.2 ms)
+    assert ring_allreduce_s(4, 2, LINK) < norm
+    assert p.step_s == pytest.approx(compute + (1e-3 + 2e-3) + (2e-3 + 6e-3) + 4 * 2e-4 + norm, rel=1e-12)
+
+
+def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_processes():
+    from paratrain.bench.microbench import measured_meetings
+
+    points = measured_meetings((1e-4, 2e-3), timeout_s=90)
+    assert [c for c, _ in points] == pytest.approx([1e-4, 2e-3])
+    assert all(math.isfinite(t) and 0 < t < 0.5 for _, t in points)  # both ranks met 30+ times and returned
+
+
+def test_the_fsdp_unit_microbenchmark_measures_each_unit_size_once_between_two_processes():
+    from paratrain.bench.microbench_sharded import measured_fsdp_units
+
+    assert measured_fsdp_units([0]) == []
+    rows = measured_fsdp_units([0, 4096, 65536, 4096], repeats=20, timeout_s=150)
+    assert [r[0] for r in rows] == [4096, 65536]  # distinct sizes > 0, smallest first
+    assert all(len(r) == 4 and all(math.isfinite(v) and 0 <= v < 1 for v in r[1:]) for r in rows)
+
+
+def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_guard(monkeypatch):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from paratrain.bench.microbench_sharded import measured_sharded_norm
+
+    params = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4)), nn.Parameter(torch.tensor(1.0))]
+    threads, had_group = torch.get_num_threads(), dist.is_initialized()
+    plain = measured_sharded_norm(params, threads=1, repeats=5, warmup=1)
+    assert 0.0 <= plain < 0.01
+    real = nn.utils.get_total_norm
+
+    def slow_on_dtensors(tensors, *a, **kw):  # 10 ms more when the gradients are DTensors
+        if hasattr(tensors[0], "placements"):
+            time.sleep(0.01)
+        return real(tensors, *a, **kw)
+    monkeypatch.setattr(nn.utils, "get_total_norm", slow_on_dtensors)
+    assert 0.009 <= measured_sharded_norm(params, threads=1, repeats=5, warmup=1) < 0.05
+    assert dist.is_initialized() == had_group and torch.get_num_threads() == threads
