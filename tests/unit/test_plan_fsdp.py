@@ -8,7 +8,7 @@ import math
 import pytest
 
 from paratrain.bench.costmodel import MIB, Link, Workload, ring_allreduce_s
-from paratrain.bench.costmodel_sharded import (fsdp_paths_s, meeting_seconds, met, predict_fsdp, predict_zero1,
+from paratrain.bench.costmodel_sharded import (fsdp_paths_s, meeting_seconds, predict_fsdp, predict_zero1,
                                                ring_allgather_s, ring_reduce_scatter_s, unit_paths)
 from paratrain.errors import UsageError
 
@@ -26,9 +26,6 @@ def test_a_meeting_is_priced_between_the_measured_compute_lengths_and_flat_outsi
         meeting_seconds([])
     with pytest.raises(UsageError):
         meeting_seconds([[0.0, 1e-3]])
-    # a link's alpha is raised to the meeting, never lowered
-    assert met(LINK, wait, 0.004).alpha_s == 2e-3 and met(LINK, lambda c: 1e-6, 1.0).alpha_s == 1e-4
-    assert met(LINK, None, 1.0) is LINK
 
 
 def test_fsdp_gathers_the_root_once_skips_empty_units_and_all_reduces_the_norm():
@@ -85,6 +82,7 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     d_rs = ring_reduce_scatter_s(2 * MIB, 4, LINK) - ring_reduce_scatter_s(2 * MIB, 2, LINK)
     assert d_ag > 0 and fsdp_paths_s([0, 2 * MIB], 4, True, path, LINK, LINK) == pytest.approx(
         2e-3 + 6e-3 + 2 * d_ag + d_rs)
+    assert fsdp_paths_s([MIB, 2 * MIB], 1, True, path, LINK, LINK) == 0.0  # one rank: no collective
     # the whole step: compute + the units' collectives + 4 waits (2 units) + the norm's all-reduce, a meeting
     compute = W.forward_s + W.backward_s + W.optimizer_s / 2
     p = predict_fsdp(W, 2, LINK, unit_bytes=[MIB, 2 * MIB], overlap=False, unit_path_s=path,
@@ -109,6 +107,8 @@ def test_the_fsdp_unit_microbenchmark_measures_each_unit_size_once_between_two_p
     rows = measured_fsdp_units([0, 4096, 65536, 4096], repeats=20, timeout_s=150)
     assert [r[0] for r in rows] == [4096, 65536]  # distinct sizes > 0, smallest first
     assert all(len(r) == 4 and all(math.isfinite(v) and 0 <= v < 1 for v in r[1:]) for r in rows)
+    # two ranks' backward, resharded, all-gathers and reduce-scatters: more than one rank's by some time
+    assert all(r[2] > 1e-5 for r in rows)
 
 
 def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_guard(monkeypatch):
@@ -133,3 +133,15 @@ def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_gu
     monkeypatch.setattr(nn.utils, "get_total_norm", slow_on_dtensors)
     assert 0.009 <= measured_sharded_norm(params, threads=1, repeats=5, warmup=1) < 0.05
     assert dist.is_initialized() == had_group and torch.get_num_threads() == threads
+
+
+def test_fsdp_memory_keeps_the_roots_gathered_parameters_from_the_forward_to_the_backward():
+    from paratrain.bench.plan_model import MemoryInputs, memory_per_device
+    from paratrain.bench.strategy_model import SHARDED_PARAMETERS
+
+    m = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0)
+    # the forward's end at 2 ranks: shards of P and O (50 + 50), A, and the root's 40 bytes gathered
+    assert memory_per_device(SHARDED_PARAMETERS, 2, m)["total"] == pytest.approx(50 + 50 + 1000 + 40 + 2 * 10)
+    no_root = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0)
+    assert memory_per_device(SHARDED_PARAMETERS, 2, no_root)["total"] == pytest.approx(50 + 50 + 1000 + 2 * 10)
+    assert memory_per_device(SHARDED_PARAMETERS, 1, m)["total"] == pytest.approx(100 + 100 + 1000 + 2 * 10)

@@ -56,7 +56,8 @@ def test_sharded_loader_steps_add_up_to_the_one_process_steps(world, shuffle):
 
 
 def test_sharded_loader_refuses_a_global_batch_that_does_not_split():
-    with pytest.raises(ValueError, match="batch_size \\(the global batch\\) of 7 does not split evenly over world_size 2"):
+    with pytest.raises(ValueError,
+                       match="batch_size \\(the global batch\\) of 7 does not split evenly over world_size 2"):
         ShardedLoader(DataLoader(_dataset(), batch_size=7), 0, 2)
     assert ShardedLoader(DataLoader(_dataset(), batch_size=7), 1, 2, allow_uneven=True).batch_size == 4
 

@@ -73,22 +73,16 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
                   meeting_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
-    were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`, the latency of a
-    blocking collective inside a step on this machine, used for the all-gather's alpha where larger
-    (it follows the sharded optimizer step)."""
+    were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`; the ranks reach the
+    all-gather from the optimizer's share of the step apart: the step gains ``meeting_s(O / n)`` less
+    the all-gather's alpha, once."""
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale, overlap=overlap)
-    glink = met(gather_link or link, meeting_s, w.optimizer_s * compute_scale / n) if n > 1 else link
+    glink = gather_link or link
     step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, glink)
+    if meeting_s is not None and n > 1:
+        step += max(0.0, meeting_s(w.optimizer_s * compute_scale / n) - glink.alpha_s)
     return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
-
-
-def met(link: Link, meeting_s: Callable[[float], float] | None, compute_s: float) -> Link:
-    """``link`` with its alpha raised to ``meeting_s(compute_s)`` (where given and larger): a blocking
-    collective that ranks reach from ``compute_s`` of compute (:func:`meeting_seconds`)."""
-    if meeting_s is None:
-        return link
-    return replace(link, alpha_s=max(link.alpha_s, meeting_s(compute_s)))
 
 
 def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[float],
@@ -114,13 +108,13 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
     return max(compute_end, comm_free)
 
 
-def _piecewise(points: Sequence[Sequence[float]], what: str, proportional_above: bool) -> Callable[[float], float]:
-    """y(x) linear between the measured ``(x > 0, y >= 0)`` points, the smallest x's y below them, and
+def _piecewise(points: Sequence[Sequence[float]], what: str, x: str, proportional_above: bool
+               ) -> Callable[[float], float]:
+    """y(x) linear between the measured ``(x > 0, y >= 0)`` points (``what``, ``x``: their names, for errors), the smallest x's y below them, and
     above them the largest x's y (or, ``proportional_above``, its y per x times x)."""
     pts = sorted((float(b), float(t)) for b, t in points)
     if not pts or any(b <= 0 or t < 0 for b, t in pts):
-        raise UsageError(f"{what} needs ({'bytes' if 'copy' in what else 'seconds'} > 0, seconds >= 0) points, "
-                         f"got {points}")
+        raise UsageError(f"{what} needs ({x} > 0, seconds >= 0) points, got {points}")
 
     def y(x: float) -> float:
         if x <= pts[0][0]:
@@ -138,19 +132,19 @@ def copy_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
     smallest size's time below it, the largest size's seconds per byte above it (0 for x <= 0). A
     copy's cost per byte is not one number on a CPU: small ones stay in cache or reuse freed memory,
     large ones fault in fresh pages."""
-    y = _piecewise(points, "copy_seconds", proportional_above=True)
+    y = _piecewise(points, "copy_seconds", "bytes", proportional_above=True)
     return lambda nbytes: y(nbytes) if nbytes > 0 else 0.0
 
 
 def meeting_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
     """Seconds that one blocking collective of a small message costs ranks coming to it from c seconds
     of compute, from measured ``(compute seconds, seconds)`` points (:func:`~.microbench.measured_meetings`):
-    linear between the two measured points around c, the nearest end's value outside them. It is the
-    latency a ring step pays inside a training step on this machine, where the collective's alpha
-    (fitted back to back after a barrier) leaves out the wait for the rank that arrives last and the
-    waking of the threads that run it (here 0.5 ms after 0.25 ms of compute, 2.0-2.5 ms after 4-64
-    ms, against an all-gather's alpha of 0.35 ms)."""
-    return _piecewise(points, "meeting_seconds", proportional_above=False)
+    linear between the two measured points around c, the nearest end's value outside them. Inside a
+    training step on this machine a collective costs that much where the link's alpha (fitted back to
+    back after a barrier) leaves out the wait for the rank that arrives last and the waking of the
+    threads that run it (here 0.5 ms after 0.25 ms of compute, 2.0-2.5 ms after 4-64 ms, against an
+    all-gather's alpha of 0.35 ms)."""
+    return _piecewise(points, "meeting_seconds", "compute seconds", proportional_above=False)
 
 
 def fsdp_copies_s(nbytes: float, n: int, copy_s: Callable[[float], float] | None) -> float:
@@ -222,12 +216,15 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
     """Seconds of FSDP2's collectives in one step of n ranks, none overlapped, from what they were
     measured to cost a unit of so many bytes between 2 ranks beyond the same unit on one rank
     (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
-    :func:`~.microbench_sharded.time_fsdp_unit`: the copies in and out and the Python around each
-    collective, which the alpha-beta model leaves out): per unit of ``unit_bytes`` (forward order,
+    :func:`~.microbench_sharded.time_fsdp_unit`: the collectives, the Python around them and the
+    copies two ranks make beyond one's, which the alpha-beta model leaves out). FSDP2's hooks and the
+    copies it makes on one rank too are not counted: measured for the whole model in one process
+    and added, they put ptb_small's fsdp 20% over its measured step (2026-11-25). Per unit of ``unit_bytes`` (forward order,
     the root first and never gathered again; 0 bytes: no collective), its forward and its backward,
-    plus for n != 2 the ring model's difference between n and 2 ranks on the links."""
+    plus for n != 2 the ring model's difference between n and 2 ranks on the links. 0 for n = 1."""
+    _check_n(n)
     total = 0.0
-    for i, b in enumerate(unit_bytes):
+    for i, b in enumerate(unit_bytes if n > 1 else ()):
         if not b:
             continue
         fwd, bwd_again, bwd_kept = unit_path_s(b)
@@ -242,7 +239,8 @@ def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[flo
     """``unit_path_s`` for :func:`fsdp_paths_s` from measured ``[bytes, forward, backward resharded,
     backward kept]`` rows (:func:`~.microbench_sharded.measured_fsdp_units`): each column linear in
     the bytes between the measured sizes, the smallest's below them, proportional above them."""
-    cols = [_piecewise([(r[0], r[k]) for r in points], "unit_paths", proportional_above=True) for k in (1, 2, 3)]
+    cols = [_piecewise([(r[0], r[k]) for r in points], "unit_paths", "bytes", proportional_above=True)
+            for k in (1, 2, 3)]
     return lambda nbytes: (cols[0](nbytes), cols[1](nbytes), cols[2](nbytes))
 
 
@@ -323,5 +321,5 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "meeting_seconds", "met", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline",
+           "copy_seconds", "meeting_seconds", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline",
            "predict_towers", "bubble_fraction", "MIB"]

@@ -98,8 +98,9 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
     beyond the same norm on plain tensors when they are ``DTensor`` shards, as ``fsdp``'s non-finite
     guard computes it every step (:meth:`~paratrain.strategies.fsdp.FSDP._grad_norm`:
     ``torch.nn.utils.get_total_norm`` over the shards, then ``full_tensor``): the per-operation
-    dispatch, not the all-reduce (on a one-rank gloo mesh in this process, as
-    :func:`measured_sharded_optimizer`). Median over ``repeats`` of each after ``warmup``, difference
+    dispatch and ``full_tensor``'s all-reduce over one rank (on a one-rank gloo mesh in this process, as
+    :func:`measured_sharded_optimizer`; on a CPU that all-reduce is a few microseconds, and the
+    all-reduce between the ranks is priced apart). Median over ``repeats`` of each after ``warmup``, difference
     clamped at 0. Raises RuntimeError if a default process group of another size exists."""
     from torch import nn
 
@@ -126,7 +127,8 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
 def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     """What FSDP2's collectives cost one shard unit of ``nbytes`` of float32 parameters between the
     ranks of the default group (gloo), beyond the same unit on a one-rank mesh (hooks alone, no
-    collective): ``[forward, backward resharded, backward kept]`` seconds, each the difference of
+    collective; FSDP2 still copies the unit in and out there): ``[forward, backward resharded,
+    backward kept]`` seconds, each the difference of
     the means over 20 to ``repeats`` passes (about 1 s of each kind) after ``warmup`` (a barrier
     before each, so the ranks start together; the wait for a rank that arrives late is
     :func:`~.microbench.measured_meetings`').
@@ -177,6 +179,7 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     count = int(count)
     (f2, b2), (_, k2) = passes(dist.group.WORLD, True), passes(dist.group.WORLD, False)
     (f1, b1), (_, k1) = passes(alone, True), passes(alone, False)
+    dist.destroy_process_group(alone)  # (the other ranks' one-rank groups are not this rank's)
     got = torch.tensor([max(0.0, f2 - f1), max(0.0, b2 - b1), max(0.0, k2 - k1)], dtype=torch.float64)
     dist.all_reduce(got)  # the ranks' mean
     return [float(v) / world for v in got]

@@ -30,6 +30,7 @@ def memory_inputs(prof: dict) -> MemoryInputs:
                         optimizer=prof["optimizer_state_bytes"], activations=prof["activation_bytes"],
                         temporaries=mem.get("temporaries", 0.0),
                         largest_unit=max(prof["strategy_inputs"]["units"] or [0]),
+                        root_unit=(prof["strategy_inputs"]["units"] or [0])[0],
                         blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
                         blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]))
 

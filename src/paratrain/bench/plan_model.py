@@ -15,9 +15,9 @@ one device, U the largest FSDP unit, all for one replica's batch):
 * ZeRO-1 (``sharded_optimizer``): ``O_d = O / n`` and, in the optimizer phase, the all-gather of the
   updated rows: its output (P) and its send buffer (P / n);
 * FSDP (``sharded_parameters``): ``P_d = P / n``, ``G_d = G / n``, ``O_d = O / n``; the forward ends
-  with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward), and a third
-  phase, the backward's start, holds the last unit gathered again and its unsharded gradient beside
-  the activations: ``P_d + O_d + A + 2 U``;
+  with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward) but the
+  root's own parameters R (kept for the backward), and a third phase, the backward's start, holds the
+  last unit gathered again and its unsharded gradient beside the activations: ``P_d + O_d + A + R + 2 U``;
 * pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A and its
   output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
   M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
@@ -78,6 +78,7 @@ class MemoryInputs:
     activations: float
     temporaries: float = 0.0
     largest_unit: float = 0.0
+    root_unit: float = 0.0  # FSDP's root unit's own parameter bytes: gathered from its forward to its backward
     blocks_saved: tuple[float, ...] = ()
     blocks_input: tuple[float, ...] = ()
 
@@ -102,13 +103,14 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
     tmp = m.temporaries * batch_ratio
     p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
+    root = 0.0  # FSDP's root unit, gathered from its forward to its backward
     out: dict[str, float] = {}
     if model == SHARDED_OPTIMIZER:
         o, gather = m.optimizer / n, m.params * (1 + 1 / n)
     elif model == SHARDED_PARAMETERS:
-        p, o, g_kept = m.params / n, m.optimizer / n, 0.0
+        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (m.root_unit if n > 1 else 0.0)
         # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
-        out["backward_start"] = p + o + act + 2 * m.largest_unit
+        out["backward_start"] = p + o + act + root + 2 * m.largest_unit
     elif model == STAGES:
         return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, stage_outputs,
                              schedule, synchronous_buckets)
@@ -123,7 +125,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
         act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
         tmp *= n  # the loss runs on device 0 over every tower's output
     g = p if model != SHARDED_PARAMETERS else m.params / n
-    forward_end = p + g_kept + o + act + tmp
+    forward_end = p + g_kept + o + act + tmp + root
     optimizer_phase = p + g + o + gather
     out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "temporaries": tmp,
                 "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})

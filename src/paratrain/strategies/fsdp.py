@@ -3,8 +3,8 @@
 Each of the W ranks keeps 1/W of every parameter, of its gradient and of its optimizer state
 (parameters are ``DTensor`` shards on a 1-D ``DeviceMesh``). A block's parameters are all-gathered
 before its forward and, with ``dist.reshard_after_forward = true`` (ZeRO-3-like), freed after it
-and gathered again for the backward; ``false`` keeps them until the backward (ZeRO-2-like: less
-communication, more memory). Gradients are reduce-scattered, averaged over the replicas, so the
+and gathered again for the backward (not the root's own parameters, which the backward needs
+first); ``false`` keeps them until the backward (ZeRO-2-like: less communication, more memory). Gradients are reduce-scattered, averaged over the replicas, so the
 optimizer updates each shard with the gradient of the global mean, as ``allreduce`` does (Rajbhandari
 et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"; Zhao et al.
 2023, "PyTorch FSDP").
@@ -97,7 +97,9 @@ class FSDP(ShardedCheckpoints, AllReduce):
         self.units = shard_units(module)
         for unit in self.units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        # the root keeps its parameters from its forward to its backward (FSDP2's choice for a root left
+        # at None: freed, they would be gathered again at once)
+        fully_shard(module, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=mp)
         return module
 
     def _after_setup(self) -> None:
