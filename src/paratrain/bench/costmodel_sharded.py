@@ -110,8 +110,9 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
 
 def _piecewise(points: Sequence[Sequence[float]], what: str, x: str, proportional_above: bool
                ) -> Callable[[float], float]:
-    """y(x) linear between the measured ``(x > 0, y >= 0)`` points (``what``, ``x``: their names, for errors), the smallest x's y below them, and
-    above them the largest x's y (or, ``proportional_above``, its y per x times x)."""
+    """y(x) linear between the measured ``(x > 0, y >= 0)`` points (``what``, ``x``: their names, for
+    errors), the smallest x's y below them, and above them the largest x's y (or, ``proportional_above``,
+    its y per x times x)."""
     pts = sorted((float(b), float(t)) for b, t in points)
     if not pts or any(b <= 0 or t < 0 for b, t in pts):
         raise UsageError(f"{what} needs ({x} > 0, seconds >= 0) points, got {points}")
@@ -217,11 +218,12 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
     measured to cost a unit of so many bytes between 2 ranks beyond the same unit on one rank
     (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
     :func:`~.microbench_sharded.time_fsdp_unit`: the collectives, the Python around them and the
-    copies two ranks make beyond one's, which the alpha-beta model leaves out). FSDP2's hooks and the
-    copies it makes on one rank too are not counted: measured for the whole model in one process
-    and added, they put ptb_small's fsdp 20% over its measured step (2026-11-25). Per unit of ``unit_bytes`` (forward order,
-    the root first and never gathered again; 0 bytes: no collective), its forward and its backward,
-    plus for n != 2 the ring model's difference between n and 2 ranks on the links. 0 for n = 1."""
+    copies two ranks make beyond one's, which the alpha-beta model leaves out). FSDP2's hooks and the copies
+    it makes on one rank too are not counted: measured for the whole model in one process and added, they
+    put ptb_small's fsdp 20% over its measured step (2026-11-25). Per unit of ``unit_bytes`` (forward
+    order, the root first and never gathered again; 0 bytes: no collective), its forward and its
+    backward, plus for n != 2 the ring model's difference between n and 2 ranks on the links. 0 for
+    n = 1."""
     _check_n(n)
     total = 0.0
     for i, b in enumerate(unit_bytes if n > 1 else ()):

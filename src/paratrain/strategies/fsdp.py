@@ -2,10 +2,11 @@
 
 Each of the W ranks keeps 1/W of every parameter, of its gradient and of its optimizer state
 (parameters are ``DTensor`` shards on a 1-D ``DeviceMesh``). A block's parameters are all-gathered
-before its forward and, with ``dist.reshard_after_forward = true`` (ZeRO-3-like), freed after it
-and gathered again for the backward (not the root's own parameters, which the backward needs
-first); ``false`` keeps them until the backward (ZeRO-2-like: less communication, more memory). Gradients are reduce-scattered, averaged over the replicas, so the
-optimizer updates each shard with the gradient of the global mean, as ``allreduce`` does (Rajbhandari
+before its forward and, with ``dist.reshard_after_forward = true`` (ZeRO-3-like), freed after it and
+gathered again for the backward (not the root's own parameters, which the backward needs first);
+``false`` keeps them until the backward (ZeRO-2-like: less communication, more memory). Gradients are
+reduce-scattered, averaged over the replicas, so the optimizer updates each shard with the gradient of
+the global mean, as ``allreduce`` does (Rajbhandari
 et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"; Zhao et al.
 2023, "PyTorch FSDP").
 
