@@ -200,7 +200,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; sync BatchNorm")
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; DTensor steps; "
+                 "FSDP2's collectives per unit; sync BatchNorm")
         from .microbench import measured_links
 
         out["links"] = measured_links()
