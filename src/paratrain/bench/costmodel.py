@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import UsageError
 
 MIB = 2 ** 20
+FLOAT32_BYTES = 4
 ALGORITHMS = ("ring", "tree", "ps")
 BUCKET_CANDIDATES_MB = (1, 2, 5, 10, 25, 50, 100)
 

@@ -39,9 +39,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..errors import UsageError
-from .costmodel import MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
-
-FLOAT32_BYTES = 4
+from .costmodel import FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -225,8 +223,10 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
     backward, plus for n != 2 the ring model's difference between n and 2 ranks on the links. 0 for
     n = 1."""
     _check_n(n)
+    if n == 1:
+        return 0.0
     total = 0.0
-    for i, b in enumerate(unit_bytes if n > 1 else ()):
+    for i, b in enumerate(unit_bytes):
         if not b:
             continue
         fwd, bwd_again, bwd_kept = unit_path_s(b)

@@ -31,11 +31,10 @@ from typing import Sequence
 import torch
 
 from ..env import leave_group
-from .costmodel import Link, fit_alpha_beta
+from .costmodel import FLOAT32_BYTES, Link, fit_alpha_beta
 
 DEFAULT_SIZES_BYTES = tuple(4 ** k for k in range(1, 14))
 """4 B, 16 B, ..., 64 MiB: 13 sizes, a factor 4 apart."""
-FLOAT32_BYTES = 4
 
 
 def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[int], repeats: int,
@@ -155,6 +154,16 @@ def products_for(a: torch.Tensor, seconds: float) -> int:
     return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
 
 
+def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
+    """:func:`products_for` as rank 0 calibrates it, the same on every rank (every rank computes as
+    much). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    k = torch.tensor([products_for(a, seconds)], dtype=torch.int64)
+    dist.broadcast(k, 0)
+    return int(k)
+
+
 def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
     """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
     ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
@@ -171,11 +180,10 @@ def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, comput
     synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
     plain = SyncBatchNorm(shape[1], reducer=None)
     a = torch.randn(96, 96)
-    k = torch.tensor([products_for(a, compute_s)], dtype=torch.int64)
-    dist.broadcast(k, 0)  # every rank computes as much (rank 0's calibration)
+    k = _products_everywhere(a, compute_s)
 
     def once(layer) -> float:
-        for _ in range(int(k)):
+        for _ in range(k):
             a @ a
         t = time.perf_counter()
         layer(x).sum().backward()
@@ -202,12 +210,11 @@ def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
     import torch.distributed as dist
 
     a = torch.randn(96, 96)
-    k = torch.tensor([products_for(a, compute_us * 1e-6) if compute_us > 0 else 0], dtype=torch.int64)
-    dist.broadcast(k, 0)
+    k = _products_everywhere(a, compute_us * 1e-6) if compute_us > 0 else 0
     part, out = torch.zeros(8), torch.zeros(8 * dist.get_world_size())
     times, repeats = [], max(30, min(repeats, round(1e6 / max(1, compute_us))))
     for i in range(warmup + repeats):
-        for _ in range(int(k)):
+        for _ in range(k):
             a @ a
         t0 = time.perf_counter()
         dist.all_gather_single(out, part)

@@ -54,15 +54,15 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     ``threads`` intra-op threads. The per-operation dispatch it measures does not depend on the
     number of ranks; the arithmetic it leaves out (the plain step) shrinks with the shard, which the
     cost model counts apart. Left out: gradient clipping (FSDP clips DTensor gradients: more
-    dispatch, and FSDP's norm of its DTensor gradients, which its guard computes every step). FSDP's
-    gradients arrive as
-    DTensors from its reduce-scatter, so the wrap timed here (zero1's) is charged to FSDP too: a few
-    hundredths of a millisecond a tensor. Raises
-    RuntimeError if a default process group of another size exists."""
+    dispatch) and FSDP's norm of its DTensor gradients (:func:`measured_sharded_norm`). FSDP's
+    gradients arrive as DTensors from its reduce-scatter, so the wrap timed here (zero1's) is charged
+    to FSDP too: a few hundredths of a millisecond a tensor. Raises RuntimeError if a default process
+    group of another size exists."""
     from torch import nn
 
     from ..strategies.zero1 import row_dtensor
     from ..train.optim import optimizer_like
+    from .microbench import median_seconds
 
     values = [p.detach().clone() for p in params]
     device = values[0].device if values else torch.device("cpu")
@@ -73,17 +73,14 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
 
         def median_step(shards: list[torch.Tensor], sharded: bool) -> float:
             opt = optimizer_like(type(optimizer), [{"params": shards}], optimizer.defaults)
-            times = []
-            for i in range(warmup + repeats):
-                t0 = time.perf_counter()
+
+            def step() -> None:
                 for s, g in zip(shards, grads):
                     s.grad = wrap(g) if sharded else g
                 opt.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+            return median_seconds(step, repeats, warmup)
 
         # one copy of the parameters for both runs (what the steps do to them does not change the time);
         # each run's optimizer state is freed when it returns
@@ -98,13 +95,14 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
     beyond the same norm on plain tensors when they are ``DTensor`` shards, as ``fsdp``'s non-finite
     guard computes it every step (:meth:`~paratrain.strategies.fsdp.FSDP._grad_norm`:
     ``torch.nn.utils.get_total_norm`` over the shards, then ``full_tensor``): the per-operation
-    dispatch and ``full_tensor``'s all-reduce over one rank (on a one-rank gloo mesh in this process, as
-    :func:`measured_sharded_optimizer`; on a CPU that all-reduce is a few microseconds, and the
-    all-reduce between the ranks is priced apart). Median over ``repeats`` of each after ``warmup``, difference
-    clamped at 0. Raises RuntimeError if a default process group of another size exists."""
+    dispatch and ``full_tensor``'s all-reduce over one rank (on a one-rank gloo mesh in this process,
+    as :func:`measured_sharded_optimizer`; on a CPU that all-reduce is a few microseconds, and the
+    all-reduce between the ranks is priced apart). Median over ``repeats`` of each after ``warmup``,
+    difference clamped at 0. Raises RuntimeError if a default process group of another size exists."""
     from torch import nn
 
     from ..strategies.zero1 import row_dtensor
+    from .microbench import median_seconds
 
     grads = [torch.randn_like(p.detach()) for p in params]
     device = grads[0].device if grads else torch.device("cpu")
@@ -112,14 +110,10 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
         sharded = [row_dtensor(g, g, mesh) for g in grads]
 
         def median_norm(tensors: list[torch.Tensor]) -> float:
-            times = []
-            for i in range(warmup + repeats):
-                t0 = time.perf_counter()
-                norm = nn.utils.get_total_norm(tensors, foreach=True)
-                float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+            def norm() -> float:
+                total = nn.utils.get_total_norm(tensors, foreach=True)
+                return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+            return median_seconds(norm, repeats, warmup)
 
         return max(0.0, median_norm(sharded) - median_norm(grads))
 
@@ -128,14 +122,13 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     """What FSDP2's collectives cost one shard unit of ``nbytes`` of float32 parameters between the
     ranks of the default group (gloo), beyond the same unit on a one-rank mesh (hooks alone, no
     collective; FSDP2 still copies the unit in and out there): ``[forward, backward resharded,
-    backward kept]`` seconds, each the difference of
-    the means over 20 to ``repeats`` passes (about 1 s of each kind) after ``warmup`` (a barrier
-    before each, so the ranks start together; the wait for a rank that arrives late is
-    :func:`~.microbench.measured_meetings`').
-    The forward all-gathers the unit (copy-in, collective, copy-out); the backward reduce-scatters
-    its gradient (copy-in, collective, the shard out) after gathering it again when it was resharded
-    after the forward (``reshard_after_forward``; FSDP2 keeps the root's). The unit's compute is a
-    product with one element. Collective: every rank of the group calls it."""
+    backward kept]`` seconds, each the difference of the means over 20 to ``repeats`` passes (about
+    1 s of each kind) after ``warmup`` (a barrier before each, so the ranks start together; the wait
+    for a rank that arrives late is :func:`~.microbench.measured_meetings`'). The forward all-gathers
+    the unit (copy-in, collective, copy-out); the backward reduce-scatters its gradient (copy-in,
+    collective, the shard out) after gathering it again when it was resharded after the forward
+    (``reshard_after_forward``). The unit's compute is a product with one element. Collective: every
+    rank of the group calls it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
@@ -153,7 +146,7 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
     x = torch.ones(1)
 
-    def passes(group, reshard: bool) -> tuple[float, float]:
+    def passes(group, reshard: bool, count: int) -> tuple[float, float]:
         root = nn.Sequential(Unit())
         mesh = DeviceMesh.from_group(group, "cpu")
         fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
@@ -172,13 +165,12 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
                 bwd.append(t2 - t1)
         return statistics.fmean(fwd), statistics.fmean(bwd)
 
-    count = 10
-    f2, b2 = passes(dist.group.WORLD, True)  # then as many passes as fit in about 1 s (rank 0's count)
+    f2, b2 = passes(dist.group.WORLD, True, 10)  # then as many passes as fit in about 1 s (rank 0's count)
     count = torch.tensor([max(20, min(repeats, round(1.0 / max(f2 + b2, 1e-6))))])
     dist.broadcast(count, 0)
     count = int(count)
-    (f2, b2), (_, k2) = passes(dist.group.WORLD, True), passes(dist.group.WORLD, False)
-    (f1, b1), (_, k1) = passes(alone, True), passes(alone, False)
+    (f2, b2), (_, k2) = passes(dist.group.WORLD, True, count), passes(dist.group.WORLD, False, count)
+    (f1, b1), (_, k1) = passes(alone, True, count), passes(alone, False, count)
     dist.destroy_process_group(alone)  # (the other ranks' one-rank groups are not this rank's)
     got = torch.tensor([max(0.0, f2 - f1), max(0.0, b2 - b1), max(0.0, k2 - k1)], dtype=torch.float64)
     dist.all_reduce(got)  # the ranks' mean
@@ -198,5 +190,6 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeou
         return []
     points = measure_allreduce(2, sizes, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
     return [[float(b), *t] for b, t in points]
+
 
 __all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units"]

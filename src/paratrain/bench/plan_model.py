@@ -279,13 +279,13 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     step, whose dispatch ``inputs["sharded_norm_s"]`` (measured,
     :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
-    meets = meets_every_step(cls)
+    model, meets = cls.cost_model or RING, meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
-             else inputs.get("tower_sync_batchnorm_s", 0.0) if (cls.cost_model or RING) == TOWERS else 0.0)
-    sharded = (cls.cost_model or RING) in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1
-    dispatch = inputs.get("sharded_optimizer_s", 0.0) * compute_scale if sharded else 0.0
-    if sharded and (cls.cost_model or RING) == SHARDED_PARAMETERS:  # fsdp's guard: the norm of DTensor gradients
-        dispatch += inputs.get("sharded_norm_s", 0.0) * compute_scale
+             else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
+    dispatch = 0.0
+    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1:  # fsdp's guard: its DTensor gradients' norm
+        dispatch = (inputs.get("sharded_optimizer_s", 0.0)
+                    + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
     if parts is None or not (extra or dispatch):
         return parts
     step = parts["step_s"] + extra + dispatch

@@ -219,11 +219,11 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # fsdp's guard takes the norm of its DTensor gradients every step
         out["sharded_norm_s"] = measured_sharded_norm(list(model.parameters()),
                                                       threads=default_threads(2, out["cores"]))
-        units = out["strategy_inputs"]["units"]
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies, measured_meetings
             from .microbench_sharded import measured_fsdp_units
 
+            units = out["strategy_inputs"]["units"]
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
             out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
