@@ -53,6 +53,16 @@ def test_zero1_is_allreduce_with_a_sharded_optimizer_plus_the_parameter_all_gath
     assert z.step_s == pytest.approx(ddp.step_s - W.optimizer_s * 3 / 4 + ring_allgather_s(16 * MIB, 4, LINK))
 
 
+def test_zero1_copies_its_rows_in_and_the_others_rows_out():
+    def copy(nbytes):
+        return 1e-5 + 2.5e-10 * nbytes
+    # 16 MiB of parameters over 4 ranks: 4 MiB of its own rows into the send buffer, 12 MiB of the others' out
+    base = predict_zero1(W, 4, LINK, bucket_mb=25)
+    copied = predict_zero1(W, 4, LINK, bucket_mb=25, copy_s=copy)
+    assert copied.step_s - base.step_s == pytest.approx(2e-5 + 16 * MIB * 2.5e-10)
+    assert predict_zero1(W, 1, LINK, copy_s=copy).step_s == pytest.approx(W.local_s())  # one rank gathers nothing
+
+
 def test_fsdp_on_a_free_link_saves_the_optimizer_share():
     p = predict_fsdp(W, 4, FREE, unit_bytes=[8 * MIB, 8 * MIB])
     assert p.step_s == pytest.approx(W.forward_s + W.backward_s + W.data_s + W.optimizer_s / 4)

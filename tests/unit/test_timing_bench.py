@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 import torch
 
 from paratrain.bench.report import markdown, run_record, scaling_rows
 from paratrain.bench.sweep import BenchSpec, RunOutcome, RunPlan, plan_runs, train_command
-from paratrain.bench.timing import RankTimer, StepClock, breakdown, split_idle, summarise_ranks
+from paratrain.bench.timing import (RankTimer, StepClock, breakdown, split_idle, successive_difference_sd,
+                                   summarise_ranks)
 from paratrain.bench.validate import cpu_share, validate, workload_from_record
 from paratrain.bench.costmodel import Link
 from paratrain.errors import UsageError
@@ -48,10 +51,48 @@ def test_rank_timer_sums_spans_and_splits_idle():
     assert s["measured_steps"] == 2 and s["data_ms"] == pytest.approx(1000.0)
     # local time (step less comm and idle): 12 - 4 = 8 s and 5 - 1 = 4 s: mean 6, standard deviation 2
     assert s["local_sd_ms"] == pytest.approx(2000.0)
+    # from step to step: |4 - 8| = 4 s, times sqrt(pi) / 2
+    assert s["local_jitter_ms"] == pytest.approx(1000.0 * 4 * math.sqrt(math.pi) / 2)
     b = breakdown(s)
     # the parts and "other" add up to the step exactly
     assert sum(v for k, v in b.items() if k != "step_ms") == pytest.approx(b["step_ms"])
     assert b["other_ms"] == pytest.approx(500.0)
+
+
+def test_successive_difference_sd_by_hand():
+    # 0, 2, 0, 2: every difference is 2, so sqrt(pi) / 2 * 2
+    assert successive_difference_sd([0.0, 2.0, 0.0, 2.0]) == pytest.approx(math.sqrt(math.pi))
+    # one spike of 1 among 0s: two differences of 1 in four, mean 1/2
+    assert successive_difference_sd([0.0, 0.0, 1.0, 0.0, 0.0]) == pytest.approx(math.sqrt(math.pi) / 4)
+    assert successive_difference_sd([5.0]) == 0.0 and successive_difference_sd([]) == 0.0
+
+
+def test_successive_difference_sd_leaves_out_a_drift():
+    # a machine slowing by 1 ms a step over 30 steps: the plain standard deviation counts the ramp
+    # (8.66 ms), the step-to-step spread only its 1 ms steps
+    ramp = [0.1 + 0.001 * i for i in range(30)]
+    assert statistics.pstdev(ramp) == pytest.approx(0.008655, rel=1e-3)
+    assert successive_difference_sd(ramp) == pytest.approx(0.001 * math.sqrt(math.pi) / 2)
+    # the same noise on top of the ramp or without it: the estimate moves by less than the ramp's step
+    rng = random.Random(0)
+    noise = [rng.gauss(0.0, 0.005) for _ in range(2000)]
+    flat, drifting = successive_difference_sd(noise), successive_difference_sd([a + 0.00001 * i for i, a in
+                                                                                enumerate(noise)])
+    assert flat == pytest.approx(0.005, rel=0.05)  # normal noise: the standard deviation
+    assert abs(drifting - flat) < 0.00002
+
+
+def test_successive_difference_sd_prices_two_ranks_wait_exactly():
+    # n = 2: straggle = sd * E[max of 2 normals] = sd / sqrt(pi) = mean |x[i+1] - x[i]| / 2, the mean wait
+    # of the faster of two independent draws, here of a non-normal noise (exponential)
+    from paratrain.bench.plan_model import straggle_s
+
+    rng = random.Random(1)
+    xs = [rng.expovariate(100.0) for _ in range(20000)]
+    pairs = [(rng.expovariate(100.0), rng.expovariate(100.0)) for _ in range(20000)]
+    wait = statistics.fmean(max(a, b) - (a + b) / 2 for a, b in pairs)  # E|X1 - X2| / 2 = 1 / (2 * 100)
+    assert straggle_s(2, successive_difference_sd(xs)) == pytest.approx(wait, rel=0.05)
+    assert wait == pytest.approx(0.005, rel=0.05)
 
 
 def test_warmup_intervals_are_not_counted():
@@ -61,7 +102,7 @@ def test_warmup_intervals_are_not_counted():
     assert t.summary()["measured_steps"] == 0
     t.add(1, 1, 3, [("forward", 1, 3)], None)  # one counted 2 s step: the 1 s warm-up step adds no spread
     t.finish_interval(t.flush(), [math.nan])
-    assert t.summary()["local_sd_ms"] == 0.0
+    assert t.summary()["local_sd_ms"] == 0.0 and t.summary()["local_jitter_ms"] == 0.0
 
 
 def test_summarise_ranks_skew_and_slowest():

@@ -68,18 +68,26 @@ def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm:
 
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
                   overlap: bool = True, gather_link: Link | None = None,
-                  meeting_s: Callable[[float], float] | None = None) -> Prediction:
+                  meeting_s: Callable[[float], float] | None = None,
+                  copy_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
     were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`; the ranks reach the
     all-gather from the optimizer's share of the step apart: the step gains ``meeting_s(O / n)`` less
-    the all-gather's alpha, once."""
+    the all-gather's alpha, once. ``copy_s``: seconds of a memory copy of so many bytes (measured on a
+    CPU, where copies take the cores that compute); ``Zero1._gather_rows`` copies the rank's rows into
+    the send buffer (P / n bytes of the P parameter bytes) and the other ranks' rows out
+    (P (n - 1) / n), in the step's critical path: ``copy_s(P / n) + copy_s(P (n - 1) / n)`` (0 for
+    n = 1 or without ``copy_s``)."""
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale, overlap=overlap)
     glink = gather_link or link
-    step = ddp.step_s + ring_allgather_s(sum(w.param_bytes), n, glink)
+    nbytes = sum(w.param_bytes)
+    step = ddp.step_s + ring_allgather_s(nbytes, n, glink)
     if meeting_s is not None and n > 1:
         step += max(0.0, meeting_s(w.optimizer_s * compute_scale / n) - glink.alpha_s)
+    if copy_s is not None and n > 1:
+        step += copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)
     return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
 
 

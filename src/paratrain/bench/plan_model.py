@@ -221,8 +221,9 @@ def expected_max_normal(n: int) -> float:
 def straggle_s(n: int, local_sd_s: float) -> float:
     """Seconds per step that n ranks which meet every step wait for the last of them: each rank's
     local time (its step less communication) varies from step to step with standard deviation
-    ``local_sd_s`` (measured: :meth:`~.timing.RankTimer.summary`'s ``local_sd_ms`` of the profile's
-    one-device runs), and a collective ends only after the slowest rank arrives, so the step is the
+    ``local_sd_s`` (measured: :meth:`~.timing.RankTimer.summary`'s ``local_jitter_ms`` of the profile's
+    one-device runs, from successive differences: a drift of the machine that all ranks share makes
+    none of them wait), and a collective ends only after the slowest rank arrives, so the step is the
     mean local time plus ``E[max of n] - mean = local_sd_s * expected_max_normal(n)`` (ranks
     independent and normal: the straggler effect that backup workers answer, Chen et al. 2016,
     "Revisiting Distributed Synchronous SGD"; Dean & Barroso 2013, "The Tail at Scale"). One meeting

@@ -47,7 +47,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 10  # 10: FSDP2's collectives per unit, a collective's wait inside a step; 9: the
+PROFILE_VERSION = 11  # 11: the step's spread from successive differences (timing.successive_difference_sd),
+# without the run's drift; 10: FSDP2's collectives per unit, a collective's wait inside a step; 9: the
 # one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
 # towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC
 # link to 64 MiB; 4: RPC over uv

@@ -14,8 +14,9 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
     """The one-device step as ``paratrain train`` runs it (the training loop's clipping, checks and
     bookkeeping included): a ``single`` run of ``steps`` per thread count (None: the default),
     rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
-    (:func:`~.validate.workload_from_record`) and the standard deviation of its steps' local time
-    (``local_sd_s``, for :func:`~.plan_model.straggle_s`), keyed by the threads it ran with. One-thread runs go
+    (:func:`~.validate.workload_from_record`) and the standard deviation of its steps' local time from
+    step to step (``local_sd_s``: :func:`~.timing.successive_difference_sd`, for
+    :func:`~.plan_model.straggle_s`), keyed by the threads it ran with. One-thread runs go
     ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
     while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
     SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over
@@ -60,7 +61,7 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
                     w = workload_from_record(rec, [0], rec["units_per_step"])
                     parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
                                   "optimizer_s": w.optimizer_s,
-                                  "local_sd_s": rec["rank0_timing_ms"].get("local_sd_ms", 0.0) / 1000})
+                                  "local_sd_s": rec["rank0_timing_ms"].get("local_jitter_ms", 0.0) / 1000})
                     key = str(rec["threads_per_process"])
                 got = {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
                 if copies > 1:

@@ -123,7 +123,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
     ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``), else
     ``link``'s ring algorithms. ``inputs["memory_copy"]``: measured (bytes, seconds) of memory copies
-    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join and FSDP2's buffers;
+    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join, FSDP2's buffers and ZeRO-1's rows;
     ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
     ``inputs["fsdp_units"]``: FSDP2's collectives per unit size measured here
@@ -137,7 +137,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
-                             gather_link=links.get("all_gather"), meeting_s=meeting_s)
+                             gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s)
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),

@@ -32,6 +32,7 @@ tests share it.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any, Iterable, Sequence
 
@@ -86,6 +87,22 @@ def split_idle(comm_s: Sequence[float], arrival_s: Sequence[float], max_arrival_
     return out
 
 
+def successive_difference_sd(xs: Sequence[float]) -> float:
+    """The standard deviation of the step-to-step noise of the series ``xs`` (any unit), estimated from
+    its successive differences: ``sqrt(pi) / 2 * mean(|x[i+1] - x[i]|)``, 0 for fewer than two values.
+
+    Two independent draws X1, X2 of the same noise differ as two successive steps do, so
+    ``mean |x[i+1] - x[i]|`` estimates ``E|X1 - X2|`` (Gini's mean difference), which is
+    ``2 sd / sqrt(pi)`` for normal noise. Unlike the plain standard deviation, a slow drift of the
+    machine over the run (which all of a job's ranks share, and which makes none of them wait) adds
+    almost nothing (von Neumann et al. 1941 use the mean square successive difference for the same
+    reason). For n = 2 ranks the straggle it prices, ``sd / sqrt(pi)``, is ``E|X1 - X2| / 2``,
+    exactly the expected wait of the faster rank, whatever the noise's distribution."""
+    if len(xs) < 2:
+        return 0.0
+    return math.sqrt(math.pi) / 2 * statistics.fmean(abs(b - a) for a, b in zip(xs, xs[1:]))
+
+
 class RankTimer:
     """This rank's per-step records: collects spans, resolves them at sync points.
 
@@ -102,7 +119,7 @@ class RankTimer:
         self.prev_comm_end: Any = None
         self.totals = dict.fromkeys(("step",) + CATEGORIES, 0.0)
         self.measured_steps = 0
-        self.local_squares = 0.0  # sum over measured steps of (step - comm - idle)^2, seconds^2
+        self.local_s: list[float] = []  # each measured step's local time (step - comm - idle), seconds
 
     def add(self, step: int, start: Any, end: Any, spans: list[Span], comm: tuple[Any, Any] | None) -> None:
         """Record step ``step`` (0-based) from ``start`` to ``end`` with its spans; ``comm``:
@@ -140,7 +157,7 @@ class RankTimer:
                 self.measured_steps += 1
                 for k in self.totals:
                     self.totals[k] += row[k]
-                self.local_squares += (row["step"] - row["comm"] - row["idle"]) ** 2
+                self.local_s.append(row["step"] - row["comm"] - row["idle"])
         self.rows.clear()
         if not rows:
             return {}
@@ -149,13 +166,14 @@ class RankTimer:
     def summary(self) -> dict[str, float]:
         """Mean milliseconds per measured step (after warm-up) of each category and of the step, and
         ``local_sd_ms``: the standard deviation over the measured steps of the step's local time (the
-        step less its ``comm`` and ``idle``: what a rank takes between two meetings with the others;
-        :func:`~.plan_model.straggle_s` prices the waiting it causes)."""
+        step less its ``comm`` and ``idle``: what a rank takes between two meetings with the others),
+        and ``local_jitter_ms``: the same spread from step to step only, without the run's drift
+        (:func:`successive_difference_sd`; :func:`~.plan_model.straggle_s` prices the waiting it causes)."""
         n = max(self.measured_steps, 1)
         out = {f"{k}_ms": 1000.0 * v / n for k, v in self.totals.items()}
         out["measured_steps"] = self.measured_steps
-        mean = (self.totals["step"] - self.totals["comm"] - self.totals["idle"]) / n
-        out["local_sd_ms"] = 1000.0 * math.sqrt(max(0.0, self.local_squares / n - mean * mean))
+        out["local_sd_ms"] = 1000.0 * statistics.pstdev(self.local_s) if self.local_s else 0.0
+        out["local_jitter_ms"] = 1000.0 * successive_difference_sd(self.local_s)
         return out
 
 
