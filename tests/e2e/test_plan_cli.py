@@ -62,6 +62,31 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     assert prof["flops_per_step"] > 0 and len(prof["blocks"]) == 2 and prof["links"]["p2p"]["beta_s_per_byte"] > 0
 
 
+def test_this_machines_cpu_measurements_price_only_this_machine(planned):
+    """The profile's CPU-only measurements (the meetings of a blocking collective, FSDP2's collectives
+    per unit, memory copies) price fsdp and zero1 on this machine's cores, and no cluster's: there the
+    collectives run on their own streams and links."""
+    tmp, r = planned
+    assert r.returncode == 0
+    from paratrain import config as configuration
+    from paratrain.bench.costmodel import PRESETS, Link
+    from paratrain.bench.plan import Layout, predict_layout
+
+    prof = json.loads((tmp / "p" / "profile.json").read_text())
+    assert prof["device"] == "cpu" and prof["meetings"] and prof["fsdp_units"] and prof["memory_copy"]
+    bare = {k: v for k, v in prof.items() if k not in ("meetings", "fsdp_units", "memory_copy")}
+    cfg = configuration.load(str(tmp / "gpt.toml"))
+    here = Link(name="measured", **prof["links"]["all_reduce"])
+    for strategy in ("fsdp", "zero1"):
+        lay = Layout(strategy, 2, {}, strategy)
+
+        def step(p, link, on_this_machine):
+            return predict_layout(lay, p, cfg, link, on_this_machine=on_this_machine, global_batch=None)["step_s"]
+
+        assert step(prof, here, True) != step(bare, here, True), strategy  # priced here ...
+        assert step(prof, PRESETS["ib400"], False) == step(bare, PRESETS["ib400"], False), strategy  # ... only here
+
+
 def test_replanning_reads_the_cached_profile(planned, tiny_data):
     tmp, first = planned
     assert first.returncode == 0

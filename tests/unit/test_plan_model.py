@@ -107,6 +107,25 @@ def test_ps_async_rate_adds_the_servers_update_to_both_bounds():
     assert rate16 == pytest.approx(1 / 0.09)
 
 
+def test_ps_message_link_reproduces_the_measured_exchange():
+    from paratrain.bench.plan_model import ps_message_link
+
+    echo = Link(name="rpc", alpha_s=1e-4, beta_s_per_byte=2e-10, gamma_s_per_byte=0.0)
+    # 40 MB each way; the exchange took 0.1 s of which the update 0.01: beta = (0.1 - 0.01 - 2e-4) / 80 MB
+    link = ps_message_link(echo, 0.1, 0.01, 40e6)
+    assert link.alpha_s == 1e-4 and link.beta_s_per_byte == pytest.approx(0.0898 / 80e6)
+    # one worker, one server: its step is its local time plus the measured exchange, exactly
+    _, step = ps_async_rate(W, 1, 1, link, update_s=0.01)
+    assert step == pytest.approx(W.local_s() + 0.1)
+    # two servers: the worker still sends and receives every byte, with one latency per server
+    _, two = ps_async_rate(W, 1, 2, link, update_s=0.005)
+    assert two == pytest.approx(W.local_s() + 2 * (2e-4 + 40e6 * link.beta_s_per_byte) + 0.005)
+    # an exchange faster than its update and latencies (noise) is a free link, never a negative one
+    assert ps_message_link(echo, 0.005, 0.01, 40e6).beta_s_per_byte == 0.0
+    with pytest.raises(UsageError, match="bytes > 0"):
+        ps_message_link(echo, 0.1, 0.01, 0)
+
+
 def test_ps_update_seconds_are_linear_in_the_workers_and_split_over_the_servers():
     from paratrain.bench.plan_model import ps_update_s
 
@@ -158,6 +177,27 @@ def test_the_ps_update_microbenchmark_prices_the_servers_step(monkeypatch):
     slowed = measured_ps_update(params, optimizer, 1.0, repeats=5, warmup=1)
     assert all(0.02 <= v < 0.5 for v in slowed.values())
     assert torch.get_num_threads() == threads
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD whose step sleeps 20 ms first (importable: the round trip's server process builds it)."""
+
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def test_the_ps_round_trip_microbenchmark_times_the_servers_update():
+    """What a worker's exchange with a server costs is what it measures, between two processes: with
+    the server's optimizer step 20 ms slower (a sleep, which a busy machine does not shorten), the
+    round trip takes at least 20 ms more than a plain SGD's (a few ms for these 4 MB each way)."""
+    from paratrain.bench.microbench_rpc import measured_ps_round_trip
+
+    params = [torch.nn.Parameter(torch.randn(1000, 1000)), torch.nn.Parameter(torch.randn(1000))]
+    plain = measured_ps_round_trip(params, torch.optim.SGD(params, lr=0.5), repeats=5, warmup=1)
+    slowed = measured_ps_round_trip(params, SlowSGD(params, lr=0.5), repeats=5, warmup=1)
+    assert 0 < plain < 0.5 and slowed >= 0.02
+    assert slowed - plain >= 0.015  # the sleep, less the median's noise of the plain exchange
 
 
 def test_ps_sync_mean_reuses_its_buffers_and_equals_the_plain_mean():

@@ -29,7 +29,7 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .plan_inputs import (memory_inputs, stage_outputs, sync_batchnorm_s, tower_sync_batchnorm_s,  # noqa: F401 (API)
                           towers_forward_s, workload)
-from .plan_model import PS, Layout, best_bucket, memory_per_device, step_parts
+from .plan_model import PS, Layout, best_bucket, memory_per_device, ps_message_link, step_parts
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
@@ -236,6 +236,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
     links = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()} if on_this_machine else {}
+    if "rpc" in links and prof.get("ps_round_trip_s") and (prof.get("ps_update_s") or {}).get("async") is not None:
+        links["rpc"] = ps_message_link(links["rpc"], prof["ps_round_trip_s"], prof["ps_update_s"]["async"],
+                                       sum(w.param_bytes))
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,

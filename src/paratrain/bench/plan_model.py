@@ -187,6 +187,21 @@ def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: 
     return (one + (n - 1) * max(0.0, two - one)) / k  # a second gradient never makes it cheaper (noise)
 
 
+def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: float) -> Link:
+    """The parameter server's link as its exchange measures it: one ``ps-async`` worker's push of
+    ``nbytes`` of gradient, the server's update and its answer of ``nbytes`` of parameters took
+    ``round_trip_s`` (:func:`~.microbench_rpc.measured_ps_round_trip`), of which ``update_s`` is the
+    update (:func:`ps_update_s`); so with the echo's latency ``rpc.alpha_s`` (:func:`~.microbench_rpc.measured_rpc`),
+    ``round_trip = 2 (alpha + nbytes beta) + update`` gives ``beta = (round_trip - update - 2 alpha) /
+    (2 nbytes)`` (>= 0), and :func:`~.costmodel.ps_step_s` of one worker and one server is the measured round
+    trip. The beta holds what the echo of one tensor leaves out: the many tensors of a model, the
+    server's and the worker's copies and their fresh buffers. Raises UsageError for ``nbytes <= 0``."""
+    if not nbytes > 0:
+        raise UsageError(f"ps_message_link needs the exchanged bytes > 0, got {nbytes}")
+    beta = max(0.0, (round_trip_s - update_s - 2 * rpc.alpha_s) / (2 * nbytes))
+    return Link(name="measured-ps", alpha_s=rpc.alpha_s, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
@@ -263,7 +278,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data),
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
-    :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages;
+    :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages (on
+    this machine, :func:`ps_message_link` of its measured exchange);
     ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay

@@ -14,7 +14,9 @@ gradients, optimizer state, activations, temporaries). The links (:func:`~.micro
 :func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
 own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
 RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
-server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`), what the
+server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`) and a
+``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
+:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_model.ps_message_link`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
@@ -47,11 +49,11 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 11  # 11: the step's spread from successive differences (timing.successive_difference_sd),
-# without the run's drift; 10: FSDP2's collectives per unit, a collective's wait inside a step; 9: the
-# one-device step's spread (straggle_s), the DTensor optimizer's dispatch; 8: CPU
-# towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync BatchNorm; 5: memory copies, the RPC
-# link to 64 MiB; 4: RPC over uv
+PROFILE_VERSION = 12  # 12: a parameter server's round trip (the PS's link); 11: the step's spread from
+# successive differences (timing.successive_difference_sd), without the run's drift; 10: FSDP2's collectives
+# per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
+# optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
+# BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
 STAGE_COUNTS = (2, 4)
 
 
@@ -207,11 +209,14 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
 
         out["links"] = measured_links()
         from ..env import default_threads
-        from .microbench_rpc import measured_ps_update
+        from .microbench_rpc import measured_ps_round_trip, measured_ps_update
 
         # a server's share of the cores in the layout validated here: 2 workers and 1 server
         out["ps_update_s"] = measured_ps_update(list(model.parameters()), optimizer, cfg.train.clip,
                                                 threads=default_threads(3, out["cores"]))
+        # a ps-async worker's whole exchange with its server (push, update, answer, load), for the PS's link
+        out["ps_round_trip_s"] = measured_ps_round_trip(list(model.parameters()), optimizer,
+                                                        threads=default_threads(3, out["cores"]))
         from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
 
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
