@@ -24,35 +24,67 @@ def _echo(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _start_rpc(rank: int, workdir: str, threads: int, timeout_s: float) -> None:
+    """This spawned process as RPC agent ``agent<rank>`` of two, over the transports the parameter
+    server uses, at ``threads`` intra-op threads."""
+    import torch.distributed.rpc as rpc
+
+    from ..ps.runtime import RPC_TRANSPORTS
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(max(1, threads))
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
+                                           rpc_timeout=timeout_s, num_worker_threads=4,
+                                           _transports=RPC_TRANSPORTS)  # as the parameter server's
+    with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+
+
+def _stop_rpc(rank: int, workdir: str, result) -> None:
+    """Wait for the other agent (graceful ``rpc.shutdown``); rank 0 then writes ``result`` (JSON)."""
+    import torch.distributed.rpc as rpc
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.shutdown()
+    if rank == 0:
+        (Path(workdir) / "results.json.tmp").write_text(json.dumps(result))
+        os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
+
+
+def _run_pair(target, args: tuple, what: str, timeout_s: float):
+    """Run ``target(rank, workdir, *args)`` in two spawned processes; rank 0's JSON result. Raises
+    RuntimeError naming ``what`` if a process fails or hangs past ``timeout_s`` (killed)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="paratrain-rpc-") as tmp:
+        procs = [ctx.Process(target=target, args=(r, tmp, *args), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        message = _failure(procs, Path(tmp), timeout_s)
+        if message:
+            raise RuntimeError(message.replace("all-reduce benchmark", what))
+        return json.loads((Path(tmp) / "results.json").read_text())
+
+
 def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int, warmup: int,
               timeout_s: float) -> None:
     """One of two RPC agents (spawned): rank 0 times ``rpc_sync`` round trips of each size."""
     import torch.distributed.rpc as rpc
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
     try:
-        from ..ps.runtime import RPC_TRANSPORTS
-
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
-                                               rpc_timeout=timeout_s, num_worker_threads=4,
-                                               _transports=RPC_TRANSPORTS)  # as the parameter server's
-        with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        _start_rpc(rank, workdir, 1, timeout_s)
         results = []
         if rank == 0:
             for size in sizes_bytes:
                 x = torch.zeros(max(1, size // FLOAT32_BYTES), dtype=torch.float32)
                 round_trip = median_seconds(lambda: rpc.rpc_sync("agent1", _echo, args=(x,)), repeats, warmup)
                 results.append((int(size), round_trip / 2))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.shutdown()
-        if rank == 0:
-            (Path(workdir) / "results.json.tmp").write_text(json.dumps(results))
-            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
+        _stop_rpc(rank, workdir, results)
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -64,20 +96,8 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     what the parameter server's push and pull are) between two local processes, fitted to half round
     trips of an echo (:func:`fit_latency_bandwidth`); gamma 0. Up to 64 MiB, 15 round trips each: with
     16 MiB and 5 the fitted beta moved 4x between profiles on a 2-core VM (1.5e-10 to 5.9e-10 s/B)."""
-    ctx = torch.multiprocessing.get_context("spawn")
     sizes = [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes]
-    with tempfile.TemporaryDirectory(prefix="paratrain-rpc-") as tmp:
-        procs = [ctx.Process(target=_rpc_main, args=(r, tmp, sizes, repeats, warmup, timeout_s), daemon=True)
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        message = _failure(procs, Path(tmp), timeout_s)
-        if message:
-            raise RuntimeError(message.replace("all-reduce benchmark", "rpc benchmark"))
-        points = json.loads((Path(tmp) / "results.json").read_text())
+    points = _run_pair(_rpc_main, (sizes, repeats, warmup, timeout_s), "rpc benchmark", timeout_s)
     alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
@@ -92,20 +112,11 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[int, ...]], opt_cls
     from ..ps import rpc_api
     from ..ps.server import ShardServer
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(max(1, threads))
     try:
-        from ..ps.runtime import RPC_TRANSPORTS
-
         if rank == 1:
             rpc_api._SHARDS[0] = ShardServer(0, 1, "async", timeout_s=timeout_s)
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{Path(workdir) / 'rpcstore'}",
-                                               rpc_timeout=timeout_s, num_worker_threads=4,
-                                               _transports=RPC_TRANSPORTS)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        _start_rpc(rank, workdir, threads, timeout_s)
+        seconds = None
         if rank == 0:
             params = [torch.zeros(s) for s in shapes]
             grads = [torch.randn(s) * 1e-3 for s in shapes]
@@ -120,13 +131,8 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[int, ...]], opt_cls
                         p.copy_(t)
 
             seconds = median_seconds(round_trip, repeats, warmup)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.shutdown()
+        _stop_rpc(rank, workdir, seconds)
         rpc_api._SHARDS.clear()
-        if rank == 0:
-            (Path(workdir) / "results.json.tmp").write_text(json.dumps(seconds))
-            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -144,21 +150,10 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
     the many tensors, the server's and the worker's copies and their fresh buffers: on a 2-core VM a
     ptb_small exchange (18.6 MB each way) took 19.8 ms where the echo's fit gave 13.5 ms with the
     update. Raises RuntimeError if a process fails or hangs past ``timeout_s``."""
-    ctx = torch.multiprocessing.get_context("spawn")
     shapes = [tuple(p.shape) for p in params]
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
-    with tempfile.TemporaryDirectory(prefix="paratrain-ps-") as tmp:
-        procs = [ctx.Process(target=_ps_main, args=(r, tmp, shapes, type(optimizer), defaults, threads, repeats,
-                                                    warmup, timeout_s), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        message = _failure(procs, Path(tmp), timeout_s)
-        if message:
-            raise RuntimeError(message.replace("all-reduce benchmark", "parameter server benchmark"))
-        return float(json.loads((Path(tmp) / "results.json").read_text()))
+    return float(_run_pair(_ps_main, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
+                           "parameter server benchmark", timeout_s))
 
 
 def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *,
