@@ -65,7 +65,7 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
 def test_this_machines_cpu_measurements_price_only_this_machine(planned):
     """The profile's CPU-only measurements (the meetings of a blocking collective, FSDP2's collectives
     per unit, memory copies) price fsdp and zero1 on this machine's cores, and no cluster's: there the
-    collectives run on their own streams and links."""
+    collectives run on their own streams and links; so does the parameter server's measured exchange."""
     tmp, r = planned
     assert r.returncode == 0
     from paratrain import config as configuration
@@ -85,6 +85,19 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned):
 
         assert step(prof, here, True) != step(bare, here, True), strategy  # priced here ...
         assert step(prof, PRESETS["ib400"], False) == step(bare, PRESETS["ib400"], False), strategy  # ... only here
+    # zero1's row copies alone
+    uncopied = {k: v for k, v in prof.items() if k != "memory_copy"}
+    lay = Layout("zero1", 2, {}, "zero1")
+    assert (predict_layout(lay, prof, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
+            > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
+    # the parameter server's measured exchange sets its link here, and no cluster's
+    assert prof["ps_round_trip_s"] > 0
+    unmeasured = {k: v for k, v in prof.items() if k != "ps_round_trip_s"}
+    for strategy in ("ps-async", "ps-sync"):
+        lay = Layout(strategy, 2, {"num_ps": 1}, strategy)
+        rows = [predict_layout(lay, p, cfg, link, on_this_machine=mine, global_batch=None)["step_s"]
+                for link, mine in ((here, True), (PRESETS["ib400"], False)) for p in (prof, unmeasured)]
+        assert rows[0] != rows[1] and rows[2] == rows[3], (strategy, rows)
 
 
 def test_replanning_reads_the_cached_profile(planned, tiny_data):

@@ -200,6 +200,25 @@ def test_the_ps_round_trip_microbenchmark_times_the_servers_update():
     assert slowed - plain >= 0.015  # the sleep, less the median's noise of the plain exchange
 
 
+class BrokenSGD(torch.optim.SGD):
+    """SGD whose step fails (importable: the round trip's server process builds it)."""
+
+    def step(self, closure=None):
+        raise ValueError("the server's optimizer broke")
+
+
+def test_the_ps_round_trip_microbenchmark_reports_a_failure_at_once():
+    """A server whose update fails ends the measurement with the worker's error, and the server is
+    stopped at once instead of waiting out the timeout in rpc.shutdown."""
+    from paratrain.bench.microbench_rpc import measured_ps_round_trip
+
+    params = [torch.nn.Parameter(torch.randn(100, 10))]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 failed .*the server's optimizer broke"):
+        measured_ps_round_trip(params, BrokenSGD(params, lr=0.5), repeats=2, warmup=0, timeout_s=240)
+    assert time.monotonic() - t0 < 120  # half the timeout: start-up of two processes and one push
+
+
 def test_ps_sync_mean_reuses_its_buffers_and_equals_the_plain_mean():
     """The synchronous server averages into buffers it keeps from step to step (no fresh tensor per
     step), bitwise equal to clone / add / divide, and never into a worker's gradient."""

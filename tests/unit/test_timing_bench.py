@@ -59,6 +59,18 @@ def test_rank_timer_sums_spans_and_splits_idle():
     assert b["other_ms"] == pytest.approx(500.0)
 
 
+def test_jitter_leaves_out_the_step_after_a_pause():
+    t = RankTimer(FakeClock())
+    # local times 1, 3 | pause (a checkpoint) | 10, 12: only the differences 2 and 2 count, not 7
+    for i, (a, b) in enumerate([(0, 1), (1, 4)]):
+        t.add(i, a, b, [("forward", a, b)], None)
+    t.reset_arrival()
+    for i, (a, b) in enumerate([(20, 30), (30, 42)], start=2):
+        t.add(i, a, b, [("forward", a, b)], None)
+    t.finish_interval(t.flush(), [math.nan] * 4)  # resolved after the pause, as the loop logs
+    assert t.summary()["local_jitter_ms"] == pytest.approx(1000.0 * 2 * math.sqrt(math.pi) / 2)
+
+
 def test_successive_difference_sd_by_hand():
     # 0, 2, 0, 2: every difference is 2, so sqrt(pi) / 2 * 2
     assert successive_difference_sd([0.0, 2.0, 0.0, 2.0]) == pytest.approx(math.sqrt(math.pi))

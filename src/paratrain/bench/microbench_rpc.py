@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import statistics
 import tempfile
 import time
@@ -63,8 +65,21 @@ def _run_pair(target, args: tuple, what: str, timeout_s: float):
         for p in procs:
             p.start()
         end = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the other would wait for it
+                for p in procs:                                  # in rpc.shutdown until the timeout
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+                break
+            time.sleep(0.05)
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0, -signal.SIGKILL)]
+        if failed:  # the rank that failed first, with its traceback (its partner was stopped here)
+            error = Path(tmp) / f"error-{failed[0]}.txt"
+            lines = error.read_text().strip().splitlines() if error.exists() else [""]
+            errors = [ln for ln in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", ln)]
+            said = (errors or lines)[-1]  # an RPC error ends with the remote frames, after its message
+            raise RuntimeError(f"{what}: rank {failed[0]} failed (exit {procs[failed[0]].exitcode}): {said}")
         message = _failure(procs, Path(tmp), timeout_s)
         if message:
             raise RuntimeError(message.replace("all-reduce benchmark", what))
@@ -102,7 +117,7 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
 
-def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[int, ...]], opt_cls: type, defaults: dict,
+def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type, defaults: dict,
              threads: int, repeats: int, warmup: int, timeout_s: float) -> None:
     """One of two RPC agents (spawned): rank 1 serves one asynchronous :class:`~paratrain.ps.server.ShardServer`
     (``rpc_api``'s endpoints, as a ``ps-async`` server process does); rank 0 is its one worker and
@@ -118,8 +133,8 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[int, ...]], opt_cls
         _start_rpc(rank, workdir, threads, timeout_s)
         seconds = None
         if rank == 0:
-            params = [torch.zeros(s) for s in shapes]
-            grads = [torch.randn(s) * 1e-3 for s in shapes]
+            params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
+            grads = [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
             rpc.rpc_sync("agent1", rpc_api.init_shard, args=(0, params, opt_cls, defaults))
             version = [0]
 
@@ -142,7 +157,7 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
                            repeats: int = 15, warmup: int = 3, timeout_s: float = 180.0) -> float:
     """Seconds of one ``ps-async`` worker's exchange with one server holding all of ``params``,
     measured between two spawned local processes with nothing else running: the push of a gradient
-    of ``params``' shapes (float32) over ``torch.distributed.rpc``, the server's update
+    of ``params``' shapes and dtypes over ``torch.distributed.rpc``, the server's update
     (:class:`~paratrain.ps.server.ShardServer` with ``optimizer``'s class and defaults, no clipping)
     and its answer, and the copy of the answered parameters into the worker's (what
     :class:`~paratrain.ps.client.PSClient` does each step). Median of ``repeats`` after ``warmup``, at
@@ -150,7 +165,7 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
     the many tensors, the server's and the worker's copies and their fresh buffers: on a 2-core VM a
     ptb_small exchange (18.6 MB each way) took 19.8 ms where the echo's fit gave 13.5 ms with the
     update. Raises RuntimeError if a process fails or hangs past ``timeout_s``."""
-    shapes = [tuple(p.shape) for p in params]
+    shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
     return float(_run_pair(_ps_main, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
                            "parameter server benchmark", timeout_s))

@@ -87,6 +87,10 @@ def split_idle(comm_s: Sequence[float], arrival_s: Sequence[float], max_arrival_
     return out
 
 
+JITTER_PER_DIFFERENCE = math.sqrt(math.pi) / 2
+"""Standard deviation per mean absolute successive difference of normal noise (:func:`successive_difference_sd`)."""
+
+
 def successive_difference_sd(xs: Sequence[float]) -> float:
     """The standard deviation of the step-to-step noise of the series ``xs`` (any unit), estimated from
     its successive differences: ``sqrt(pi) / 2 * mean(|x[i+1] - x[i]|)``, 0 for fewer than two values.
@@ -100,7 +104,7 @@ def successive_difference_sd(xs: Sequence[float]) -> float:
     exactly the expected wait of the faster rank, whatever the noise's distribution."""
     if len(xs) < 2:
         return 0.0
-    return math.sqrt(math.pi) / 2 * statistics.fmean(abs(b - a) for a, b in zip(xs, xs[1:]))
+    return JITTER_PER_DIFFERENCE * statistics.fmean(abs(b - a) for a, b in zip(xs, xs[1:]))
 
 
 class RankTimer:
@@ -114,32 +118,40 @@ class RankTimer:
 
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
-        self.pending: list[tuple[int, Any, Any, list[Span], Any, Any]] = []
+        self.pending: list[tuple[int, Any, Any, list[Span], Any, Any, bool]] = []
         self.rows: list[dict[str, float]] = []  # resolved, idle not yet split
         self.prev_comm_end: Any = None
         self.totals = dict.fromkeys(("step",) + CATEGORIES, 0.0)
         self.measured_steps = 0
-        self.local_s: list[float] = []  # each measured step's local time (step - comm - idle), seconds
+        self.local_squares = 0.0  # sum over measured steps of their local time (step - comm - idle)^2, s^2
+        self.local_diffs = 0.0  # sum of |local time - the previous measured step's|, seconds
+        self.local_pairs = 0  # successive measured steps with no pause between them
+        self.last_local: float | None = None  # the previous measured step's local time (None after a pause)
+        self.paused = False  # reset_arrival since the last add: the next step follows a pause
 
     def add(self, step: int, start: Any, end: Any, spans: list[Span], comm: tuple[Any, Any] | None) -> None:
         """Record step ``step`` (0-based) from ``start`` to ``end`` with its spans; ``comm``:
         (start, end) marks of the step's gradient collective, or None."""
         arrival_from = self.prev_comm_end if self.prev_comm_end is not None else start
-        self.pending.append((step, start, end, spans, arrival_from, comm))
+        self.pending.append((step, start, end, spans, arrival_from, comm, self.paused))
+        self.paused = False
         if comm is not None:
             self.prev_comm_end = comm[1]
 
     def reset_arrival(self) -> None:
-        """Forget the previous collective (after evaluation or a checkpoint between steps)."""
+        """Forget the previous collective and step (after evaluation or a checkpoint between steps:
+        the step after the pause is not a successive difference of the one before it)."""
         self.prev_comm_end = None
+        self.paused = True
 
     def flush(self) -> list[float]:
         """Resolve pending steps (device must be synchronised); returns their arrival offsets (NaN: none)."""
         arrivals = []
-        for step, start, end, spans, arrival_from, comm in self.pending:
+        for step, start, end, spans, arrival_from, comm, paused in self.pending:
             row = span_seconds(self.clock, spans)
             row["step"] = self.clock.seconds(start, end)
             row["index"] = step
+            row["after_pause"] = paused
             arrivals.append(self.clock.seconds(arrival_from, comm[0]) if comm is not None else math.nan)
             self.rows.append(row)
         self.pending.clear()
@@ -157,7 +169,12 @@ class RankTimer:
                 self.measured_steps += 1
                 for k in self.totals:
                     self.totals[k] += row[k]
-                self.local_s.append(row["step"] - row["comm"] - row["idle"])
+                local = row["step"] - row["comm"] - row["idle"]
+                self.local_squares += local * local
+                if self.last_local is not None and not row["after_pause"]:
+                    self.local_diffs += abs(local - self.last_local)
+                    self.local_pairs += 1
+                self.last_local = local
         self.rows.clear()
         if not rows:
             return {}
@@ -172,8 +189,9 @@ class RankTimer:
         n = max(self.measured_steps, 1)
         out = {f"{k}_ms": 1000.0 * v / n for k, v in self.totals.items()}
         out["measured_steps"] = self.measured_steps
-        out["local_sd_ms"] = 1000.0 * statistics.pstdev(self.local_s) if self.local_s else 0.0
-        out["local_jitter_ms"] = 1000.0 * successive_difference_sd(self.local_s)
+        mean = (self.totals["step"] - self.totals["comm"] - self.totals["idle"]) / n
+        out["local_sd_ms"] = 1000.0 * math.sqrt(max(0.0, self.local_squares / n - mean * mean))
+        out["local_jitter_ms"] = 1000.0 * JITTER_PER_DIFFERENCE * self.local_diffs / max(self.local_pairs, 1)
         return out
 
 
