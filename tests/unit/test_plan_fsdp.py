@@ -93,7 +93,7 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
 
 
 def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_processes():
-    from paratrain.bench.microbench import measured_meetings
+    from paratrain.bench.microbench_meetings import measured_meetings
 
     points = measured_meetings((1e-4, 2e-3), timeout_s=90)
     assert [c for c, _ in points] == pytest.approx([1e-4, 2e-3])

@@ -653,7 +653,7 @@ def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_the
     import torch
     from torch import nn
 
-    from paratrain.bench.microbench import measured_sync_batchnorm
+    from paratrain.bench.microbench_meetings import measured_sync_batchnorm
     from paratrain.bench.profile import _batchnorm_inputs
 
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 5),

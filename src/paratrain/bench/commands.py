@@ -262,7 +262,7 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
     one = build_task(cfg, args.data_dir, world_size=1)  # a replica's batch is the recipe's batch (weak scaling)
     prof: dict = {"batchnorm_inputs": batchnorm_inputs_of(one, cfg)}
     if measured and prof["batchnorm_inputs"] and max(ns) > 1:
-        from .microbench import measured_sync_batchnorm
+        from .microbench_meetings import measured_sync_batchnorm
 
         print(f"[predict] model.sync_batchnorm: measuring the synchronisation of "
               f"{len(prof['batchnorm_inputs'])} BatchNorm calls between 2 processes", flush=True)

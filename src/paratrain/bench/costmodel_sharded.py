@@ -145,7 +145,7 @@ def copy_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
 
 def meeting_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
     """Seconds that one blocking collective of a small message costs ranks coming to it from c seconds
-    of compute, from measured ``(compute seconds, seconds)`` points (:func:`~.microbench.measured_meetings`):
+    of compute, from measured ``(compute seconds, seconds)`` points (:func:`~.microbench_meetings.measured_meetings`):
     linear between the two measured points around c, the nearest end's value outside them. Inside a
     training step on this machine a collective costs that much where the link's alpha (fitted back to
     back after a barrier) leaves out the wait for the rank that arrives last and the waking of the

@@ -19,12 +19,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import signal
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -37,7 +38,7 @@ DEFAULT_SIZES_BYTES = tuple(4 ** k for k in range(1, 14))
 """4 B, 16 B, ..., 64 MiB: 13 sizes, a factor 4 apart."""
 
 
-def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[int], repeats: int,
+def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[int], repeats: int,
                warmup: int, timeout_s: float, op: str = "all_reduce") -> None:
     """One rank (spawned): time every size, rank 0 writes ``results.json``; errors to ``error-<rank>.txt``."""
     import torch.distributed as dist
@@ -49,6 +50,7 @@ def _rank_main(rank: int, world_size: int, workdir: str, sizes_bytes: Sequence[i
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
+            from .microbench_meetings import _time_meeting, _time_sync_batchnorm
             from .microbench_sharded import time_fsdp_unit
 
             timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
@@ -145,88 +147,8 @@ def _time_p2p(nbytes: int, repeats: int, warmup: int) -> float:
     return float(t)
 
 
-def products_for(a: torch.Tensor, seconds: float) -> int:
-    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1): the
-    compute a micro-benchmark puts before a layer, as inside a training step."""
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
-
-
-def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
-    """:func:`products_for` as rank 0 calibrates it, the same on every rank (every rank computes as
-    much). Collective: every rank calls it."""
-    import torch.distributed as dist
-
-    k = torch.tensor([products_for(a, seconds)], dtype=torch.int64)
-    dist.broadcast(k, 0)
-    return int(k)
-
-
-def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
-    """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
-    ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
-    input of ``shape`` (N, C, *): four blocking all-reduces (count and sum, the variance, and their
-    gradients), each meeting a rank that may still be computing. Each timed pass follows about
-    ``compute_s`` of one-thread compute, as a layer inside a training step does; the median over
-    ``repeats`` interleaved pairs, difference of the medians. Collective: every rank calls it."""
-    import torch.distributed as dist
-
-    from ..strategies.sync_batchnorm import GroupReducer, SyncBatchNorm
-
-    shape = [int(d) for d in shape]
-    x = torch.randn(*shape, requires_grad=True)
-    synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
-    plain = SyncBatchNorm(shape[1], reducer=None)
-    a = torch.randn(96, 96)
-    k = _products_everywhere(a, compute_s)
-
-    def once(layer) -> float:
-        for _ in range(k):
-            a @ a
-        t = time.perf_counter()
-        layer(x).sum().backward()
-        return time.perf_counter() - t
-
-    alone, reduced = [], []
-    with warnings.catch_warnings():  # torch's deprecation notice of the differentiable all_reduce, once per rank
-        warnings.simplefilter("ignore", FutureWarning)
-        for i in range(warmup + repeats):
-            got = once(plain), once(synced)
-            if i >= warmup:
-                alone.append(got[0])
-                reduced.append(got[1])
-    return max(0.0, statistics.median(reduced) - statistics.median(alone))
-
-
-def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
-    """Mean seconds, over the repeats and the ranks, that one blocking all-gather of 8 float32 takes
-    when each rank comes to it from about ``compute_us`` microseconds of one-thread compute (rank 0's
-    calibration, the same on every rank), as a collective inside a training step does: the link's
-    latency, the wait for the rank that arrives last and the waking of gloo's threads. The mean, not
-    the median: a step pays the rare long waits too. About 1 s of timed repeats: 30 to ``repeats``
-    of them. Collective: every rank calls it."""
-    import torch.distributed as dist
-
-    a = torch.randn(96, 96)
-    k = _products_everywhere(a, compute_us * 1e-6) if compute_us > 0 else 0
-    part, out = torch.zeros(8), torch.zeros(8 * dist.get_world_size())
-    times, repeats = [], max(30, min(repeats, round(1e6 / max(1, compute_us))))
-    for i in range(warmup + repeats):
-        for _ in range(k):
-            a @ a
-        t0 = time.perf_counter()
-        dist.all_gather_single(out, part)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    mean = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
-    dist.all_reduce(mean)
-    return float(mean) / dist.get_world_size()
-
-
-def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
-    """The error message for ranks that hung (killed here) or failed, None if all exited 0."""
+def _failure(procs: list, workdir: Path, timeout_s: float, what: str) -> str | None:
+    """The error message (naming ``what``) for ranks that hung (killed here) or failed, None if all exited 0."""
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for p in procs:
         if p.is_alive():
@@ -236,11 +158,11 @@ def _failure(procs: list, workdir: Path, timeout_s: float) -> str | None:
                      for r in range(len(procs)) if (workdir / f"error-{r}.txt").exists())
     errors = errors or " (no traceback written: the ranks' own output is on stderr)"
     if hung:
-        return (f"all-reduce benchmark: ranks {hung} still running after timeout_s = {timeout_s} s (killed); "
+        return (f"{what}: ranks {hung} still running after timeout_s = {timeout_s} s (killed); "
                 f"raise timeout_s, or measure fewer or smaller sizes, or fewer repeats{errors}")
     bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if bad:
-        return f"all-reduce benchmark: ranks failed with exit codes {bad}{errors}"
+        return f"{what}: ranks failed with exit codes {bad}{errors}"
     return None
 
 
@@ -264,21 +186,43 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     sizes = ([list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # input shapes, not bytes
              else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
+    got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,
+                    "all-reduce benchmark")
+    return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
+
+
+def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str):
+    """Run ``target(rank, workdir, *args)`` in ``world_size`` spawned processes (spawn context) sharing
+    a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
+    writes its traceback to ``error-<rank>.txt``. Raises RuntimeError naming ``what``: at once when a
+    rank fails (the others, which would wait for it in a collective or ``rpc.shutdown``, are killed;
+    the message names the failed rank and its error), or when ranks are still running ``timeout_s``
+    after the start (killed; the message holds their tracebacks)."""
     ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="paratrain-allreduce-") as tmp:
-        workdir = Path(tmp)
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, tmp, sizes, repeats, warmup, timeout_s, op),
-                             daemon=True) for r in range(world_size)]
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
+        procs = [ctx.Process(target=target, args=(r, tmp, *args), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         end = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        message = _failure(procs, workdir, timeout_s)
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the others would wait for it
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
+                break
+            time.sleep(0.05)
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0, -signal.SIGKILL)]
+        if failed:  # the rank that failed, with its error (the others were stopped here)
+            error = Path(tmp) / f"error-{failed[0]}.txt"
+            lines = error.read_text().strip().splitlines() if error.exists() else [""]
+            errors = [ln for ln in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", ln)]
+            said = (errors or lines)[-1]  # an RPC error ends with the remote frames, after its message
+            raise RuntimeError(f"{what}: rank {failed[0]} failed (exit {procs[failed[0]].exitcode}): {said}")
+        message = _failure(procs, Path(tmp), timeout_s, what)
         if message:
             raise RuntimeError(message)
-        got = json.loads((workdir / "results.json").read_text())
-        return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
+        return json.loads((Path(tmp) / "results.json").read_text())
 
 
 def median_seconds(run, repeats: int, warmup: int) -> float:
@@ -316,30 +260,6 @@ def measured_link(world_size: int = 2, *, sizes_bytes: Sequence[int] = DEFAULT_S
     points = measure_allreduce(world_size, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s)
     alpha, beta = fit_alpha_beta([s for s, _ in points], [t for _, t in points], world_size, gamma)
     return Link(name="measured", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=gamma)
-
-
-def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 40, warmup: int = 5,
-                            timeout_s: float = 120.0) -> float:
-    """Seconds per training step that synchronising BatchNorm layers with these per-replica input
-    shapes (N, C, *) costs two local gloo processes (one thread each) beyond plain BatchNorm: the
-    sum over the layers of :func:`_time_sync_batchnorm`. 0 for no shapes. Raises RuntimeError as
-    :func:`measure_allreduce`."""
-    if not shapes:
-        return 0.0
-    points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
-                               op="sync_batchnorm")
-    return sum(t for _, t in points)
-
-
-def measured_meetings(compute_s: Sequence[float] = (2.5e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2), *,
-                      timeout_s: float = 120.0) -> list[list[float]]:
-    """``[compute seconds, seconds]``: what one blocking collective costs two local gloo processes (one
-    thread each) that come to it from that much compute (:func:`_time_meeting`: about 1 s of timed
-    repeats per point, 30 to 400 of them). For :func:`~.costmodel_sharded.meeting_seconds`. Raises
-    RuntimeError as :func:`measure_allreduce`."""
-    points = measure_allreduce(2, [max(1, round(c * 1e6)) for c in compute_s], repeats=400, warmup=3,
-                               timeout_s=timeout_s, op="meeting")
-    return [[us * 1e-6, t] for us, t in points]
 
 
 def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:

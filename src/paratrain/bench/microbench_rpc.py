@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import statistics
-import tempfile
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -19,7 +15,7 @@ from typing import Sequence
 import torch
 
 from .costmodel import Link
-from .microbench import DEFAULT_SIZES_BYTES, FLOAT32_BYTES, _failure, fit_latency_bandwidth, median_seconds
+from .microbench import DEFAULT_SIZES_BYTES, FLOAT32_BYTES, fit_latency_bandwidth, median_seconds, run_ranks
 
 
 def _echo(x: torch.Tensor) -> torch.Tensor:
@@ -56,36 +52,6 @@ def _stop_rpc(rank: int, workdir: str, result) -> None:
         os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
 
 
-def _run_pair(target, args: tuple, what: str, timeout_s: float):
-    """Run ``target(rank, workdir, *args)`` in two spawned processes; rank 0's JSON result. Raises
-    RuntimeError naming ``what`` if a process fails or hangs past ``timeout_s`` (killed)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="paratrain-rpc-") as tmp:
-        procs = [ctx.Process(target=target, args=(r, tmp, *args), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in procs) and time.monotonic() < end:
-            if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the other would wait for it
-                for p in procs:                                  # in rpc.shutdown until the timeout
-                    if p.is_alive():
-                        p.kill()
-                        p.join()
-                break
-            time.sleep(0.05)
-        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0, -signal.SIGKILL)]
-        if failed:  # the rank that failed first, with its traceback (its partner was stopped here)
-            error = Path(tmp) / f"error-{failed[0]}.txt"
-            lines = error.read_text().strip().splitlines() if error.exists() else [""]
-            errors = [ln for ln in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", ln)]
-            said = (errors or lines)[-1]  # an RPC error ends with the remote frames, after its message
-            raise RuntimeError(f"{what}: rank {failed[0]} failed (exit {procs[failed[0]].exitcode}): {said}")
-        message = _failure(procs, Path(tmp), timeout_s)
-        if message:
-            raise RuntimeError(message.replace("all-reduce benchmark", what))
-        return json.loads((Path(tmp) / "results.json").read_text())
-
-
 def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int, warmup: int,
               timeout_s: float) -> None:
     """One of two RPC agents (spawned): rank 0 times ``rpc_sync`` round trips of each size."""
@@ -112,7 +78,7 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     trips of an echo (:func:`fit_latency_bandwidth`); gamma 0. Up to 64 MiB, 15 round trips each: with
     16 MiB and 5 the fitted beta moved 4x between profiles on a 2-core VM (1.5e-10 to 5.9e-10 s/B)."""
     sizes = [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes]
-    points = _run_pair(_rpc_main, (sizes, repeats, warmup, timeout_s), "rpc benchmark", timeout_s)
+    points = run_ranks(_rpc_main, 2, (sizes, repeats, warmup, timeout_s), timeout_s, "rpc benchmark")
     alpha, beta = fit_latency_bandwidth([s for s, _ in points], [t for _, t in points])
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
@@ -167,8 +133,8 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
     update. Raises RuntimeError if a process fails or hangs past ``timeout_s``."""
     shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
-    return float(_run_pair(_ps_main, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
-                           "parameter server benchmark", timeout_s))
+    return float(run_ranks(_ps_main, 2, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
+                           timeout_s, "parameter server benchmark"))
 
 
 def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *,

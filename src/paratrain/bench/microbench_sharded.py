@@ -124,7 +124,7 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     collective; FSDP2 still copies the unit in and out there): ``[forward, backward resharded,
     backward kept]`` seconds, each the difference of the means over 20 to ``repeats`` passes (about
     1 s of each kind) after ``warmup`` (a barrier before each, so the ranks start together; the wait
-    for a rank that arrives late is :func:`~.microbench.measured_meetings`'). The forward all-gathers
+    for a rank that arrives late is :func:`~.microbench_meetings.measured_meetings`'). The forward all-gathers
     the unit (copy-in, collective, copy-out); the backward reduce-scatters its gradient (copy-in,
     collective, the shard out) after gathering it again when it was resharded after the forward
     (``reshard_after_forward``). The unit's compute is a product with one element. Collective: every

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .microbench import products_for
+from .microbench_meetings import products_for
 
 
 def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int = 2, *, repeats: int = 40,

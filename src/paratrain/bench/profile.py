@@ -22,13 +22,13 @@ optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimi
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved), what a blocking collective costs two processes reaching it from compute
-(``meetings``, :func:`~.microbench.measured_meetings`) and what FSDP2's collectives cost each unit
+(``meetings``, :func:`~.microbench_meetings.measured_meetings`) and what FSDP2's collectives cost each unit
 size between two processes (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
-(``sync_batchnorm_s``, :func:`~.microbench.measured_sync_batchnorm`) and, on a CPU, between two
+(``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU, between two
 towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
 On a CPU of several cores, one forward per core side by side in this process' threads, right after a
 training step, as CPU towers run them (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`).
@@ -226,7 +226,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         out["sharded_norm_s"] = measured_sharded_norm(list(model.parameters()),
                                                       threads=default_threads(2, out["cores"]))
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
-            from .microbench import measure_copies, measured_meetings
+            from .microbench import measure_copies
+            from .microbench_meetings import measured_meetings
             from .microbench_sharded import measured_fsdp_units
 
             units = out["strategy_inputs"]["units"]
@@ -235,7 +236,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
             out["fsdp_units"] = measured_fsdp_units(units)
         if out["batchnorm_inputs"]:
-            from .microbench import measured_sync_batchnorm
+            from .microbench_meetings import measured_sync_batchnorm
             from .microbench_towers import measured_tower_sync_batchnorm
 
             out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
@@ -288,7 +289,7 @@ def batchnorm_inputs_of(task, cfg) -> list[list[int]]:
 def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
     """The input shape (N, C, *) of every BatchNorm call in the forwards of one step of the profiled
     batch (the recipe's per-replica batch; each micro-batch's forward calls every layer once, as
-    ``model.sync_batchnorm`` then synchronises each call: :func:`~.microbench.measured_sync_batchnorm`).
+    ``model.sync_batchnorm`` then synchronises each call: :func:`~.microbench_meetings.measured_sync_batchnorm`).
     The layers are the ones :func:`paratrain.strategies.sync_batchnorm.convert` replaces. The forward
     runs without gradients and leaves the running statistics as one more batch would."""
     shapes: list[list[int]] = []

@@ -1,0 +1,119 @@
+"""Micro-benchmarks of compute meeting communication on this machine: what a blocking collective
+costs ranks that reach it from compute (:func:`measured_meetings`), and what synchronising
+BatchNorm layers costs two processes a step (:func:`measured_sync_batchnorm`). Both run in
+:func:`~.microbench.measure_allreduce`'s two spawned gloo processes (``op="meeting"`` and
+``op="sync_batchnorm"``); :func:`products_for` calibrates the compute before each meeting."""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Sequence
+
+import torch
+
+from .microbench import measure_allreduce
+
+
+def products_for(a: torch.Tensor, seconds: float) -> int:
+    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1): the
+    compute a micro-benchmark puts before a layer, as inside a training step."""
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
+
+
+def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
+    """:func:`products_for` as rank 0 calibrates it, the same on every rank (every rank computes as
+    much). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    k = torch.tensor([products_for(a, seconds)], dtype=torch.int64)
+    dist.broadcast(k, 0)
+    return int(k)
+
+
+def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
+    """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
+    ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
+    input of ``shape`` (N, C, *): four blocking all-reduces (count and sum, the variance, and their
+    gradients), each meeting a rank that may still be computing. Each timed pass follows about
+    ``compute_s`` of one-thread compute, as a layer inside a training step does; the median over
+    ``repeats`` interleaved pairs, difference of the medians. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    from ..strategies.sync_batchnorm import GroupReducer, SyncBatchNorm
+
+    shape = [int(d) for d in shape]
+    x = torch.randn(*shape, requires_grad=True)
+    synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
+    plain = SyncBatchNorm(shape[1], reducer=None)
+    a = torch.randn(96, 96)
+    k = _products_everywhere(a, compute_s)
+
+    def once(layer) -> float:
+        for _ in range(k):
+            a @ a
+        t = time.perf_counter()
+        layer(x).sum().backward()
+        return time.perf_counter() - t
+
+    alone, reduced = [], []
+    with warnings.catch_warnings():  # torch's deprecation notice of the differentiable all_reduce, once per rank
+        warnings.simplefilter("ignore", FutureWarning)
+        for i in range(warmup + repeats):
+            got = once(plain), once(synced)
+            if i >= warmup:
+                alone.append(got[0])
+                reduced.append(got[1])
+    return max(0.0, statistics.median(reduced) - statistics.median(alone))
+
+
+def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
+    """Mean seconds, over the repeats and the ranks, that one blocking all-gather of 8 float32 takes
+    when each rank comes to it from about ``compute_us`` microseconds of one-thread compute (rank 0's
+    calibration, the same on every rank), as a collective inside a training step does: the link's
+    latency, the wait for the rank that arrives last and the waking of gloo's threads. The mean, not
+    the median: a step pays the rare long waits too. About 1 s of timed repeats: 30 to ``repeats``
+    of them. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    a = torch.randn(96, 96)
+    k = _products_everywhere(a, compute_us * 1e-6) if compute_us > 0 else 0
+    part, out = torch.zeros(8), torch.zeros(8 * dist.get_world_size())
+    times, repeats = [], max(30, min(repeats, round(1e6 / max(1, compute_us))))
+    for i in range(warmup + repeats):
+        for _ in range(k):
+            a @ a
+        t0 = time.perf_counter()
+        dist.all_gather_single(out, part)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    mean = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return float(mean) / dist.get_world_size()
+
+
+def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 40, warmup: int = 5,
+                            timeout_s: float = 120.0) -> float:
+    """Seconds per training step that synchronising BatchNorm layers with these per-replica input
+    shapes (N, C, *) costs two local gloo processes (one thread each) beyond plain BatchNorm: the
+    sum over the layers of :func:`_time_sync_batchnorm`. 0 for no shapes. Raises RuntimeError as
+    :func:`measure_allreduce`."""
+    if not shapes:
+        return 0.0
+    points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
+                               op="sync_batchnorm")
+    return sum(t for _, t in points)
+
+
+def measured_meetings(compute_s: Sequence[float] = (2.5e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2), *,
+                      timeout_s: float = 120.0) -> list[list[float]]:
+    """``[compute seconds, seconds]``: what one blocking collective costs two local gloo processes (one
+    thread each) that come to it from that much compute (:func:`_time_meeting`: about 1 s of timed
+    repeats per point, 30 to 400 of them). For :func:`~.costmodel_sharded.meeting_seconds`. Raises
+    RuntimeError as :func:`measure_allreduce`."""
+    points = measure_allreduce(2, [max(1, round(c * 1e6)) for c in compute_s], repeats=400, warmup=3,
+                               timeout_s=timeout_s, op="meeting")
+    return [[us * 1e-6, t] for us, t in points]
