@@ -189,3 +189,33 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     for old, new in zip(v["rows"], w["rows"]):
         assert new["measured_step_ms_all"] == old["measured_step_ms_all"]
         assert new["predicted_step_ms"] == pytest.approx(old["predicted_step_ms"], rel=1e-9)
+
+
+def test_a_gpus_profile_read_on_a_cpu_plans_n_1_with_the_measured_link_and_presets_beyond(planned, tiny_data):
+    """A profile measured on a GPU (its device, name and memory), planned where there is none: the
+    measured link (gloo between CPU processes) plans N = 1 alone, an --nproc beyond it is one line and
+    exit 2 naming the presets, a preset plans every N against the GPU's memory and towers on GPUs."""
+    tmp, first = planned
+    assert first.returncode == 0
+    prof = json.loads((tmp / "p" / "profile.json").read_text())
+    (tmp / "g").mkdir()
+    gpu_memory = 150_754_820_096
+    (tmp / "g" / "profile.json").write_text(json.dumps({**prof, "device": "cuda:0", "device_name": "NVIDIA H200",
+                                                        "device_memory_bytes": gpu_memory}))
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--out", "g", "--nproc", "1,2", cwd=tmp, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "not NCCL between GPUs; plan N > 1 with --interconnect nvlink" in lines[0], r.stderr
+    assert not (tmp / "g" / "plan.json").exists()
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--out", "g", cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "profile: read from" in r.stdout and "only N = 1 is planned" in r.stdout
+    plan = json.loads((tmp / "g" / "plan.json").read_text())
+    assert {row["n"] for row in plan["rows"]} == {1} and plan["device_memory_bytes"] == gpu_memory
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--out", "g", "--interconnect", "nvlink", "--nproc",
+                  "1,2,8", cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((tmp / "g" / "plan.json").read_text())
+    assert {row["n"] for row in plan["rows"]} == {1, 2, 8} and plan["device_memory_bytes"] == gpu_memory
+    towers = [row for row in plan["rows"] if row["strategy"] == "replicate" and row["n"] == 8]
+    assert towers and "--devices cuda:0,cuda:1," in towers[0]["command"]

@@ -403,6 +403,21 @@ def test_flops_of_a_cpu_lstm_count_both_products_of_every_step():
     assert flops == 3 * forward
 
 
+def test_flops_of_a_cudnn_lstm_by_hand():
+    """The GPU's fused LSTM (aten._cudnn_rnn) as its shapes reach the counter: 2 layers of 4 gates x
+    16 units, input 8, T = 5 steps of B = 3 sequences; weights with biases (4 tensors a layer)."""
+    from paratrain.bench.mfu import _cudnn_rnn_backward_flop, _cudnn_rnn_flop
+
+    weight = [(64, 8), (64, 16), (64,), (64,), (64, 16), (64, 16), (64,), (64,)]
+    forward = 2 * 5 * 3 * (64 * 8 + 64 * 16) + 2 * 5 * 3 * (64 * 16 + 64 * 16)
+    assert _cudnn_rnn_flop((5, 3, 8), weight, 4) == forward
+    assert _cudnn_rnn_flop((3, 5, 8), weight, 4, batch_first=True) == forward
+    assert _cudnn_rnn_flop((15, 8), weight, 4) == forward  # packed: 15 steps in all
+    no_bias = [w for w in weight if len(w) == 2]
+    assert _cudnn_rnn_flop((5, 3, 8), no_bias, 2) == forward
+    assert _cudnn_rnn_backward_flop((5, 3, 8), weight, 4) == 2 * forward
+
+
 def test_peak_table_picks_the_most_specific_device():
     assert table_peak("NVIDIA H100 PCIe", "bfloat16") == 756.0e12
     assert table_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12

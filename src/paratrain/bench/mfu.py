@@ -59,13 +59,33 @@ def _rnn_layer_backward_flop(inp, w_ih, w_hh, *args, out_shape=None, **kwargs) -
     return 2 * _rnn_layer_flop(inp, w_ih, w_hh)
 
 
+def _cudnn_rnn_flop(inp, weight, weight_stride0, *args, batch_first=False, out_shape=None, **kwargs) -> int:
+    """A whole cuDNN RNN (``aten._cudnn_rnn``: every layer and direction of ``nn.LSTM`` / ``nn.GRU``
+    on a GPU): ``weight`` holds ``weight_stride0`` shapes per layer and direction (w_ih, w_hh, then
+    the biases and a projection where present); per time step and sequence, 2 (w_ih + w_hh) FLOPs of
+    each. ``inp``: (T, B, I), (B, T, I) or packed (sum of lengths, I)."""
+    steps = inp[0] * inp[1] if len(inp) == 3 else inp[0]
+    per_step = sum(math.prod(weight[i]) + math.prod(weight[i + 1]) for i in range(0, len(weight), weight_stride0))
+    return 2 * steps * per_step
+
+
+def _cudnn_rnn_backward_flop(inp, weight, weight_stride0, *args, out_shape=None, **kwargs) -> int:
+    """Its backward (``aten._cudnn_rnn_backward``): the gradients of the inputs and of the weights,
+    twice the forward, as for the CPU's layers."""
+    return 2 * _cudnn_rnn_flop(inp, weight, weight_stride0)
+
+
 def _custom_flops() -> dict:
-    """Formulas torch's counter lacks: fused CPU RNN layers (``nn.LSTM``, ``nn.GRU`` on the CPU)."""
+    """Formulas torch's counter lacks: fused RNNs (``nn.LSTM``, ``nn.GRU``): the CPU's oneDNN layers and
+    the GPU's cuDNN ones."""
     aten = torch.ops.aten
     out = {}
     if hasattr(aten, "mkldnn_rnn_layer"):
         out[aten.mkldnn_rnn_layer] = _rnn_layer_flop
         out[aten.mkldnn_rnn_layer_backward] = _rnn_layer_backward_flop
+    if hasattr(aten, "_cudnn_rnn"):
+        out[aten._cudnn_rnn] = _cudnn_rnn_flop
+        out[aten._cudnn_rnn_backward] = _cudnn_rnn_backward_flop
     return out
 
 

@@ -98,6 +98,21 @@ def _time_collective(run, repeats: int, warmup: int) -> float:
     return statistics.median(slowest)
 
 
+def all_gather_single(out, part) -> None:
+    """``torch.distributed.all_gather_single`` (torch >= 2.13), else its older name
+    ``all_gather_into_tensor`` (deprecated in 2.13): the same collective on the torch a GPU image carries."""
+    import torch.distributed as dist
+
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, part)
+
+
+def reduce_scatter_single(part, whole) -> None:
+    """``torch.distributed.reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor``."""
+    import torch.distributed as dist
+
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, whole)
+
+
 def _time_all_gather(nbytes: int, repeats: int, warmup: int) -> float:
     """Seconds of an all-gather whose result is ``nbytes`` (FSDP's parameter gather, ZeRO's update)."""
     import torch.distributed as dist
@@ -105,7 +120,7 @@ def _time_all_gather(nbytes: int, repeats: int, warmup: int) -> float:
     n = dist.get_world_size()
     out = torch.zeros(max(n, nbytes // FLOAT32_BYTES) // n * n, dtype=torch.float32)
     part = torch.zeros(out.numel() // n, dtype=torch.float32)
-    return _time_collective(lambda: dist.all_gather_single(out, part), repeats, warmup)
+    return _time_collective(lambda: all_gather_single(out, part), repeats, warmup)
 
 
 def _time_reduce_scatter(nbytes: int, repeats: int, warmup: int) -> float:
@@ -115,7 +130,7 @@ def _time_reduce_scatter(nbytes: int, repeats: int, warmup: int) -> float:
     n = dist.get_world_size()
     whole = torch.zeros(max(n, nbytes // FLOAT32_BYTES) // n * n, dtype=torch.float32)
     part = torch.zeros(whole.numel() // n, dtype=torch.float32)
-    return _time_collective(lambda: dist.reduce_scatter_single(part, whole), repeats, warmup)
+    return _time_collective(lambda: reduce_scatter_single(part, whole), repeats, warmup)
 
 
 def _time_p2p(nbytes: int, repeats: int, warmup: int) -> float:

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .microbench import measure_allreduce
+from .microbench import all_gather_single, measure_allreduce
 
 
 def products_for(a: torch.Tensor, seconds: float) -> int:
@@ -87,7 +87,7 @@ def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
         for _ in range(k):
             a @ a
         t0 = time.perf_counter()
-        dist.all_gather_single(out, part)
+        all_gather_single(out, part)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     mean = torch.tensor([statistics.fmean(times)], dtype=torch.float64)

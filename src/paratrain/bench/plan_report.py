@@ -12,11 +12,11 @@ from typing import Any
 
 from ..errors import UsageError
 from . import plan as pl
+from .costmodel import PRESETS, Link
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .commands import _load_config, _machine
-    from .costmodel import Link
 
     ns, preset = pl._args(args)
     cfg = _load_config(args.config, args.overrides, args.task)
@@ -29,9 +29,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.rescore and not (out / "validation.json").exists():
         raise UsageError(f"--rescore: no {out / 'validation.json'}; run paratrain plan with --validate and --out {out} "
                          f"first")
+    from ..devices import resolve
+    from .plan_validate import on_gpu
+
+    if args.nproc:  # bad input says so before the profile's minutes
+        _gpu_nproc(ns, resolve(cfg.dist.device).type == "cuda", preset, args.nproc)
     prof, cached = pl.load_profile(args, cfg, task, out)
     print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
           + (" (--reprofile measures again)" if cached else ""), flush=True)
+    ns = _gpu_nproc(ns, on_gpu(prof), preset, args.nproc)
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
     rows, refused = [], {}
@@ -95,13 +101,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return rescored or 0
 
 
+def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | None, asked: str | None) -> list[int]:
+    """The N to plan: ``ns``, but for a GPU (``gpu``: the profile's device, or the recipe's before it is
+    profiled) with the measured interconnect (the profile's links are gloo between CPU processes, not
+    NCCL between GPUs) N = 1 alone: the default --nproc is cut to 1 with a line; an --nproc with N > 1
+    raises UsageError naming the presets."""
+    if preset is not None or not gpu or ns == [1]:
+        return ns
+    if asked:
+        raise UsageError(f"--nproc {asked} with --interconnect measured: the profile is of a GPU, and paratrain "
+                         f"measures gloo between CPU processes, not NCCL between GPUs; plan N > 1 with "
+                         f"--interconnect {' | '.join(PRESETS)}")
+    print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
+          f"{' | '.join(PRESETS)} for more GPUs)", flush=True)
+    return [1]
+
+
 def _device_limit(gb: float | None, prof: dict) -> float | None:
     if gb is not None:
         return gb * 1e9
+    if prof.get("device_memory_bytes"):  # the profiled GPU's (a profile planned on another machine keeps it)
+        return float(prof["device_memory_bytes"])
     if str(prof.get("device", "cpu")).startswith("cuda"):
         import torch
 
-        return float(torch.cuda.get_device_properties(0).total_memory)
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory)
     return None
 
 

@@ -55,8 +55,11 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     link = Link(name="measured", **prof["links"]["all_reduce"])
     from .commands import _ints
 
-    runs = _runs(prof, cfg, sorted(set(_ints(args.validate_nproc, "--validate-nproc"))), args.config, args.task,
-                 args.overrides)
+    ns, device_sets, skipped = validation_counts(prof, _ints(args.validate_nproc, "--validate-nproc"))
+    if skipped:
+        print(f"[plan] the profile is of a GPU: --validate runs N = 1 only (N = {', '.join(map(str, skipped))} "
+              f"skipped: the measured link is gloo between CPU processes, not NCCL between GPUs)", flush=True)
+    runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides)
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
           f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
@@ -68,7 +71,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
             preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
             steps = pl.run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
-            overrides = (*args.overrides, *base, *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
+            overrides = (*args.overrides, *base, *device_sets,
+                         *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
             counts.append(steps)
             specs.append((BenchSpec(config=args.config, task=args.task, strategies=(lay.strategy,),
@@ -98,6 +102,22 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     (out / "validation.md").write_text(text)
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def on_gpu(prof: dict) -> bool:
+    """Whether the profile was measured on a CUDA device."""
+    return str(prof.get("device", "cpu")).startswith("cuda")
+
+
+def validation_counts(prof: dict, asked: list[int]) -> tuple[list[int], tuple[str, ...], list[int]]:
+    """(N to validate, ``--set`` overrides every run adds, N skipped) for ``--validate-nproc``'s
+    ``asked``. On a GPU's profile, N = 1 alone, on ``dist.device = "cuda"``: ``auto`` would put two
+    processes of a one-GPU host on the CPU and score a CPU run against the GPU's prediction, and the
+    profile's links are gloo between CPU processes, not NCCL between GPUs (N > 1 skipped)."""
+    ns = sorted(set(asked))
+    if not on_gpu(prof):
+        return ns, (), []
+    return [n for n in ns if n == 1], ('dist.device="cuda"',), [n for n in ns if n > 1]
 
 
 def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> dict:

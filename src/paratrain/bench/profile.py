@@ -188,6 +188,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     counted_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.precision, cfg.train.dtype)
     peak, source = peak_flops(device, counted_dtype)
     out["peak_flops"], out["peak_flops_source"] = peak, source
+    if device.type == "cuda":  # the plan's default --device-memory-gb, also where the profile is planned elsewhere
+        props = torch.cuda.get_device_properties(device)
+        out["device_name"], out["device_memory_bytes"] = props.name, props.total_memory
 
     progress("memory of one step")
     out["param_bytes"] = model_gradient_bytes(task, cfg.train.dtype)
@@ -338,13 +341,11 @@ def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, floa
 
 
 def _to(mb: Any, device: torch.device) -> Any:
-    if isinstance(mb, torch.Tensor):
-        return mb.to(device)
-    if isinstance(mb, (tuple, list)):
-        return type(mb)(_to(x, device) for x in mb)
-    if isinstance(mb, dict):
-        return {k: _to(v, device) for k, v in mb.items()}
-    return mb
+    """A micro-batch on ``device`` the way the training loop moves it (:func:`~paratrain.data.batching.move_to`:
+    tensors, the LM batch, a task's dataclasses, tuples, lists, dicts)."""
+    from ..data.batching import move_to
+
+    return move_to(mb, device, non_blocking=False)
 
 
 def _stage_inputs(task, cfg) -> dict[str, Any]:
