@@ -13,6 +13,7 @@ from paratrain.config import from_dict
 from paratrain.env import DistEnv
 from paratrain.errors import UsageError
 from paratrain.strategies import STRATEGIES
+from paratrain.strategies.precision import rnn_runs_in
 from paratrain.train import Trainer
 from paratrain.train.checkpoint import latest
 
@@ -21,9 +22,9 @@ from ..distributed.test_exactness import tiny_cfg
 from ..distributed.test_task_exactness import task_cfg
 
 
-def cfg(precision: str, strategy: str = "single", steps: int = 12, **train) -> dict:
-    """lstm-lm for fp32/bf16; gpt for fp16 (oneDNN has no float16 LSTM on CPU)."""
-    c = (task_cfg("gpt", "float32", strategy, 1, 1) if precision == "fp16"
+def cfg(precision: str, strategy: str = "single", steps: int = 12, task: str | None = None, **train) -> dict:
+    """lstm-lm for fp32/bf16, gpt for fp16 (oneDNN has no float16 LSTM on CPU) or where ``task="gpt"``."""
+    c = (task_cfg("gpt", "float32", strategy, 1, 1) if (task or ("gpt" if precision == "fp16" else "lstm")) == "gpt"
          else tiny_cfg("bptt", "float32", strategy, 1, 1, "sgd"))
     c["train"] = {**c["train"], "precision": precision, "max_steps": steps, "checkpoint_every": 6,
                   "log_every": 1, **train}
@@ -79,8 +80,9 @@ def test_forward_runs_in_the_low_dtype_and_returns_float32(precision, low, strat
 
 
 def test_bf16_trains_close_to_fp32(tiny_data, tmp_path):
+    # gpt: a CPU without bfloat16 instructions has no bf16 LSTM (test_an_rnn_without_a_low_precision_kernel_...)
     for p in ("fp32", "bf16"):
-        fit(cfg(p, steps=12), tiny_data, tmp_path / p)
+        fit(cfg(p, steps=12, task="gpt"), tiny_data, tmp_path / p)
     l32, l16 = (records(tmp_path / p, "train")[-1]["loss"] for p in ("fp32", "bf16"))
     assert abs(l16 - l32) / l32 < 0.05, (l32, l16)
     assert max_rel_diff(final(tmp_path / "bf16")["model"], final(tmp_path / "fp32")["model"]) < 0.05
@@ -125,13 +127,63 @@ def test_fp16_resume_is_bitwise(tiny_data, tmp_path):
     assert a["precision"] == b["precision"]
 
 
-def test_fp16_lstm_on_cpu_is_one_clear_error(tiny_data, tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_low_precision_lstm_on_this_cpu_trains_or_is_one_clear_error_naming_what_runs(tiny_data, tmp_path, precision):
+    """The real LSTM on this machine's CPU: it trains where the probe says its kernel runs, else one line
+    names the precision that does (bf16 where this CPU has a bf16 LSTM, else fp32)."""
     c = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
-    c["train"] = {**c["train"], "precision": "fp16"}
+    c["train"] = {**c["train"], "precision": precision, "max_steps": 2}
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
     tr = Trainer(from_dict(c), DistEnv(), tmp_path / "r", str(tiny_data), verbose=False)
-    with pytest.raises(UsageError, match='use train.precision = "bf16" on CPU'):
-        tr.fit()
-    tr.close()
+    try:
+        if rnn_runs_in(nn.LSTM(2, 2), low):
+            tr.fit()  # trains
+        else:
+            better = "bf16" if precision == "fp16" and rnn_runs_in(nn.LSTM(2, 2), torch.bfloat16) else "fp32"
+            with pytest.raises(UsageError, match=f'has no .* version on this CPU .*use train.precision = "{better}"'):
+                tr.fit()
+    finally:
+        tr.close()
+
+
+class _Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(2, 2)
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_an_rnn_without_a_low_precision_kernel_is_named_and_any_other_error_is_kept(monkeypatch, runs):
+    """bf16 on a CPU: a RuntimeError in the forward of a model with an RNN becomes one UsageError naming
+    fp32 only where that RNN's bf16 kernel does not run here (the probe, set by hand); else it is kept."""
+    from paratrain.strategies import precision as mp
+
+    monkeypatch.setattr(mp, "rnn_runs_in", lambda model, dtype: runs)
+    s = STRATEGIES["single"](DistEnv(), precision="bf16")
+    model = _Failing()
+    s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def loss_fn(m, mb):
+        raise RuntimeError("could not create a primitive descriptor\nsecond line")
+
+    if runs:
+        with pytest.raises(RuntimeError, match="primitive descriptor") as e:
+            s._forward(loss_fn, None)
+        assert not isinstance(e.value, UsageError)
+    else:
+        with pytest.raises(UsageError, match='"bf16": a kernel of this model has no bfloat16 version on this CPU '
+                                             r'\(could not create a primitive descriptor\); use train.precision = "fp32"'):
+            s._forward(loss_fn, None)
+
+
+def test_the_rnn_probe_keeps_the_random_state_and_passes_models_without_an_rnn():
+    lstm = nn.LSTM(2, 2)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    rnn_runs_in(lstm, torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert rnn_runs_in(nn.Linear(2, 2), torch.float16)
+    assert rnn_runs_in(nn.GRU(2, 2), torch.float32)
 
 
 def test_bad_precision_settings_are_refused():

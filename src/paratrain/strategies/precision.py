@@ -98,12 +98,35 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
 
     def _forward(self, loss_fn: Callable, micro_batch: Any) -> torch.Tensor:
-        """``loss_fn(model, micro_batch)``; a CPU kernel without float16 (oneDNN's LSTM) under fp16
-        becomes one line that says to use bf16."""
+        """``loss_fn(model, micro_batch)``. On a CPU, a kernel without the low dtype becomes one line
+        (UsageError) that names a precision that works here: oneDNN has no float16 LSTM on any CPU, and
+        no bfloat16 LSTM on a CPU without bfloat16 instructions (AVX-512 BF16 or AMX; torch issue
+        #88136). Under bf16 only a model with an RNN whose bf16 kernel fails here
+        (:func:`rnn_runs_in`) is told so; any other error is raised as it was."""
         try:
             return loss_fn(self.model, micro_batch)
         except RuntimeError as e:
-            if self.precision != "fp16" or self.device.type != "cpu":
+            if self.device.type != "cpu" or self.precision == "fp32":
                 raise
-            raise UsageError(f"train.precision = \"fp16\": a kernel of this model has no float16 version on CPU "
-                             f"({str(e).splitlines()[0][:100]}); use train.precision = \"bf16\" on CPU") from None
+            if self.precision == "bf16" and rnn_runs_in(self.model, torch.bfloat16):
+                raise
+            better = "bf16" if self.precision == "fp16" and rnn_runs_in(self.model, torch.bfloat16) else "fp32"
+            low = str(LOW_DTYPES[self.precision]).removeprefix("torch.")
+            raise UsageError(f"train.precision = \"{self.precision}\": a kernel of this model has no {low} version on "
+                             f"this CPU ({str(e).splitlines()[0][:100]}); use train.precision = \"{better}\" on this "
+                             f"CPU, or {self.precision} on a GPU") from None
+
+
+def rnn_runs_in(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the CPU runs ``model``'s recurrent layers (its first ``nn.RNNBase`` module's class:
+    LSTM, GRU, RNN) under ``torch.autocast("cpu", dtype)``: a 2-unit layer of that class tried once.
+    True for a model without one. The random generator's state is kept (``fork_rng``)."""
+    rnn = next((m for m in model.modules() if isinstance(m, torch.nn.RNNBase)), None)
+    if rnn is None:
+        return True
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            type(rnn)(2, 2)(torch.zeros(1, 1, 2))
+    except RuntimeError:
+        return False
+    return True
