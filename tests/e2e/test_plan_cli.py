@@ -219,3 +219,9 @@ def test_a_gpus_profile_read_on_a_cpu_plans_n_1_with_the_measured_link_and_prese
     assert {row["n"] for row in plan["rows"]} == {1, 2, 8} and plan["device_memory_bytes"] == gpu_memory
     towers = [row for row in plan["rows"] if row["strategy"] == "replicate" and row["n"] == 8]
     assert towers and "--devices cuda:0,cuda:1," in towers[0]["command"]
+    before = (tmp / "g" / "plan.json").read_bytes()
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--out", "g", "--validate", cwd=tmp, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]  # a GPU's profile is not validated on this machine's CPU
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "the profile is of a GPU (cuda:0) and this machine has none" in lines[0], r.stderr
+    assert (tmp / "g" / "plan.json").read_bytes() == before and not (tmp / "g" / "validation.json").exists()

@@ -21,9 +21,19 @@ GPU = {"device": "cuda:0"}
 CPU = {"device": "cpu"}
 
 
-def test_a_gpu_profile_validates_n_1_alone_on_the_gpu():
-    assert validation_counts(GPU, [2, 1, 4, 1]) == ([1], ('dist.device="cuda"',), [2, 4])
-    assert validation_counts(CPU, [2, 1, 4, 1]) == ([1, 2, 4], (), [])
+def test_a_gpu_profile_validates_n_1_alone_on_the_gpu(monkeypatch):
+    assert validation_counts(CPU, "2,1,4,1") == ([1, 2, 4], (), [])
+    assert validation_counts(CPU, None) == ([1, 2], (), [])
+    with pytest.raises(UsageError, match=r"--validate: the profile is of a GPU \(cuda:0\) and this machine has none"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        validation_counts(GPU, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert validation_counts(GPU, None) == ([1], ('dist.device="cuda"',), [2])  # the default's N = 2 skipped
+    assert validation_counts(GPU, "1") == ([1], ('dist.device="cuda"',), [])
+    for asked in ("1,2", "2"):  # an explicit N > 1 (or no N = 1 at all) is refused, not skipped to nothing
+        with pytest.raises(UsageError, match=f"--validate-nproc {asked}: .* not NCCL between GPUs; give "
+                                             f"--validate-nproc 1"):
+            validation_counts(GPU, asked)
 
 
 def test_a_gpu_profile_plans_n_1_alone_with_the_measured_link(capsys):

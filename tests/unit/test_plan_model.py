@@ -418,6 +418,26 @@ def test_flops_of_a_cudnn_lstm_by_hand():
     assert _cudnn_rnn_backward_flop((5, 3, 8), weight, 4) == 2 * forward
 
 
+def test_flops_of_a_cudnn_lstm_with_a_projection_and_as_the_counter_calls_it():
+    """proj_size = 4: w_hh is 4H x P and each layer adds w_hr (P x H), nn.LSTM's own flat weights; the
+    counter's registry (torch's shape wrapper) hands the formula the weight list as shapes."""
+    from paratrain.bench.mfu import _counter, _cudnn_rnn_flop
+
+    lstm = torch.nn.LSTM(8, 16, num_layers=2, proj_size=4)
+    weight = [tuple(w.shape) for w in lstm._flat_weights]  # per layer w_ih, w_hh, b_ih, b_hh, w_hr
+    forward = 2 * 5 * 3 * (64 * 8 + 64 * 4 + 4 * 16) + 2 * 5 * 3 * (64 * 4 + 64 * 4 + 4 * 16)
+    assert _cudnn_rnn_flop((5, 3, 8), weight, 5) == forward
+    no_bias = [tuple(w.shape) for w in torch.nn.LSTM(8, 16, proj_size=4, bias=False)._flat_weights]
+    assert _cudnn_rnn_flop((5, 3, 8), no_bias, 3) == 2 * 5 * 3 * (64 * 8 + 64 * 4 + 4 * 16)
+    aten = torch.ops.aten
+    registry = _counter().flop_registry
+    x, h = torch.zeros(5, 3, 8), torch.zeros(2, 3, 4)
+    flops = registry[aten._cudnn_rnn](x, list(lstm._flat_weights), 5, None, h, h, 2, 16, 4, 2, False, 0.0, True,
+                                      False, [], None, out_val=None)
+    assert flops == forward  # the arguments as aten._cudnn_rnn receives them (mode 2: LSTM)
+    assert aten._cudnn_rnn_backward in registry
+
+
 def test_peak_table_picks_the_most_specific_device():
     assert table_peak("NVIDIA H100 PCIe", "bfloat16") == 756.0e12
     assert table_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12

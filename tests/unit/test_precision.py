@@ -137,10 +137,11 @@ def test_a_low_precision_lstm_on_this_cpu_trains_or_is_one_clear_error_naming_wh
     tr = Trainer(from_dict(c), DistEnv(), tmp_path / "r", str(tiny_data), verbose=False)
     try:
         if rnn_runs_in(nn.LSTM(2, 2), low):
-            tr.fit()  # trains
+            tr.fit()
+            assert [r["step"] for r in records(tmp_path / "r", "train")][-1] == 2  # trained
         else:
             better = "bf16" if precision == "fp16" and rnn_runs_in(nn.LSTM(2, 2), torch.bfloat16) else "fp32"
-            with pytest.raises(UsageError, match=f'has no .* version on this CPU .*use train.precision = "{better}"'):
+            with pytest.raises(UsageError, match=f'has no .* kernel on this CPU .*use train.precision = "{better}"'):
                 tr.fit()
     finally:
         tr.close()
@@ -152,14 +153,16 @@ class _Failing(nn.Module):
         self.rnn = nn.GRU(2, 2)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("runs", [True, False])
-def test_an_rnn_without_a_low_precision_kernel_is_named_and_any_other_error_is_kept(monkeypatch, runs):
-    """bf16 on a CPU: a RuntimeError in the forward of a model with an RNN becomes one UsageError naming
-    fp32 only where that RNN's bf16 kernel does not run here (the probe, set by hand); else it is kept."""
+def test_an_rnn_without_a_low_precision_kernel_is_named_and_any_other_error_is_kept(monkeypatch, runs, precision):
+    """Low precision on a CPU: a RuntimeError in the forward of a model with an RNN becomes one UsageError
+    naming fp32 only where that RNN's kernel does not run here in that dtype (the probe, set by hand);
+    else it is raised as it was."""
     from paratrain.strategies import precision as mp
 
     monkeypatch.setattr(mp, "rnn_runs_in", lambda model, dtype: runs)
-    s = STRATEGIES["single"](DistEnv(), precision="bf16")
+    s = STRATEGIES["single"](DistEnv(), precision=precision)
     model = _Failing()
     s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -171,8 +174,10 @@ def test_an_rnn_without_a_low_precision_kernel_is_named_and_any_other_error_is_k
             s._forward(loss_fn, None)
         assert not isinstance(e.value, UsageError)
     else:
-        with pytest.raises(UsageError, match='"bf16": a kernel of this model has no bfloat16 version on this CPU '
-                                             r'\(could not create a primitive descriptor\); use train.precision = "fp32"'):
+        low = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+        with pytest.raises(UsageError, match=f'"{precision}": a recurrent layer of this model has no {low} kernel on '
+                                             r'this CPU \(could not create a primitive descriptor\); use '
+                                             r'train.precision = "fp32"'):
             s._forward(loss_fn, None)
 
 
@@ -184,6 +189,8 @@ def test_the_rnn_probe_keeps_the_random_state_and_passes_models_without_an_rnn()
     assert torch.equal(torch.get_rng_state(), before)
     assert rnn_runs_in(nn.Linear(2, 2), torch.float16)
     assert rnn_runs_in(nn.GRU(2, 2), torch.float32)
+    both = nn.Sequential(nn.GRU(2, 2), nn.LSTM(2, 2))  # every kind of layer is tried, not the first alone
+    assert rnn_runs_in(both, torch.bfloat16) == rnn_runs_in(nn.LSTM(2, 2), torch.bfloat16)
 
 
 def test_bad_precision_settings_are_refused():

@@ -59,13 +59,18 @@ def _rnn_layer_backward_flop(inp, w_ih, w_hh, *args, out_shape=None, **kwargs) -
     return 2 * _rnn_layer_flop(inp, w_ih, w_hh)
 
 
-def _cudnn_rnn_flop(inp, weight, weight_stride0, *args, batch_first=False, out_shape=None, **kwargs) -> int:
+def _cudnn_rnn_flop(inp, weight, weight_stride0, *args, out_shape=None, **kwargs) -> int:
     """A whole cuDNN RNN (``aten._cudnn_rnn``: every layer and direction of ``nn.LSTM`` / ``nn.GRU``
-    on a GPU): ``weight`` holds ``weight_stride0`` shapes per layer and direction (w_ih, w_hh, then
-    the biases and a projection where present); per time step and sequence, 2 (w_ih + w_hh) FLOPs of
-    each. ``inp``: (T, B, I), (B, T, I) or packed (sum of lengths, I)."""
+    on a GPU). ``weight`` holds ``weight_stride0`` shapes per layer and direction, in ``nn.LSTM``'s
+    order: w_ih (G H x I), w_hh (G H x P or H), with biases b_ih, b_hh, and with ``proj_size`` last
+    w_hr (P x H): an odd count. Per time step and sequence, 2 x (w_ih + w_hh + w_hr) FLOPs of each.
+    ``inp``: (T, B, I), (B, T, I) or packed (sum of lengths, I)."""
     steps = inp[0] * inp[1] if len(inp) == 3 else inp[0]
-    per_step = sum(math.prod(weight[i]) + math.prod(weight[i + 1]) for i in range(0, len(weight), weight_stride0))
+    per_step = 0
+    for i in range(0, len(weight), weight_stride0):
+        per_step += math.prod(weight[i]) + math.prod(weight[i + 1])
+        if weight_stride0 % 2:  # the projection, w_hr
+            per_step += math.prod(weight[i + weight_stride0 - 1])
     return 2 * steps * per_step
 
 

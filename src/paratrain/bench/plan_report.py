@@ -38,6 +38,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
           + (" (--reprofile measures again)" if cached else ""), flush=True)
     ns = _gpu_nproc(ns, on_gpu(prof), preset, args.nproc)
+    if args.validate:  # bad input before anything is written
+        from .plan_validate import validation_counts
+
+        validation_counts(prof, args.validate_nproc)
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
     rows, refused = [], {}

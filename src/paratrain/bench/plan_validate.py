@@ -53,9 +53,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     from .sweep import BenchSpec, RunPlan, run_sweep
 
     link = Link(name="measured", **prof["links"]["all_reduce"])
-    from .commands import _ints
-
-    ns, device_sets, skipped = validation_counts(prof, _ints(args.validate_nproc, "--validate-nproc"))
+    ns, device_sets, skipped = validation_counts(prof, args.validate_nproc)
     if skipped:
         print(f"[plan] the profile is of a GPU: --validate runs N = 1 only (N = {', '.join(map(str, skipped))} "
               f"skipped: the measured link is gloo between CPU processes, not NCCL between GPUs)", flush=True)
@@ -71,7 +69,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
             preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
             steps = pl.run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
-            overrides = (*args.overrides, *base, *device_sets,
+            overrides = (*device_sets, *args.overrides, *base,
                          *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
             counts.append(steps)
@@ -109,15 +107,28 @@ def on_gpu(prof: dict) -> bool:
     return str(prof.get("device", "cpu")).startswith("cuda")
 
 
-def validation_counts(prof: dict, asked: list[int]) -> tuple[list[int], tuple[str, ...], list[int]]:
-    """(N to validate, ``--set`` overrides every run adds, N skipped) for ``--validate-nproc``'s
-    ``asked``. On a GPU's profile, N = 1 alone, on ``dist.device = "cuda"``: ``auto`` would put two
-    processes of a one-GPU host on the CPU and score a CPU run against the GPU's prediction, and the
-    profile's links are gloo between CPU processes, not NCCL between GPUs (N > 1 skipped)."""
-    ns = sorted(set(asked))
+def validation_counts(prof: dict, asked: str | None) -> tuple[list[int], tuple[str, ...], list[int]]:
+    """(N to validate, ``--set`` overrides every run adds, N skipped) for ``--validate-nproc``
+    (``asked``; None: 1, 2). On a GPU's profile, N = 1 alone, on ``dist.device = "cuda"``: ``auto``
+    would put two processes of a one-GPU host on the CPU and score a CPU run against the GPU's
+    prediction, and the profile's links are gloo between CPU processes, not NCCL between GPUs; the
+    default's N = 2 is skipped. Raises UsageError for a GPU's profile where no GPU is, or an
+    explicit N > 1 with it."""
+    from ..errors import UsageError
+    from .commands import _ints
+
+    ns = sorted(set(_ints(asked or "1,2", "--validate-nproc")))
     if not on_gpu(prof):
         return ns, (), []
-    return [n for n in ns if n == 1], ('dist.device="cuda"',), [n for n in ns if n > 1]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"--validate: the profile is of a GPU ({prof['device']}) and this machine has none; validate "
+                         f"where it was profiled, or measure here with --reprofile")
+    if asked and ns != [1]:
+        raise UsageError(f"--validate-nproc {asked}: the profile is of a GPU, and paratrain measures gloo between CPU "
+                         f"processes, not NCCL between GPUs; give --validate-nproc 1")
+    return [1], ('dist.device="cuda"',), [n for n in ns if n > 1]
 
 
 def _row(lay: pl.Layout, n: int, got: list[tuple[dict, object]], pred: dict) -> dict:

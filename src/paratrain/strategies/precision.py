@@ -98,35 +98,40 @@ class MixedPrecision:
             self.scaler.load_state_dict(state["scaler"])
 
     def _forward(self, loss_fn: Callable, micro_batch: Any) -> torch.Tensor:
-        """``loss_fn(model, micro_batch)``. On a CPU, a kernel without the low dtype becomes one line
-        (UsageError) that names a precision that works here: oneDNN has no float16 LSTM on any CPU, and
-        no bfloat16 LSTM on a CPU without bfloat16 instructions (AVX-512 BF16 or AMX; torch issue
-        #88136). Under bf16 only a model with an RNN whose bf16 kernel fails here
-        (:func:`rnn_runs_in`) is told so; any other error is raised as it was."""
+        """``loss_fn(model, micro_batch)``. On a CPU under bf16/fp16, a RuntimeError of a model whose
+        recurrent layers have no kernel in that dtype here (:func:`rnn_runs_in`: oneDNN's LSTM has
+        no float16 kernel on most CPUs and no bfloat16 one on a CPU without bfloat16 instructions,
+        AVX-512 BF16 or AMX; torch issue #88136) becomes one line (UsageError) that names a precision
+        that runs here; any other error is raised as it was."""
         try:
             return loss_fn(self.model, micro_batch)
         except RuntimeError as e:
             if self.device.type != "cpu" or self.precision == "fp32":
                 raise
-            if self.precision == "bf16" and rnn_runs_in(self.model, torch.bfloat16):
+            if rnn_runs_in(self.model, LOW_DTYPES[self.precision]):
                 raise
             better = "bf16" if self.precision == "fp16" and rnn_runs_in(self.model, torch.bfloat16) else "fp32"
             low = str(LOW_DTYPES[self.precision]).removeprefix("torch.")
-            raise UsageError(f"train.precision = \"{self.precision}\": a kernel of this model has no {low} version on "
-                             f"this CPU ({str(e).splitlines()[0][:100]}); use train.precision = \"{better}\" on this "
-                             f"CPU, or {self.precision} on a GPU") from None
+            raise UsageError(f"train.precision = \"{self.precision}\": a recurrent layer of this model has no {low} "
+                             f"kernel on this CPU ({str(e).splitlines()[0][:100]}); use train.precision = "
+                             f"\"{better}\" on this CPU, or {self.precision} on a GPU") from None
+
+
+_RNN_CLASSES = {"LSTM": torch.nn.LSTM, "GRU": torch.nn.GRU, "RNN_TANH": torch.nn.RNN}
 
 
 def rnn_runs_in(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the CPU runs ``model``'s recurrent layers (its first ``nn.RNNBase`` module's class:
-    LSTM, GRU, RNN) under ``torch.autocast("cpu", dtype)``: a 2-unit layer of that class tried once.
-    True for a model without one. The random generator's state is kept (``fork_rng``)."""
-    rnn = next((m for m in model.modules() if isinstance(m, torch.nn.RNNBase)), None)
-    if rnn is None:
-        return True
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-            type(rnn)(2, 2)(torch.zeros(1, 1, 2))
-    except RuntimeError:
-        return False
+    """Whether the CPU runs every kind of recurrent layer in ``model`` (its ``nn.RNNBase`` modules'
+    ``mode``: LSTM, GRU, RNN with tanh or ReLU) under ``torch.autocast("cpu", dtype)``: a 2-unit layer
+    of each kind tried once. True for a model without one. The random generator's state is kept
+    (``fork_rng``)."""
+    modes = {m.mode for m in model.modules() if isinstance(m, torch.nn.RNNBase)}
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        for mode in sorted(modes):
+            layer = (torch.nn.RNN(2, 2, nonlinearity="relu") if mode == "RNN_RELU"
+                     else _RNN_CLASSES.get(mode, torch.nn.LSTM)(2, 2))
+            try:
+                layer(torch.zeros(1, 1, 2))
+            except RuntimeError:
+                return False
     return True
