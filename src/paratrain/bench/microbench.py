@@ -98,19 +98,22 @@ def _time_collective(run, repeats: int, warmup: int) -> float:
     return statistics.median(slowest)
 
 
-def all_gather_single(out, part) -> None:
-    """``torch.distributed.all_gather_single`` (torch >= 2.13), else its older name
-    ``all_gather_into_tensor`` (deprecated in 2.13): the same collective on the torch a GPU image carries."""
+def _collective(name: str, older: str):
+    """``torch.distributed``'s collective ``name`` (torch >= 2.13), else its ``older`` name (deprecated
+    in 2.13): the same collective on the torch a GPU image carries (2.11)."""
     import torch.distributed as dist
 
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, part)
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+def all_gather_single(out, part) -> None:
+    """``dist.all_gather_single``, or ``all_gather_into_tensor`` on an older torch (:func:`_collective`)."""
+    _collective("all_gather_single", "all_gather_into_tensor")(out, part)
 
 
 def reduce_scatter_single(part, whole) -> None:
-    """``torch.distributed.reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor``."""
-    import torch.distributed as dist
-
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, whole)
+    """``dist.reduce_scatter_single``, or ``reduce_scatter_tensor`` on an older torch (:func:`_collective`)."""
+    _collective("reduce_scatter_single", "reduce_scatter_tensor")(part, whole)
 
 
 def _time_all_gather(nbytes: int, repeats: int, warmup: int) -> float:

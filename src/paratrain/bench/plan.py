@@ -74,8 +74,8 @@ def add_plan_parser(sub) -> None:
                    "see --timed-seconds)")
     p.add_argument("--validate-repeats", type=int, default=1, help="runs per validated layout; the median step "
                    "is compared (default 1)")
-    p.add_argument("--validate-nproc", help="N to validate at (default 1,2; on a GPU's profile 1; 4 runs oversubscribed "
-                   "on a 2-core machine)")
+    p.add_argument("--validate-nproc", help="N to validate at (default 1,2; on a GPU's profile 1; 4 runs "
+                   "oversubscribed on a 2-core machine)")
     p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 

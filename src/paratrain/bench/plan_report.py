@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import UsageError
 from . import plan as pl
 from .costmodel import PRESETS, Link
+from .plan_validate import GPU_LINK, on_gpu
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -30,7 +31,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--rescore: no {out / 'validation.json'}; run paratrain plan with --validate and --out {out} "
                          f"first")
     from ..devices import resolve
-    from .plan_validate import on_gpu
+    from .plan_validate import validation_counts
 
     if args.nproc:  # bad input says so before the profile's minutes
         _gpu_nproc(ns, resolve(cfg.dist.device).type == "cuda", preset, args.nproc)
@@ -38,10 +39,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
           + (" (--reprofile measures again)" if cached else ""), flush=True)
     ns = _gpu_nproc(ns, on_gpu(prof), preset, args.nproc)
-    if args.validate:  # bad input before anything is written
-        from .plan_validate import validation_counts
-
-        validation_counts(prof, args.validate_nproc)
+    counts = validation_counts(prof, args.validate_nproc) if args.validate else None  # bad input: before any file
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
     rows, refused = [], {}
@@ -101,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.validate:
         from .plan_validate import validate
 
-        return validate(args, cfg, task, prof, out)
+        return validate(args, cfg, task, prof, out, counts)
     return rescored or 0
 
 
@@ -113,9 +111,8 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | None, asked: str | None)
     if preset is not None or not gpu or ns == [1]:
         return ns
     if asked:
-        raise UsageError(f"--nproc {asked} with --interconnect measured: the profile is of a GPU, and paratrain "
-                         f"measures gloo between CPU processes, not NCCL between GPUs; plan N > 1 with "
-                         f"--interconnect {' | '.join(PRESETS)}")
+        raise UsageError(f"--nproc {asked} with --interconnect measured: the profile is of a GPU, and {GPU_LINK}; "
+                         f"plan N > 1 with --interconnect {' | '.join(PRESETS)}")
     print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
           f"{' | '.join(PRESETS)} for more GPUs)", flush=True)
     return [1]
@@ -126,7 +123,7 @@ def _device_limit(gb: float | None, prof: dict) -> float | None:
         return gb * 1e9
     if prof.get("device_memory_bytes"):  # the profiled GPU's (a profile planned on another machine keeps it)
         return float(prof["device_memory_bytes"])
-    if str(prof.get("device", "cpu")).startswith("cuda"):
+    if on_gpu(prof):
         import torch
 
         if torch.cuda.is_available():

@@ -47,16 +47,18 @@ def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:
                     f"train.timing_warmup_steps={warmup}", f"train.log_every={max(1, steps // 6)}")
 
 
-def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
+def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
+             counts: tuple[list[int], tuple[str, ...], list[int]]) -> int:
+    """Run and score the layouts (see the module); ``counts``: :func:`validation_counts`' answer."""
     from .costmodel import Link
     from .report import run_record
     from .sweep import BenchSpec, RunPlan, run_sweep
 
     link = Link(name="measured", **prof["links"]["all_reduce"])
-    ns, device_sets, skipped = validation_counts(prof, args.validate_nproc)
+    ns, device_sets, skipped = counts
     if skipped:
         print(f"[plan] the profile is of a GPU: --validate runs N = 1 only (N = {', '.join(map(str, skipped))} "
-              f"skipped: the measured link is gloo between CPU processes, not NCCL between GPUs)", flush=True)
+              f"skipped: {GPU_LINK})", flush=True)
     runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides)
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
@@ -102,6 +104,10 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
+GPU_LINK = "the profile's links are gloo between CPU processes, not NCCL between GPUs"
+"""Why a GPU's profile plans and validates N = 1 alone with the measured interconnect."""
+
+
 def on_gpu(prof: dict) -> bool:
     """Whether the profile was measured on a CUDA device."""
     return str(prof.get("device", "cpu")).startswith("cuda")
@@ -126,8 +132,7 @@ def validation_counts(prof: dict, asked: str | None) -> tuple[list[int], tuple[s
         raise UsageError(f"--validate: the profile is of a GPU ({prof['device']}) and this machine has none; validate "
                          f"where it was profiled, or measure here with --reprofile")
     if asked and ns != [1]:
-        raise UsageError(f"--validate-nproc {asked}: the profile is of a GPU, and paratrain measures gloo between CPU "
-                         f"processes, not NCCL between GPUs; give --validate-nproc 1")
+        raise UsageError(f"--validate-nproc {asked}: the profile is of a GPU, and {GPU_LINK}; give --validate-nproc 1")
     return [1], ('dist.device="cuda"',), [n for n in ns if n > 1]
 
 

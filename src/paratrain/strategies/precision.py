@@ -16,6 +16,7 @@ DTensor gradients reduce the flag over the mesh themselves).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -117,7 +118,8 @@ class MixedPrecision:
                              f"\"{better}\" on this CPU, or {self.precision} on a GPU") from None
 
 
-_RNN_CLASSES = {"LSTM": torch.nn.LSTM, "GRU": torch.nn.GRU, "RNN_TANH": torch.nn.RNN}
+_RNN_LAYERS = {"LSTM": torch.nn.LSTM, "GRU": torch.nn.GRU, "RNN_TANH": torch.nn.RNN,
+               "RNN_RELU": partial(torch.nn.RNN, nonlinearity="relu")}  # nn.RNNBase.mode -> a layer of that kind
 
 
 def rnn_runs_in(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -128,10 +130,8 @@ def rnn_runs_in(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     modes = {m.mode for m in model.modules() if isinstance(m, torch.nn.RNNBase)}
     with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         for mode in sorted(modes):
-            layer = (torch.nn.RNN(2, 2, nonlinearity="relu") if mode == "RNN_RELU"
-                     else _RNN_CLASSES.get(mode, torch.nn.LSTM)(2, 2))
             try:
-                layer(torch.zeros(1, 1, 2))
+                _RNN_LAYERS.get(mode, torch.nn.LSTM)(2, 2)(torch.zeros(1, 1, 2))
             except RuntimeError:
                 return False
     return True
