@@ -43,6 +43,20 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     threading.Thread(target=watch, name="paratrain-parent-watch", daemon=True).start()
 
 
+def freeze_before_exit() -> None:
+    """Leave everything alive now out of the interpreter's last garbage collection (``gc.freeze``).
+
+    With torch and torch._dynamo (which torch's optimizers import) loaded, that collection costs a
+    process about 1.1 s of CPU at exit, and 0.3 s with the freeze (2-vCPU AMD EPYC): a second at the
+    end of every ``paratrain`` command and of each of its workers. paratrain's entry points call it
+    when their work is done and their files are closed. Nothing else changes: objects freed by their
+    reference count still are, and Python never promised to finalise objects that are alive at exit
+    (the language reference, ``object.__del__``)."""
+    import gc
+
+    gc.freeze()
+
+
 def main() -> None:
     die_with_parent()
     args = sys.argv[1:]
@@ -59,6 +73,7 @@ def main() -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
+        freeze_before_exit()
     except KeyboardInterrupt:
         sys.stderr.flush()
         os._exit(128 + signal.SIGINT)

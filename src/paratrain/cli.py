@@ -329,5 +329,16 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> int:
+    """The ``paratrain`` command (and ``python -m paratrain.cli``): :func:`main`, then a quick exit
+    (:func:`paratrain.child.freeze_before_exit`; not in :func:`main`, which a program may call)."""
+    from .child import freeze_before_exit
+
+    try:
+        return main()
+    finally:
+        freeze_before_exit()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -350,4 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .child import freeze_before_exit
+
+    code = main()
+    freeze_before_exit()
+    sys.exit(code)

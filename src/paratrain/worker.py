@@ -20,6 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import config
+from .child import freeze_before_exit
 from .errors import TrainingStopped, UsageError
 
 
@@ -108,6 +109,7 @@ def _child(run_dir: Path, resume: bool, data_dir: str | None) -> None:
         train_worker(run_dir, resume, data_dir)
     finally:
         shutdown()
+    freeze_before_exit()
 
 
 def _quiet_write_errors_in_threads() -> None:
@@ -157,4 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    freeze_before_exit()
+    sys.exit(code)

@@ -109,3 +109,21 @@ def test_launch_keeps_the_exit_code_and_names_the_first_failure(tmp_path):
     assert lines == ["paratrain: rank 1 failed first: exit code 3 (its output is above)",
                      "paratrain: stopped the other ranks because of it (0)"], res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_only_the_command_freezes_the_heap_for_its_exit(tmp_path):
+    """``paratrain`` (``cli.entry``) leaves what is alive at its end out of the interpreter's last
+    garbage collection (``gc.freeze``: a second of CPU at each exit); ``cli.main``, which a program may
+    call, leaves the caller's heap as it was."""
+    import gc
+
+    from paratrain import cli
+
+    frozen = gc.get_freeze_count()
+    assert cli.main(["devices"]) == 0
+    assert gc.get_freeze_count() == frozen
+    code = ("import gc, sys; from paratrain import cli; sys.argv = ['paratrain', 'devices']; "
+            "assert cli.entry() == 0; print(gc.get_freeze_count())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.splitlines()[-1]) > 10_000  # torch's modules and everything built from them

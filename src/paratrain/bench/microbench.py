@@ -209,6 +209,14 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
 
 
+def _rank_then_exit(target, *args) -> None:
+    """A rank of :func:`run_ranks`: ``target(*args)``, then a quick exit (``child.freeze_before_exit``)."""
+    from ..child import freeze_before_exit
+
+    target(*args)
+    freeze_before_exit()
+
+
 def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str):
     """Run ``target(rank, workdir, *args)`` in ``world_size`` spawned processes (spawn context) sharing
     a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
@@ -218,7 +226,8 @@ def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str)
     after the start (killed; the message holds their tracebacks)."""
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
-        procs = [ctx.Process(target=target, args=(r, tmp, *args), daemon=True) for r in range(world_size)]
+        procs = [ctx.Process(target=_rank_then_exit, args=(target, r, tmp, *args), daemon=True)
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         end = time.monotonic() + timeout_s
