@@ -48,10 +48,11 @@ def freeze_before_exit() -> None:
 
     With torch and torch._dynamo (which torch's optimizers import) loaded, that collection costs a
     process about 1.1 s of CPU at exit, and 0.3 s with the freeze (2-vCPU AMD EPYC): a second at the
-    end of every ``paratrain`` command and of each of its workers. paratrain's entry points call it
-    when their work is done and their files are closed. Nothing else changes: objects freed by their
-    reference count still are, and Python never promised to finalise objects that are alive at exit
-    (the language reference, ``object.__del__``)."""
+    end of every ``paratrain`` command and of each of its workers. paratrain's own entry points call
+    it when their work is done and their files are closed; a user's script run by :func:`main` ends
+    as Python ends it. Objects freed by their reference count still are; objects in reference cycles
+    keep their finalisers unrun, which Python never promised to run at exit (the language reference,
+    ``object.__del__``): a FileStore's file, for one, stays behind."""
     import gc
 
     gc.freeze()
@@ -73,7 +74,6 @@ def main() -> None:
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-        freeze_before_exit()
     except KeyboardInterrupt:
         sys.stderr.flush()
         os._exit(128 + signal.SIGINT)

@@ -72,6 +72,11 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    # an earlier call's files in the same workdir: its store (its ranks' addresses, which the new ranks
+    # would try to reach) and its ranks' markers and results
+    for pattern in ("filestore", "ready-*", "error-*.txt", "stacks-*.txt", "result-*.pt"):
+        for left in workdir.glob(pattern):
+            left.unlink()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(workdir), args, pg_timeout_s, deadline_s))
              for r in range(world_size)]
