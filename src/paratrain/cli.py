@@ -165,7 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     def terminated(signum, frame):  # SIGTERM ends a one-process run like Ctrl-C does (torchrun's agent has its own)
         raise Terminated
 
-    signal.signal(signal.SIGTERM, terminated)
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:  # a program that called main keeps its own handler
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)

@@ -1,7 +1,7 @@
 """Bad input to ``paratrain train``: one line on stderr, exit code 2, nothing written.
 
 Each case runs the command line's ``paratrain.cli.main(["train", ...])`` in the test's
-process (and five of them, one of each kind, the real ``python -m paratrain.cli train ...``
+process (and seven of them, one of each kind, the real ``python -m paratrain.cli train ...``
 in a new process) with ``cwd=tmp_path``, after laying out the files it needs there:
 a tiny TOML recipe (``cfg.toml``), a tiny fake PTB corpus (``data/ptb/``) and
 whatever the case adds, changes or removes. Every case checks the contract of
@@ -373,38 +373,58 @@ def _check(case: Case, tmp_path: Path, before: tuple, code: int | None, out: str
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: Path, closed_url: str,
                                                         request: pytest.FixtureRequest,
                                                         monkeypatch: pytest.MonkeyPatch,
-                                                        capfd: pytest.CaptureFixture) -> None:
+                                                        capfd: pytest.CaptureFixture,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Every case through the command's own ``main`` in this process (its one line, its exit code,
-    its output at the file descriptors), with the environment, the working directory and the SIGTERM
-    handler that a fresh ``paratrain`` would have; the test below runs some as real processes."""
+    its output at the file descriptors, and no warning or log record that a new process would print),
+    with the environment and working directory of a fresh ``paratrain``; nothing may start a run. The
+    test below runs some cases as real processes."""
     import signal
+    import warnings
 
-    from paratrain import cli
+    from paratrain import cli, runs
 
     argv, before = _prepare(case, tmp_path, request)
+    environ, modules, handler = dict(os.environ), set(sys.modules), signal.getsignal(signal.SIGTERM)
     fresh = _env(tmp_path, closed_url)
     for name in set(os.environ) - set(fresh):
         monkeypatch.delenv(name)
     for name, value in fresh.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # a user's task file leaves no __pycache__
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a user's task folder joins it
+    monkeypatch.setattr(runs, "start_run", lambda run: pytest.fail(f"{case.id}: bad input reached start_run"))
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
-    handler = signal.getsignal(signal.SIGTERM)
+    caplog.set_level("WARNING")
     try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:  # argparse's refusals
+                code = e.code
     finally:
-        signal.signal(signal.SIGTERM, handler)
+        for name in set(sys.modules) - modules:
+            if name.startswith("paratrain_task_"):  # a user's task module, by its file's path
+                del sys.modules[name]
+        monkeypatch.undo()
+        os.environ.clear()
+        os.environ.update(environ)
     out, err = capfd.readouterr()
+    shown = [f"{w.category.__name__}: {w.message}" for w in warned
+             if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                                            ResourceWarning))]
+    shown += [f"log {r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records]
+    assert not shown, f"a new process would print these too: {shown}"
+    assert signal.getsignal(signal.SIGTERM) is handler, "cli.main left its SIGTERM handler behind"
     _check(case, tmp_path, before, code, out, err)
 
 
 # one case of each kind of check, as the real command line in a new process: argparse, the recipe,
-# a checkpoint, the launcher, a user's task file
+# a checkpoint, the launcher, a user's task file, a built-in task's model keys, a failed download
 PROCESS_CASES = ["nproc-not-int", "toml-syntax-error", "resume-crafted-pickle", "rdzv-port-in-use",
-                 "task-factory-raises"]
+                 "task-factory-raises", "task-model-key-of-another-task", "data-missing-download-fails"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in PROCESS_CASES],

@@ -114,14 +114,14 @@ def test_launch_keeps_the_exit_code_and_names_the_first_failure(tmp_path):
 def test_only_the_command_freezes_the_heap_for_its_exit(tmp_path):
     """``paratrain`` (``cli.entry``) leaves what is alive at its end out of the interpreter's last
     garbage collection (``gc.freeze``: a second of CPU at each exit); ``cli.main``, which a program may
-    call, leaves the caller's heap as it was."""
+    call, leaves the caller's heap and SIGTERM handler as they were."""
     import gc
 
     from paratrain import cli
 
-    frozen = gc.get_freeze_count()
+    frozen, handler = gc.get_freeze_count(), signal.getsignal(signal.SIGTERM)
     assert cli.main(["devices"]) == 0
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == frozen and signal.getsignal(signal.SIGTERM) is handler
     code = ("import gc, sys; from paratrain import cli; sys.argv = ['paratrain', 'devices']; "
             "assert cli.entry() == 0; print(gc.get_freeze_count())")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
