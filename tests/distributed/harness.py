@@ -4,11 +4,15 @@ timeout, one thread each) under hard deadlines; a hang fails the test instead of
 Three deadlines: start-up (spawn, imports, joining the process group: slow on a busy
 machine, and not what a test is about) has its own, generous one; ``deadline_s``
 bounds the behaviour under test, from the moment every rank is ready; once a rank has
-failed, the others have ``failed_grace_s`` to end (as torchrun ends a job)."""
+failed, the others have ``failed_grace_s`` to end (as torchrun ends a job).
+
+Ranks are forked from a server that has imported torch and paratrain once (:mod:`tests.preload`):
+a fresh interpreter per rank would spend 4-5 s of CPU on those imports alone, most of a small
+test's time on 2 cores. The ranks share no state with pytest's process. The server has pytest's
+environment of when it started: a test that changes ``os.environ`` for its ranks sets it in ``fn``."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -16,6 +20,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from ..preload import context
 
 
 def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout_s: float,
@@ -77,7 +83,7 @@ def run_ranks(fn, world_size: int, workdir: Path, *args, deadline_s: float = 180
     for pattern in ("filestore", "ready-*", "error-*.txt", "stacks-*.txt", "result-*.pt"):
         for left in workdir.glob(pattern):
             left.unlink()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(workdir), args, pg_timeout_s, deadline_s))
              for r in range(world_size)]
     for p in procs:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ..conftest import REPO
+from ..preload import run_cli
 
 TINY = """
 name = "tiny"
@@ -37,8 +38,12 @@ nproc = 2
 """
 
 
-def paratrain(*args, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def paratrain(*args, cwd: Path, timeout: float = 180, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m paratrain.cli ARGS`` in ``cwd``, its output captured: a process forked from the
+    tests' preloaded server (:func:`tests.preload.run_cli`), or with ``fresh`` a new interpreter."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not fresh:
+        return run_cli([str(a) for a in args], cwd, env, timeout)
     return subprocess.run([sys.executable, "-m", "paratrain.cli", *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -61,7 +66,7 @@ def runs(tiny_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     (tmp / "tiny.toml").write_text(TINY)
     full = paratrain("train", "tiny.toml", "--nproc", 2, "--run-dir", "full", "--data-dir", tiny_data,
-                     "--set", "train.max_steps=10", cwd=tmp)
+                     "--set", "train.max_steps=10", cwd=tmp, fresh=True)  # a new interpreter, as a user's
     part = paratrain("train", "tiny.toml", "--nproc", 2, "--run-dir", "part", "--data-dir", tiny_data,
                      "--set", "train.max_steps=6", cwd=tmp)
     resumed = paratrain("train", "--resume", "part", "--strategy", "single", "--data-dir", tiny_data,

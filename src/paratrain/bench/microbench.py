@@ -1,8 +1,8 @@
 """Collective micro-benchmark on this machine: gloo all-reduce times, local reduction cost, and
 the fitted :class:`~paratrain.bench.costmodel.Link` (``paratrain bench --validate-model``).
 
-:func:`measure_allreduce` spawns ``world_size`` processes (torch.multiprocessing, spawn
-context) that meet through a ``torch.distributed.FileStore`` in a temporary folder (no ports),
+:func:`measure_allreduce` starts ``world_size`` processes (:func:`run_ranks`: forked from a
+preloaded fork server) that meet through a ``torch.distributed.FileStore`` in a temporary folder (no ports),
 each with one intra-op thread and gloo pinned to loopback (``GLOO_SOCKET_IFNAME=lo`` unless
 set). Per size: ``warmup`` untimed all-reduces, then ``repeats`` times: barrier, time one
 all-reduce of float32 zeros (zeros: the sums never overflow), take the max over ranks (a
@@ -217,14 +217,33 @@ def _rank_then_exit(target, *args) -> None:
     freeze_before_exit()
 
 
+RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc", "paratrain.bench.microbench",
+                "paratrain.bench.microbench_meetings", "paratrain.bench.microbench_rpc",
+                "paratrain.bench.microbench_sharded")
+"""What the ranks' fork server imports once (torch's optimizers import torch._dynamo on first use)."""
+
+
+def rank_context():
+    """The context :func:`run_ranks` starts ranks from: ``multiprocessing``'s forkserver, its server
+    preloading :data:`RANK_PRELOAD` when it starts (the first :func:`run_ranks` of this process;
+    a server already started by this program is used as it is). Each rank is a fresh fork of
+    that single-threaded server, which has run nothing: it starts in milliseconds instead of the
+    4-5 s of CPU that a spawned interpreter spends importing torch, and shares no state with this
+    process or the other benchmarks' ranks. The ranks get the environment this process had when
+    the server started; they set what they need (``GLOO_SOCKET_IFNAME``, threads) themselves."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str):
-    """Run ``target(rank, workdir, *args)`` in ``world_size`` spawned processes (spawn context) sharing
+    """Run ``target(rank, workdir, *args)`` in ``world_size`` new processes (:func:`rank_context`) sharing
     a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
     writes its traceback to ``error-<rank>.txt``. Raises RuntimeError naming ``what``: at once when a
     rank fails (the others, which would wait for it in a collective or ``rpc.shutdown``, are killed;
     the message names the failed rank and its error), or when ranks are still running ``timeout_s``
     after the start (killed; the message holds their tracebacks)."""
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
         procs = [ctx.Process(target=_rank_then_exit, args=(target, r, tmp, *args), daemon=True)
                  for r in range(world_size)]
