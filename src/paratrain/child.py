@@ -58,6 +58,14 @@ def freeze_before_exit() -> None:
     gc.freeze()
 
 
+def exit_after(main) -> None:
+    """``sys.exit(main())`` for a ``__main__`` block of paratrain's own processes, with
+    :func:`freeze_before_exit` between them (the exit code is the one ``main`` returned)."""
+    code = main()
+    freeze_before_exit()
+    sys.exit(code)
+
+
 def main() -> None:
     die_with_parent()
     args = sys.argv[1:]

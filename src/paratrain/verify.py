@@ -350,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .child import freeze_before_exit
+    from .child import exit_after
 
-    code = main()
-    freeze_before_exit()
-    sys.exit(code)
+    exit_after(main)

@@ -20,7 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import config
-from .child import freeze_before_exit
+from .child import exit_after, freeze_before_exit
 from .errors import TrainingStopped, UsageError
 
 
@@ -159,6 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    freeze_before_exit()
-    sys.exit(code)
+    exit_after(main)

@@ -30,7 +30,6 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
 
     import torch.distributed as dist
 
-    from paratrain.child import freeze_before_exit
     from paratrain.env import leave_group
 
     # a rank still running just before the deadline, or told by SIGUSR1 (the harness, before it kills
@@ -52,7 +51,6 @@ def _entry(fn, rank: int, world_size: int, workdir: str, args: tuple, pg_timeout
             if dist.is_initialized():
                 leave_group()
         torch.save(result, out)
-        freeze_before_exit()
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise

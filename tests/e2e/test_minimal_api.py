@@ -20,6 +20,7 @@ import torch
 
 from ..conftest import REPO
 from ..distributed.harness import max_rel_diff
+from ..preload import run_cli
 
 pytestmark = pytest.mark.slow
 LM = ("--emsize", "8", "--nhid", "12", "--nlayers", "2", "--dropout", "0", "--batch-size", "4", "--bptt", "5",
@@ -29,9 +30,14 @@ IMAGES = ("--epochs", "1", "--batch-size", "32", "--accumulation", "2", "--dtype
 
 
 def run(args: list, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python ARGS`` in ``cwd`` (a user's script in a new interpreter), output captured; ``-m
+    paratrain.cli ...`` runs as :func:`tests.preload.run_cli` (its workers are new interpreters)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PARATRAIN_STRATEGY", None)
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+    args = [str(a) for a in args]
+    if args[:2] == ["-m", "paratrain.cli"]:
+        return run_cli(args[2:], cwd, env, timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -81,16 +87,24 @@ def test_the_port_trained_and_the_script_diff_is_small(lm_runs):
     assert len(added) <= 10, added
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
-def test_dataloader_port_with_sync_batchnorm_equals_one_process(tmp_path, strategy):
+@pytest.fixture(scope="module")
+def image_one(tmp_path_factory) -> Path:
+    """examples/image_classifier.py in one plain process: its saved model."""
     pytest.importorskip("sklearn", reason="the example reads scikit-learn's digits")
+    tmp = tmp_path_factory.mktemp("image-one")
+    one = run([REPO / "examples" / "image_classifier.py", *IMAGES, "--save", "one.pt"], tmp)
+    assert one.returncode == 0, one.stderr[-2000:]
+    return tmp / "one.pt"
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps-sync"])
+def test_dataloader_port_with_sync_batchnorm_equals_one_process(tmp_path, image_one, strategy):
     script = REPO / "examples" / "image_classifier.py"
-    one = run([script, *IMAGES, "--save", "one.pt"], tmp_path)
     extra = ("--strategy", "ps-sync", "--num-ps", 1) if strategy == "ps-sync" else ()
     two = run(launch("--nproc", 2, *extra, script, *IMAGES, "--save", "two.pt"), tmp_path)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
     assert "world_size 2" in two.stdout and two.stdout.count("epoch  1") == 1
-    a, b = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    a, b = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(image_one, weights_only=True)
     assert any("running_var" in k for k in b)  # the BatchNorm statistics are compared too
     diff = max_rel_diff(a, b)
     print(f"DIFF image port {strategy}: {diff:.3e}")

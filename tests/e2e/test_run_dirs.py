@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,12 +28,26 @@ def snapshot(run_dir: Path) -> dict[str, str]:
             for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-def test_a_second_run_on_a_held_run_dir_is_refused(tmp_path, tiny_data):
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory, tiny_data) -> Path:
+    """TINY (allreduce, 2 workers) trained to its max_steps = 4 (a checkpoint at step 4): a finished
+    run, and one to resume. Tests work on a copy (:func:`copy_of`)."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    (tmp / "tiny.toml").write_text(TINY)
+    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "run", "--set", "train.max_steps=4",
+                  cwd=tmp)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return tmp / "run"
+
+
+def copy_of(stopped: Path, tmp_path: Path, name: str) -> Path:
+    """``stopped`` copied to ``tmp_path / name``, with TINY's recipe beside it."""
     (tmp_path / "tiny.toml").write_text(TINY)
-    short = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "held", "--set", "train.max_steps=4",
-                      cwd=tmp_path)
-    assert short.returncode == 0, short.stderr[-2000:]
-    run_dir = tmp_path / "held"
+    return Path(shutil.copytree(stopped, tmp_path / name))
+
+
+def test_a_second_run_on_a_held_run_dir_is_refused(tmp_path, tiny_data, stopped):
+    run_dir = copy_of(stopped, tmp_path, "held")
     first = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "train", "--resume", str(run_dir), "--data-dir",
                               str(tiny_data), "--set", "train.max_steps=0", "--set", "train.epochs=100000"],
                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -51,25 +66,19 @@ def test_a_second_run_on_a_held_run_dir_is_refused(tmp_path, tiny_data):
         first.wait()
 
 
-def test_resuming_a_finished_run_writes_nothing(tmp_path, tiny_data):
-    (tmp_path / "tiny.toml").write_text(TINY)
-    done = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "done", "--set", "train.max_steps=6",
-                     cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_resuming_a_finished_run_writes_nothing(tmp_path, tiny_data, stopped):
+    copy_of(stopped, tmp_path, "done")
     before = snapshot(tmp_path / "done")
-    again = paratrain("train", "--resume", "done", "--data-dir", tiny_data, "--set", "train.max_steps=6", cwd=tmp_path)
+    again = paratrain("train", "--resume", "done", "--data-dir", tiny_data, "--set", "train.max_steps=4", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert again.stdout.startswith("paratrain: run dir done is complete (step 6): valid_loss ")
+    assert again.stdout.startswith("paratrain: run dir done is complete (step 4): valid_loss ")
     assert "test_ppl" in again.stdout
     assert snapshot(tmp_path / "done") == before
 
 
 @pytest.mark.parametrize("change", ["train.batch_size=8", "data.bptt=7"])
-def test_resume_that_would_move_the_data_position_is_refused(tmp_path, tiny_data, change):
-    (tmp_path / "tiny.toml").write_text(TINY)
-    part = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "part", "--set", "train.max_steps=4",
-                     cwd=tmp_path)
-    assert part.returncode == 0, part.stderr[-2000:]
+def test_resume_that_would_move_the_data_position_is_refused(tmp_path, tiny_data, stopped, change):
+    copy_of(stopped, tmp_path, "part")
     before = snapshot(tmp_path / "part")
     r = paratrain("train", "--resume", "part", "--data-dir", tiny_data, "--set", change, "--set",
                   "train.max_steps=8", cwd=tmp_path)
@@ -151,35 +160,49 @@ LAYOUTS = {"allreduce-2": ("--strategy", "allreduce", "--nproc", "2"), "single":
            "ps-sync-2": ("--strategy", "ps-sync", "--nproc", "2", "--num-ps", "1")}
 
 
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, tiny_data):
+    """Runs of TINY made once per module, on first use: ``("full", "single")`` 12 uninterrupted steps
+    on one device, ``("part", LAYOUT)`` the first 6 steps in LAYOUT (tests resume copies)."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    (tmp / "tiny.toml").write_text(TINY)
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(kind: str, layout: str) -> Path:
+        if (kind, layout) not in made:
+            steps = 12 if kind == "full" else 6
+            name = f"{kind}-{layout}"
+            r = paratrain("train", "tiny.toml", *LAYOUTS[layout], "--run-dir", name, "--data-dir", tiny_data,
+                          "--set", f"train.max_steps={steps}", cwd=tmp)
+            assert r.returncode == 0, r.stderr[-2000:]
+            made[kind, layout] = tmp / name
+        return made[kind, layout]
+    return get
+
+
 @pytest.mark.parametrize("before,after", [("single", "allreduce-2"), ("allreduce-2", "single"),
                                           ("allreduce-2", "ps-sync-2"), ("ps-sync-2", "allreduce-2")])
-def test_resume_under_another_world_size_or_strategy_keeps_the_data_order(tmp_path, tiny_data, before, after):
-    """6 steps in one layout, 6 more resumed in another, equal to 12 uninterrupted steps at the same
-    global batch (float64): nothing skipped or repeated, the BPTT state of every stream carried."""
+def test_resume_under_another_world_size_or_strategy_keeps_the_data_order(tmp_path, tiny_data, layout_runs, before,
+                                                                          after):
+    """6 steps in one layout, 6 more resumed in another, equal to 12 uninterrupted steps on one device
+    at the same global batch (float64): nothing skipped or repeated, the BPTT state of every stream
+    carried."""
     (tmp_path / "tiny.toml").write_text(TINY)
-    data = ("--data-dir", tiny_data)
-    full = paratrain("train", "tiny.toml", *LAYOUTS[before], "--run-dir", "full", *data, "--set", "train.max_steps=12",
-                     cwd=tmp_path)
-    part = paratrain("train", "tiny.toml", *LAYOUTS[before], "--run-dir", "part", *data, "--set", "train.max_steps=6",
-                     cwd=tmp_path)
-    assert full.returncode == 0 and part.returncode == 0, full.stderr[-2000:] + part.stderr[-2000:]
-    resumed = paratrain("train", "--resume", "part", *LAYOUTS[after], *data, "--set", "train.max_steps=12",
-                        cwd=tmp_path)
+    shutil.copytree(layout_runs("part", before), tmp_path / "part")
+    resumed = paratrain("train", "--resume", "part", *LAYOUTS[after], "--data-dir", tiny_data, "--set",
+                        "train.max_steps=12", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = final_model(tmp_path / "full"), final_model(tmp_path / "part")
+    a, b = final_model(layout_runs("full", "single")), final_model(tmp_path / "part")
     worst = max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
     assert worst < 1e-10, worst
 
 
-def test_resume_on_another_vocabulary_names_the_tensors_that_differ(tmp_path, tiny_data):
+def test_resume_on_another_vocabulary_names_the_tensors_that_differ(tmp_path, stopped):
     from ..conftest import write_tiny_corpus
 
-    (tmp_path / "tiny.toml").write_text(TINY)
-    r = paratrain("train", "tiny.toml", "--data-dir", tiny_data, "--run-dir", "v", "--set", "train.max_steps=2",
-                  cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
+    copy_of(stopped, tmp_path, "v")
     other = write_tiny_corpus(tmp_path / "other", vocab=50)
-    r = paratrain("train", "--resume", "v", "--data-dir", other, "--set", "train.max_steps=4", cwd=tmp_path)
+    r = paratrain("train", "--resume", "v", "--data-dir", other, "--set", "train.max_steps=8", cwd=tmp_path)
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "embedding.weight (41, 8) in the checkpoint vs (51, 8) here" in line, line

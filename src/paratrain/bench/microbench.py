@@ -40,7 +40,7 @@ DEFAULT_SIZES_BYTES = tuple(4 ** k for k in range(1, 14))
 
 def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[int], repeats: int,
                warmup: int, timeout_s: float, op: str = "all_reduce") -> None:
-    """One rank (spawned): time every size, rank 0 writes ``results.json``; errors to ``error-<rank>.txt``."""
+    """One rank (a process of :func:`run_ranks`): time every size, rank 0 writes ``results.json``; errors to ``error-<rank>.txt``."""
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -209,14 +209,6 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
 
 
-def _rank_then_exit(target, *args) -> None:
-    """A rank of :func:`run_ranks`: ``target(*args)``, then a quick exit (``child.freeze_before_exit``)."""
-    from ..child import freeze_before_exit
-
-    target(*args)
-    freeze_before_exit()
-
-
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc", "paratrain.bench.microbench",
                 "paratrain.bench.microbench_meetings", "paratrain.bench.microbench_rpc",
                 "paratrain.bench.microbench_sharded")
@@ -229,7 +221,8 @@ def rank_context():
     a server already started by this program is used as it is). Each rank is a fresh fork of
     that single-threaded server, which has run nothing: it starts in milliseconds instead of the
     4-5 s of CPU that a spawned interpreter spends importing torch, and shares no state with this
-    process or the other benchmarks' ranks. The ranks get the environment this process had when
+    process or the other benchmarks' ranks. A rank ends with ``os._exit`` when its target returns
+    (the fork server's children skip the interpreter's exit). The ranks get the environment this process had when
     the server started; they set what they need (``GLOO_SOCKET_IFNAME``, threads) themselves."""
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(RANK_PRELOAD))
@@ -245,7 +238,7 @@ def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str)
     after the start (killed; the message holds their tracebacks)."""
     ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
-        procs = [ctx.Process(target=_rank_then_exit, args=(target, r, tmp, *args), daemon=True)
+        procs = [ctx.Process(target=target, args=(r, tmp, *args), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,7 +1,8 @@
 """RPC endpoints of a parameter-server process and the loop that serves them.
 
 A server process keeps its :class:`ShardServer` in ``_SHARDS`` (the endpoint
-table of that process, filled by :func:`serve` and emptied when it returns):
+table of that process, filled by :func:`register` before its RPC agent starts and emptied when
+:func:`serve` returns):
 RPC calls name module-level functions, so the table is how they find the shard.
 Gradients and parameters travel as lists of CPU tensors through TensorPipe.
 """
@@ -73,14 +74,22 @@ def gate_request(worker: int) -> Future:
     return _GATE[0].request(worker)
 
 
-def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float = 0.2) -> dict:
-    """Serve ``shard`` until every worker is done or declared dead; returns its final stats.
-
-    Runs on the server's main thread while RPC threads handle pushes and pulls.
-    """
+def register(shard: ShardServer, gate: StalenessGate | None = None) -> None:
+    """Put ``shard`` (and the staleness gate) in this process's endpoint table. Called before this
+    process starts its RPC agent: ``init_rpc`` is collective, so no worker can call an endpoint before
+    every server's shard is there (a worker that built its model sooner than its server built the
+    shard found an empty table: ``KeyError``)."""
     _SHARDS[shard.shard_id] = shard
     if gate is not None:
         _GATE[0] = gate
+
+
+def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float = 0.2) -> dict:
+    """Serve ``shard`` (:func:`register`-ed) until every worker is done or declared dead; returns its
+    final stats, and takes the shard out of the table.
+
+    Runs on the server's main thread while RPC threads handle pushes and pulls.
+    """
     try:
         while shard.alive():
             time.sleep(poll_s)

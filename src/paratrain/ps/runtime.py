@@ -69,12 +69,15 @@ def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
                                            rpc_timeout=max(settings.timeout_s + 30, startup_timeout(settings)),
                                            init_method=rpc_init_method(settings, rank, layout.world_size),
                                            _transports=RPC_TRANSPORTS)
+    served = _shard(settings, layout, index, mode, server_group) if role == "server" else None
     with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(layout.name(role, index), rank=rank, world_size=layout.world_size, rpc_backend_options=opts)
-    if role == "server":
+    if served is not None:
+        from .rpc_api import serve
+
         try:
-            return None, {"server_stats": _serve(settings, layout, index, mode, server_group)}
+            return None, {"server_stats": serve(*served)}
         finally:
             shutdown_rpc()
     local_rank = index % layout.nproc
@@ -100,8 +103,10 @@ def shutdown_rpc() -> None:
         pass
 
 
-def _serve(settings: ProcessSettings, layout: PSLayout, index: int, mode: str, server_group) -> dict:
-    from .rpc_api import serve
+def _shard(settings: ProcessSettings, layout: PSLayout, index: int, mode: str, server_group):
+    """This server's ``(ShardServer, StalenessGate or None)``, registered in its endpoint table
+    (:func:`~.rpc_api.register`: before the RPC agent starts, so that no call finds it missing)."""
+    from .rpc_api import register
     from .server import ShardServer, StalenessGate
 
     def norm_allreduce(t: torch.Tensor) -> torch.Tensor:
@@ -115,4 +120,5 @@ def _serve(settings: ProcessSettings, layout: PSLayout, index: int, mode: str, s
                         norm_allreduce=norm_allreduce)
     s = int(o.get("max_staleness", -1))
     gate = StalenessGate(s) if (index == 0 and mode == "async" and s >= 0) else None
-    return serve(shard, gate)
+    register(shard, gate)
+    return shard, gate
