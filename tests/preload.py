@@ -29,8 +29,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc",
-           "torch.distributed.elastic.multiprocessing", "torch.distributed.run", "paratrain.cli",
+from paratrain.bench.microbench import RANK_PRELOAD
+
+# one fork server per process serves both: whichever of this and bench.microbench.rank_context
+# starts it first, the micro-benchmarks' modules are preloaded too
+PRELOAD = [*RANK_PRELOAD, "torch.distributed.elastic.multiprocessing", "torch.distributed.run", "paratrain.cli",
            "paratrain.train", "paratrain.strategies", "tests.preload"]
 
 

@@ -2,7 +2,8 @@
 the fitted :class:`~paratrain.bench.costmodel.Link` (``paratrain bench --validate-model``).
 
 :func:`measure_allreduce` starts ``world_size`` processes (:func:`run_ranks`: forked from a
-preloaded fork server) that meet through a ``torch.distributed.FileStore`` in a temporary folder (no ports),
+preloaded fork server) that meet through a ``torch.distributed.FileStore`` in a temporary folder
+(no ports),
 each with one intra-op thread and gloo pinned to loopback (``GLOO_SOCKET_IFNAME=lo`` unless
 set). Per size: ``warmup`` untimed all-reduces, then ``repeats`` times: barrier, time one
 all-reduce of float32 zeros (zeros: the sums never overflow), take the max over ranks (a
@@ -40,7 +41,8 @@ DEFAULT_SIZES_BYTES = tuple(4 ** k for k in range(1, 14))
 
 def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[int], repeats: int,
                warmup: int, timeout_s: float, op: str = "all_reduce") -> None:
-    """One rank (a process of :func:`run_ranks`): time every size, rank 0 writes ``results.json``; errors to ``error-<rank>.txt``."""
+    """One rank (a process of :func:`run_ranks`): time every size, rank 0 writes ``results.json``;
+    errors to ``error-<rank>.txt``."""
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -209,8 +211,8 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     return [(s, t if isinstance(t, list) else float(t)) for s, t in got]
 
 
-RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc", "paratrain.bench.microbench",
-                "paratrain.bench.microbench_meetings", "paratrain.bench.microbench_rpc",
+RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc",
+                "paratrain.bench.microbench", "paratrain.bench.microbench_meetings", "paratrain.bench.microbench_rpc",
                 "paratrain.bench.microbench_sharded")
 """What the ranks' fork server imports once (torch's optimizers import torch._dynamo on first use)."""
 
@@ -222,15 +224,17 @@ def rank_context():
     that single-threaded server, which has run nothing: it starts in milliseconds instead of the
     4-5 s of CPU that a spawned interpreter spends importing torch, and shares no state with this
     process or the other benchmarks' ranks. A rank ends with ``os._exit`` when its target returns
-    (the fork server's children skip the interpreter's exit). The ranks get the environment this process had when
-    the server started; they set what they need (``GLOO_SOCKET_IFNAME``, threads) themselves."""
+    (the fork server's children skip the interpreter's exit). The ranks get the environment this
+    process had when the server started; they set what they need (``GLOO_SOCKET_IFNAME``,
+    threads) themselves."""
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(RANK_PRELOAD))
     return ctx
 
 
 def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str):
-    """Run ``target(rank, workdir, *args)`` in ``world_size`` new processes (:func:`rank_context`) sharing
+    """Run ``target(rank, workdir, *args)`` in ``world_size`` new processes (:func:`rank_context`),
+    sharing
     a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
     writes its traceback to ``error-<rank>.txt``. Raises RuntimeError naming ``what``: at once when a
     rank fails (the others, which would wait for it in a collective or ``rpc.shutdown``, are killed;

@@ -1,5 +1,6 @@
 """RPC micro-benchmark on this machine: one ``torch.distributed.rpc`` message over TensorPipe (the
-parameter server's push and pull) between two local processes (:func:`~.microbench.run_ranks`), and its fitted
+parameter server's push and pull) between two local processes (:func:`~.microbench.run_ranks`),
+and its fitted
 :class:`~paratrain.bench.costmodel.Link` (:func:`measured_rpc`, part of
 :func:`~.microbench.measured_links`)."""
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _stop_rpc(rank: int, workdir: str, result) -> None:
 
 def _rpc_main(rank: int, workdir: str, sizes_bytes: Sequence[int], repeats: int, warmup: int,
               timeout_s: float) -> None:
-    """One of two RPC agents (a process of :func:`~.microbench.run_ranks`): rank 0 times ``rpc_sync`` round trips of each size."""
+    """One of two RPC agents (a process of :func:`~.microbench.run_ranks`): rank 0 times ``rpc_sync``
+    round trips of each size."""
     import torch.distributed.rpc as rpc
 
     try:
@@ -85,9 +87,10 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
 
 def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type, defaults: dict,
              threads: int, repeats: int, warmup: int, timeout_s: float) -> None:
-    """One of two RPC agents (a process of :func:`~.microbench.run_ranks`): rank 1 serves one asynchronous :class:`~paratrain.ps.server.ShardServer`
-    (``rpc_api``'s endpoints, as a ``ps-async`` server process does); rank 0 is its one worker and
-    times push, answer and load (:func:`measured_ps_round_trip`)."""
+    """One of two RPC agents (a process of :func:`~.microbench.run_ranks`): rank 1 serves one
+    asynchronous :class:`~paratrain.ps.server.ShardServer` (``rpc_api``'s endpoints, as a
+    ``ps-async`` server process does); rank 0 is its one worker and times push, answer and load
+    (:func:`measured_ps_round_trip`)."""
     import torch.distributed.rpc as rpc
 
     from ..ps import rpc_api
@@ -122,8 +125,9 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], st
 def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *, threads: int = 1,
                            repeats: int = 15, warmup: int = 3, timeout_s: float = 180.0) -> float:
     """Seconds of one ``ps-async`` worker's exchange with one server holding all of ``params``,
-    measured between two local processes (:func:`~.microbench.run_ranks`) with nothing else running: the push of a gradient
-    of ``params``' shapes and dtypes over ``torch.distributed.rpc``, the server's update
+    measured between two local processes (:func:`~.microbench.run_ranks`) with nothing else
+    running: the push of a gradient of ``params``' shapes and dtypes over ``torch.distributed.rpc``,
+    the server's update
     (:class:`~paratrain.ps.server.ShardServer` with ``optimizer``'s class and defaults, no clipping)
     and its answer, and the copy of the answered parameters into the worker's (what
     :class:`~paratrain.ps.client.PSClient` does each step). Median of ``repeats`` after ``warmup``, at
