@@ -49,8 +49,8 @@ def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int =
         shape = [int(d) for d in shape]
         x = torch.randn(towers * shape[0], *shape[1:], requires_grad=True)
         group = TowerGroup(towers)
-        synced = CPUTowers(nn.Sequential(Busy(), SyncBatchNorm(shape[1], reducer=TowerReducer(
-            group, [torch.device("cpu")] * towers))), towers, 0, threads, group)
+        synced = CPUTowers(nn.Sequential(Busy(), SyncBatchNorm(shape[1], reducer=TowerReducer(group))),
+                           towers, 0, threads, group)
         plain = CPUTowers(nn.Sequential(Busy(), SyncBatchNorm(shape[1], reducer=None)), towers, 0, threads)
 
         def once(layer) -> float:

@@ -75,7 +75,7 @@ class Replicate(SingleDevice):
     def _sync_batchnorm(self, model: nn.Module) -> nn.Module:
         from .sync_batchnorm import convert
 
-        return convert(model, TowerReducer(self.group, self.devices) if self.group else None)
+        return convert(model, TowerReducer(self.group) if self.group else None)
 
     def _wrap(self, module: nn.Module, batch_dim: int) -> nn.Module:
         if len(self.devices) == 1:

@@ -50,16 +50,15 @@ class GroupReducer:
 
 
 class TowerReducer:
-    """Differentiable sum over the towers of one process (each tower's forward runs in its own thread)."""
+    """Differentiable sum over the towers of one process (each tower's forward runs in its own thread,
+    with :func:`~paratrain.strategies.towers.current_tower` set to its index; every tower calls it in
+    the same order). The sum is on the calling tower's device."""
 
-    def __init__(self, group: TowerGroup, devices: list[torch.device]) -> None:
-        self.group, self.devices = group, devices
-
-    def _index(self, t: torch.Tensor) -> int:
-        return self.devices.index(t.device) if t.is_cuda and t.device in self.devices else current_tower()
+    def __init__(self, group: TowerGroup) -> None:
+        self.group = group
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self.group.exchange(self._index(t), t)
+        parts = self.group.exchange(current_tower(), t)
         total = parts[0].to(t.device)
         for p in parts[1:]:
             total = total + p.to(t.device)

@@ -44,6 +44,7 @@ import contextlib
 import copy
 import re
 import threading
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -178,7 +179,22 @@ class TowerRandom(TorchFunctionMode):
 
 class SeededDataParallel(nn.DataParallel):
     """``torch.nn.DataParallel`` whose towers draw different, reproducible random numbers: before
-    each forward, device ``device_ids[t]``'s default generator is seeded with :func:`tower_seeds`."""
+    each forward, device ``device_ids[t]``'s default generator is seeded with :func:`tower_seeds`.
+
+    Each replica's forward runs with :func:`current_tower` set to its index, so tower-level
+    collectives (sync BatchNorm's :class:`~paratrain.strategies.sync_batchnorm.TowerReducer`) meet
+    by tower, not by device. The parts of the batch are made contiguous (see :meth:`scatter`).
+
+    ``device_ids`` may repeat a device (soft placement puts ``cuda:0,cuda:1`` on a one-GPU machine
+    on cuda:0 twice). The maths is the same; the towers that share a device then share its
+    generator, so with dropout their masks depend on thread order. A warning says so."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, **kwargs: Any) -> None:
+        super().__init__(module, device_ids=device_ids, **kwargs)
+        if len(set(self.device_ids)) < len(self.device_ids):
+            warnings.warn(f"towers on devices {list(self.device_ids)} share a device: they compute the same "
+                          "result, but their dropout masks share its generator and are not reproducible",
+                          stacklevel=2)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.training and len(self.device_ids) > 1:
@@ -186,26 +202,46 @@ class SeededDataParallel(nn.DataParallel):
                 torch.cuda.default_generators[d].manual_seed(seed)
         return super().forward(*inputs, **kwargs)
 
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
+        """DataParallel's scatter, every tensor part made contiguous. The part that stays on
+        ``device_ids[0]`` is a view of the input, strided when the batch dimension is not the first:
+        an LSTM's hidden state (layers, B, H) split along B, which cuDNN's RNN refuses ("rnn: hx is not
+        contiguous"; found on an H100)."""
+        inputs, kwargs = super().scatter(inputs, kwargs, device_ids)
+        return contiguous_parts(inputs), contiguous_parts(kwargs)
+
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-        """DataParallel's threaded forwards (every replica in a thread of its own), with the caller's
-        measurement modes shared to each thread (see the module doc)."""
-        modes = measurement_modes()
-        if modes and len(replicas) > 1:  # one replica runs in this thread, under the modes themselves
-            lock = threading.RLock()
-            replicas = [_UnderModes(r, modes, lock) for r in replicas]
-        return super().parallel_apply(replicas, inputs, kwargs)
+        """DataParallel's threaded forwards (every replica in a thread of its own), each with
+        :func:`current_tower` set to its index and the caller's measurement modes shared to it
+        (see the module doc)."""
+        modes = measurement_modes() if len(replicas) > 1 else []  # one replica runs in this thread, under them
+        lock = threading.RLock()
+        return super().parallel_apply([_Tower(r, t, modes, lock) for t, r in enumerate(replicas)], inputs, kwargs)
 
 
-class _UnderModes(nn.Module):
-    """``module`` called under :func:`shared_modes` (``modes``, ``lock``) in the calling thread."""
+def contiguous_parts(obj: Any) -> Any:
+    """``obj`` (tensors in tuples, lists, dicts, named tuples) with every tensor made contiguous."""
+    from torch.utils._pytree import tree_map
 
-    def __init__(self, module: nn.Module, modes: Sequence[TorchDispatchMode], lock: threading.RLock) -> None:
+    return tree_map(lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, obj)
+
+
+class _Tower(nn.Module):
+    """``module`` called as tower ``index`` (:func:`current_tower`) in the calling thread, under
+    :func:`shared_modes` (``modes``, ``lock``) when there are modes to share."""
+
+    def __init__(self, module: nn.Module, index: int, modes: Sequence[TorchDispatchMode],
+                 lock: threading.RLock) -> None:
         super().__init__()
-        self.module, self.modes, self.lock = module, modes, lock
+        self.module, self.index, self.modes, self.lock = module, index, modes, lock
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with shared_modes(self.modes, self.lock, caller=False):
-            return self.module(*args, **kwargs)
+        _TOWER.index = self.index
+        try:
+            with shared_modes(self.modes, self.lock, caller=False):
+                return self.module(*args, **kwargs)
+        finally:
+            _TOWER.index = 0
 
 
 def shallow_replica(module: nn.Module) -> nn.Module:
