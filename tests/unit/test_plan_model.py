@@ -632,6 +632,11 @@ def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minu
     assert tower_sync_batchnorm_s(prof, cfg, 2, on_this_machine=False) == 0.0
     assert tower_sync_batchnorm_s(prof, off, 2, on_this_machine=True) == 0.0
     assert tower_sync_batchnorm_s({"batchnorm_inputs": []}, cfg, 2, on_this_machine=True) == 0.0
+    # the training loop's own two-tower term, where the profile has it, before the micro-benchmark's
+    loop = {**prof, "loop_sync_batchnorm_s": {"allreduce": 0.0335, "replicate": 0.012}}
+    assert tower_sync_batchnorm_s(loop, cfg, 2, on_this_machine=True) == 0.012
+    assert tower_sync_batchnorm_s(loop, cfg, 3, on_this_machine=True) == pytest.approx(0.024)
+    assert tower_sync_batchnorm_s(loop, cfg, 2, on_this_machine=False) == 0.0
 
 
 def test_the_tower_microbenchmark_prices_the_threads_meeting_in_synchronised_batchnorm(monkeypatch):
@@ -683,6 +688,11 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     assert sync_batchnorm_s(prof, cfg, 1, link, on_this_machine=True) == 0.0  # one process: nothing to sync
     assert sync_batchnorm_s(prof, off, 2, link, on_this_machine=True) == 0.0
     assert sync_batchnorm_s({"batchnorm_inputs": []}, cfg, 2, link, on_this_machine=True) == 0.0
+    # the training loop's own allreduce term, where the profile has it, before the layers' micro-benchmark
+    loop = {**prof, "loop_sync_batchnorm_s": {"allreduce": 0.0335, "replicate": 0.012}}
+    assert sync_batchnorm_s(loop, cfg, 2, link, on_this_machine=True) == 0.0335
+    assert sync_batchnorm_s(loop, cfg, 4, link, on_this_machine=True) == pytest.approx(0.0335 + ring[4] - ring[2])
+    assert sync_batchnorm_s(loop, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])  # a cluster
 
 
 def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_their_sync_on_two_processes():
@@ -836,3 +846,71 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     assert got == {"recommended": "zero1", "measured_fastest": "zero1", "shortfall": 0.0}
     got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 980.0, 900, 1000.0)])
     assert got["recommended"] == "allreduce" and got["shortfall"] == pytest.approx(0.12)
+
+
+def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_minus_off(monkeypatch, tmp_path):
+    """profile_runs.loop_sync_batchnorm with the runs stubbed: the commands (each strategy at 2
+    replicas, the global batch, the key on and off) and the arithmetic (median on - median off of rank
+    0's data + forward + backward, at least 0)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from paratrain.bench import report, runner, sweep, validate
+    from paratrain.bench.profile_runs import loop_sync_batchnorm
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    # compute seconds by (strategy, key on), one per round: medians 0.044 / 0.010 and 0.031 / 0.017
+    compute = {("allreduce", True): [0.044, 0.046, 0.040], ("allreduce", False): [0.010, 0.011, 0.009],
+               ("replicate", True): [0.031, 0.030, 0.035], ("replicate", False): [0.017, 0.016, 0.020]}
+    commands = []
+
+    def run_cmd(cmd, log, timeout_s, env):
+        commands.append(cmd)
+        return 0, None
+
+    def workload(rec, ranks, units):
+        cmd = rec["cmd"]
+        key = (cmd[cmd.index("--strategy") + 1], "model.sync_batchnorm=true" in cmd)
+        got = compute[key][sum(1 for c in commands[:rec["i"] + 1] if c[c.index("--strategy") + 1] == key[0]
+                               and ("model.sync_batchnorm=true" in c) == key[1]) - 1]
+        return SimpleNamespace(data_s=0.001, forward_s=got / 2 - 0.0005, backward_s=got / 2 - 0.0005)
+
+    monkeypatch.setattr(runner, "run_cmd", run_cmd)
+    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: len(commands) - 1)
+    monkeypatch.setattr(report, "run_record", lambda i: {"ok": True, "units_per_step": 64, "cmd": commands[i], "i": i})
+    monkeypatch.setattr(validate, "workload_from_record", workload)
+    got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=3)
+    assert got == pytest.approx({"allreduce": 0.034, "replicate": 0.014})
+    assert len(commands) == 12  # 3 rounds x 2 strategies x on, off
+    for cmd in commands:
+        assert "train.batch_size=64" in cmd and "train.max_steps=12" in cmd
+        assert ("model.sync_batchnorm=true" in cmd) != ("model.sync_batchnorm=false" in cmd)
+    replicate = [c for c in commands if c[c.index("--strategy") + 1] == "replicate"]
+    assert all('dist.devices="cpu:0,cpu:1"' in c for c in replicate)  # two towers
+    assert all("dist.nproc=2" in c for c in commands if c not in replicate)  # two processes
+    # a key that costs nothing measured below zero: 0, not a negative term
+    compute[("replicate", True)] = [0.015, 0.015, 0.015]
+    commands.clear()
+    assert loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=3)["replicate"] == 0.0
+
+
+def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():
+    """The one-device row's prediction is the profile's own run of it: a measured step 64% longer
+    means the machine slowed (it did, on this VM: 8.1 ms profiled, 13.3 ms validated); within 10%
+    the report says nothing."""
+    from paratrain.bench.plan_validate import machine_drift, markdown
+
+    def row(strategy, n, predicted, measured, ok=True):
+        return {"strategy": strategy, "label": strategy, "n": n, "ok": ok, "predicted_step_ms": predicted,
+                "measured_step_ms": measured, "step_error": measured and predicted / measured - 1,
+                "predicted_memory_bytes": 2 ** 20, "measured_memory_bytes": 2 ** 20, "memory_error": 0.0}
+
+    slow = [row("single", 1, 8.1, 13.3), row("allreduce", 2, 42.3, 52.9)]
+    assert machine_drift(slow) == pytest.approx(13.3 / 8.1 - 1)
+    assert "ran 64% slower here than the profile measured it" in markdown({"config": "c", "rows": slow})
+    assert machine_drift([row("single", 1, 10.0, 8.5)]) == pytest.approx(-0.15)  # faster
+    assert "15% faster" in markdown({"config": "c", "rows": [row("single", 1, 10.0, 8.5)]})
+    quiet = [row("single", 1, 9.0, 9.2), row("allreduce", 2, 40.0, 50.0)]
+    assert machine_drift(quiet) is None and "machine" not in markdown({"config": "c", "rows": quiet})
+    assert machine_drift([row("allreduce", 2, 40.0, 50.0)]) is None  # no one-device row: nothing to say
+    assert machine_drift([row("single", 1, 8.1, 13.3, ok=False)]) is None  # a failed run says nothing

@@ -203,7 +203,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
-    sizes = ([list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # input shapes, not bytes
+    sizes = ([s if isinstance(s, dict) else list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # shapes
              else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,

@@ -34,30 +34,43 @@ def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
     return int(k)
 
 
-def _time_sync_batchnorm(shape: Sequence[int], repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
+def _time_sync_batchnorm(item: Sequence[int] | dict, repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
     """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
     ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
-    input of ``shape`` (N, C, *): four blocking all-reduces (count and sum, the variance, and their
-    gradients), each meeting a rank that may still be computing. Each timed pass follows about
-    ``compute_s`` of one-thread compute, as a layer inside a training step does; the median over
-    ``repeats`` interleaved pairs, difference of the medians. Collective: every rank calls it."""
+    input of shape ``item["shape"]`` (N, C, *): four blocking all-reduces (count and sum, the variance,
+    and their gradients), each pair meeting a rank that may still be computing.
+
+    As inside a training step, the layer's forward follows ``item["compute_s"][0]`` seconds of
+    one-thread compute (the layers before it), and its backward ``item["compute_s"][1]`` more (the rest
+    of the forward and the backward down to it). Only the layer's forward and backward are timed.
+    The median over ``repeats`` interleaved pairs, difference of the medians. A bare shape stands for
+    ``{"shape": item, "compute_s": [compute_s, 0]}`` (the backward right after the forward).
+    Collective: every rank calls it."""
     import torch.distributed as dist
 
     from ..strategies.sync_batchnorm import GroupReducer, SyncBatchNorm
 
+    shape, (before, between) = ((item["shape"], item["compute_s"]) if isinstance(item, dict)
+                                else (item, (compute_s, 0.0)))
     shape = [int(d) for d in shape]
     x = torch.randn(*shape, requires_grad=True)
     synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
     plain = SyncBatchNorm(shape[1], reducer=None)
     a = torch.randn(96, 96)
-    k = _products_everywhere(a, compute_s)
+    k_before = _products_everywhere(a, before)
+    k_between = _products_everywhere(a, between) if between > 0 else 0
 
     def once(layer) -> float:
-        for _ in range(k):
+        for _ in range(k_before):
             a @ a
         t = time.perf_counter()
-        layer(x).sum().backward()
-        return time.perf_counter() - t
+        y = layer(x)
+        forward = time.perf_counter() - t
+        for _ in range(k_between):
+            a @ a
+        t = time.perf_counter()
+        y.sum().backward()
+        return forward + time.perf_counter() - t
 
     alone, reduced = [], []
     with warnings.catch_warnings():  # torch's deprecation notice of the differentiable all_reduce, once per rank
@@ -95,16 +108,18 @@ def _time_meeting(compute_us: int, repeats: int, warmup: int) -> float:
     return float(mean) / dist.get_world_size()
 
 
-def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, repeats: int = 40, warmup: int = 5,
-                            timeout_s: float = 120.0) -> float:
+def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, compute_s: Sequence[float] = (1e-3, 1e-3),
+                            repeats: int = 40, warmup: int = 5, timeout_s: float = 120.0) -> float:
     """Seconds per training step that synchronising BatchNorm layers with these per-replica input
     shapes (N, C, *) costs two local gloo processes (one thread each) beyond plain BatchNorm: the
-    sum over the layers of :func:`_time_sync_batchnorm`. 0 for no shapes. Raises RuntimeError as
-    :func:`measure_allreduce`."""
+    sum over the layers of :func:`_time_sync_batchnorm`. ``compute_s``: (before, between), the
+    one-thread compute each layer's forward follows and its backward follows, as inside the step
+    (the profile gives the step's forward and backward split evenly over the layers). 0 for no
+    shapes. Raises RuntimeError as :func:`measure_allreduce`."""
     if not shapes:
         return 0.0
-    points = measure_allreduce(2, [list(s) for s in shapes], repeats=repeats, warmup=warmup, timeout_s=timeout_s,
-                               op="sync_batchnorm")
+    items = [{"shape": [int(d) for d in s], "compute_s": [float(c) for c in compute_s]} for s in shapes]
+    points = measure_allreduce(2, items, repeats=repeats, warmup=warmup, timeout_s=timeout_s, op="sync_batchnorm")
     return sum(t for _, t in points)
 
 

@@ -133,13 +133,13 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from ..consistency import config_text
     from ..env import available_cores
     from .profile import cached_profile, profile_key, profile_model
-    from .profile_runs import loop_workloads
+    from .profile_runs import loop_sync_batchnorm, loop_workloads
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 8
+    phases = 9
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -155,6 +155,11 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
                                                cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
                                                repeats=args.profile_repeats)
+            if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
+                progress("sync BatchNorm in the loop's two-replica steps")
+                prof["loop_sync_batchnorm_s"] = loop_sync_batchnorm(
+                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                    repeats=args.profile_repeats)
             bar.update(phases - bar.n)
             return prof
 

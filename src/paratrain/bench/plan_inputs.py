@@ -49,9 +49,11 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: four
     ring all-reduces of C + 1 numbers per BatchNorm layer and forward (count and sums, the variance,
     and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`); on this machine the
-    profile's measurement at two processes (``sync_batchnorm_s``: the model's BatchNorm input shapes,
-    each layer meeting a rank that was computing) plus what the ring adds beyond two processes. 0
-    without BatchNorm, without the key or at n = 1."""
+    profile's measurement at two processes plus what the ring adds beyond two processes. That
+    measurement is the training loop's own (``loop_sync_batchnorm_s["allreduce"]``: an allreduce step
+    with the key on minus off, :func:`~.profile_runs.loop_sync_batchnorm`) where the profile has it,
+    else the layers' micro-benchmark (``sync_batchnorm_s``: the model's BatchNorm input shapes, each
+    layer after the step's compute). 0 without BatchNorm, without the key or at n = 1."""
     from .costmodel import ring_allreduce_s
     from .microbench import FLOAT32_BYTES  # BatchNorm statistics: float32 for float32 models
 
@@ -62,8 +64,9 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     def ring(k: int) -> float:
         return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) for shape in shapes)
 
-    if on_this_machine and "sync_batchnorm_s" in prof:
-        return prof["sync_batchnorm_s"] + ring(n) - ring(2)
+    measured = (prof.get("loop_sync_batchnorm_s") or {}).get("allreduce", prof.get("sync_batchnorm_s"))
+    if on_this_machine and measured is not None:
+        return measured + ring(n) - ring(2)
     return ring(n)
 
 
@@ -88,12 +91,14 @@ def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
     """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
-    profile's measurement at two towers (``tower_sync_batchnorm_s``,
-    :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower threads meet twice per
-    BatchNorm layer in the forward), times n - 1 beyond two (each
+    profile's measurement at two towers (the training loop's own where the profile has it,
+    ``loop_sync_batchnorm_s["replicate"]``, :func:`~.profile_runs.loop_sync_batchnorm`; else
+    ``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower
+    threads meet twice per BatchNorm layer in the forward), times n - 1 beyond two (each
     meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
     the key, at n = 1, and for a cluster's devices (their towers exchange C + 1 numbers per layer
     between device threads: not modelled)."""
     if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
         return 0.0
-    return prof.get("tower_sync_batchnorm_s", 0.0) * (n - 1)
+    measured = (prof.get("loop_sync_batchnorm_s") or {}).get("replicate", prof.get("tower_sync_batchnorm_s", 0.0))
+    return measured * (n - 1)

@@ -236,4 +236,26 @@ def markdown(result: dict) -> str:
     if c:
         lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
                       f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
+    drift = machine_drift(result["rows"])
+    if drift is not None:
+        lines += ["", f"The one-device step ran {100 * abs(drift):.0f}% {'slower' if drift > 0 else 'faster'} here "
+                      f"than the profile measured it: the machine's speed changed between the profile and these "
+                      f"runs, and every error above includes that change. Validate again with --reprofile, "
+                      f"on a quieter machine."]
     return "\n".join(lines) + "\n"
+
+
+DRIFT = 0.10
+"""How far the one-device step may move between the profile and ``--validate`` before the report
+says that the machine's speed changed (:func:`machine_drift`)."""
+
+
+def machine_drift(rows: list[dict]) -> float | None:
+    """measured / predicted - 1 of the one-device layout (``single`` at N = 1), whose prediction is the
+    profile's own measurement of the same run: how much the machine itself slowed (> 0) or sped up
+    between the profile and the validation runs. None when it is within :data:`DRIFT`, or absent."""
+    one = next((r for r in rows if r["n"] == 1 and r["strategy"] == "single" and r["ok"]), None)
+    if one is None or not (math.isfinite(one["measured_step_ms"]) and one["predicted_step_ms"] > 0):
+        return None
+    drift = one["measured_step_ms"] / one["predicted_step_ms"] - 1
+    return drift if abs(drift) > DRIFT else None

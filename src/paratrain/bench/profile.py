@@ -30,6 +30,9 @@ the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm lay
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
 (``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU, between two
 towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
+Each layer's meetings there follow the compute that precedes them in the step: the step's forward and
+backward, split evenly over the BatchNorm calls (for towers, their forwards side by side, below).
+Every meeting pair of a layer pays the ranks' drift over that compute, not only the layer's first.
 On a CPU of several cores, one forward per core side by side in this process' threads, right after a
 training step, as CPU towers run them (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`).
 
@@ -49,7 +52,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 12  # 12: a parameter server's round trip (the PS's link); 11: the step's spread from
+PROFILE_VERSION = 13  # 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
+# server's round trip (the PS's link); 11: the step's spread from
 # successive differences (timing.successive_difference_sd), without the run's drift; 10: FSDP2's collectives
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
@@ -240,17 +244,23 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             out["fsdp_units"] = measured_fsdp_units(units)
         if out["batchnorm_inputs"]:
             from .microbench_meetings import measured_sync_batchnorm
-            from .microbench_towers import measured_tower_sync_batchnorm
 
-            out["sync_batchnorm_s"] = measured_sync_batchnorm(out["batchnorm_inputs"])
-            if device.type == "cpu":  # CPU towers meet in this process' threads
-                out["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(out["batchnorm_inputs"], repeats=60)
+            # a replica's compute between one layer's meetings and the next layer's, as in its step: the
+            # forward and the backward of this process' step split evenly over the BatchNorm calls
+            calls = len(out["batchnorm_inputs"])
+            out["sync_batchnorm_s"] = measured_sync_batchnorm(
+                out["batchnorm_inputs"], compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls),
+                repeats=80)
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
-        from .microbench_towers import measured_towers_forward
+        from .microbench_towers import measured_tower_sync_batchnorm, measured_towers_forward
 
         progress("CPU towers' forwards side by side")
         out["towers_forward_threads"] = {"towers": out["cores"], "seconds": measured_towers_forward(
             model, lambda m: loss_fn(draw(), m), one_step, out["cores"])}
+        if links and out["batchnorm_inputs"]:  # CPU towers meet in this process' threads, within the forward
+            per_layer = out["towers_forward_threads"]["seconds"] / len(out["batchnorm_inputs"])
+            out["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(out["batchnorm_inputs"], repeats=60,
+                                                                          compute_s=per_layer)
     return out
 
 

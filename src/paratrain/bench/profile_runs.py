@@ -1,6 +1,7 @@
-"""The training loop's own one-device step for ``paratrain plan``'s profile: ``single`` runs of
-``paratrain train`` through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`).
-The rest of the profile is measured in process (:mod:`.profile`)."""
+"""The training loop's own step for ``paratrain plan``'s profile: ``single`` runs of ``paratrain train``
+through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`), and, for a recipe
+with ``model.sync_batchnorm`` on a CPU, what synchronised BatchNorm adds to the loop's two-replica steps
+(:func:`loop_sync_batchnorm`). The rest of the profile is measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
 import os
@@ -72,3 +73,52 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
         ranked = sorted(got, key=lambda g: g["data_s"] + g["forward_s"] + g["backward_s"] + g["optimizer_s"])
         out[key] = ranked[(len(ranked) - 1) // 2]
     return out
+
+
+def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                        batch: int, steps: int, strategies: tuple[str, ...] = ("allreduce", "replicate"),
+                        repeats: int = 1) -> dict[str, float]:
+    """{strategy: seconds per step that ``model.sync_batchnorm = true`` adds to rank 0's compute
+    (forward + backward + data) in ``paratrain train``'s own two-replica step of global batch
+    ``batch``}: each strategy run with the key on and off, ``repeats`` rounds (on and off side by
+    side in each), the median of each minus the other, at least 0.
+
+    Why the loop and not a micro-benchmark of the layers alone: on a CPU the meetings sit between
+    the model's own compute in both processes (or tower threads), and their cost is the drift of the
+    ranks over that compute plus gloo's (or the threads') wake-ups. On the 2-vCPU EPYC VM the layers
+    timed alone, with the step's compute put before each (:func:`~.microbench_meetings.measured_sync_batchnorm`,
+    :func:`~.microbench_towers.measured_tower_sync_batchnorm`), gave 27.6 and 4.4 ms a step where the
+    loop paid 33.5 and 12 ms for digits_cnn (benchmarks/RESULTS.md). ``allreduce``'s term prices
+    every layout of processes (:func:`~.plan_inputs.sync_batchnorm_s`), ``replicate``'s the CPU
+    towers (:func:`~.plan_inputs.tower_sync_batchnorm_s`). Raises UsageError when a run fails."""
+    import statistics
+    import tempfile
+
+    from ..errors import UsageError
+    from .report import run_record
+    from .runner import run_cmd
+    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .validate import workload_from_record
+
+    common = (*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}")
+    specs = {on: BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=(2,), scaling=("strong",),
+                           steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
+                           overrides=(*common, f"model.sync_batchnorm={'true' if on else 'false'}"))
+             for on in (True, False)}
+    seen: dict[tuple[str, bool], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-sync-bn-") as tmp:
+        for r in range(repeats):
+            for strategy in strategies:
+                for on in (True, False):
+                    plan = RunPlan(strategy=strategy, n=2, global_batch=batch, repeat=r)
+                    run_dir = Path(tmp) / f"{plan.name}-{'on' if on else 'off'}"
+                    log = Path(tmp) / f"{run_dir.name}.log"
+                    rc, _ = run_cmd(train_command(specs[on], plan, run_dir), log, specs[on].timeout_s,
+                                    dict(os.environ))
+                    rec = run_record(read_outcome(plan, rc, run_dir))
+                    if not rec["ok"]:
+                        raise UsageError(f"the {strategy} run with sync BatchNorm {'on' if on else 'off'} for the "
+                                         f"profile failed (exit {rc}): {log.read_text().strip()[-300:]}")
+                    w = workload_from_record(rec, [0], rec["units_per_step"])
+                    seen.setdefault((strategy, on), []).append(w.data_s + w.forward_s + w.backward_s)
+    return {s: max(0.0, statistics.median(seen[s, True]) - statistics.median(seen[s, False])) for s in strategies}
