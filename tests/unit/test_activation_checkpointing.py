@@ -67,3 +67,16 @@ def test_checkpointing_with_dropout_on_cpu_towers_is_refused():
     c["dist"] = {"strategy": "replicate", "nproc": 1, "devices": "cpu:0,cpu:1"}
     with pytest.raises(UsageError, match="model.dropout = 0"):
         from_dict(c)
+
+
+@pytest.mark.parametrize("devices", ["cpu:0,cpu:1", "cuda:0,cuda:1"])
+def test_checkpointing_with_sync_batchnorm_on_towers_is_refused(devices):
+    """The backward's recomputation of a checkpointed block runs one tower at a time, so its sync
+    BatchNorm would wait at the towers' meeting for towers that never come (CPU and CUDA alike)."""
+    c = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
+    c["model"] = {**c["model"], "activation_checkpointing": True, "dropout": 0.0, "sync_batchnorm": True}
+    c["dist"] = {"strategy": "replicate", "nproc": 1, "devices": devices}
+    with pytest.raises(UsageError, match="activation_checkpointing with model.sync_batchnorm on towers"):
+        from_dict(c)
+    c["model"]["sync_batchnorm"] = False  # either one alone is fine
+    from_dict(c)

@@ -17,7 +17,8 @@ DATA_PARALLEL = importlib.import_module("torch.nn.parallel.data_parallel")  # th
 
 
 def threaded(modules, inputs, kwargs, devices=None):
-    """torch's parallel_apply without CUDA: every module in a thread of its own."""
+    """torch's parallel_apply without CUDA: module 0 in this thread (as CPU towers run tower 0), the
+    others in threads of their own; the first error re-raised once every thread has ended (30 s each)."""
     out, errors = [None] * len(modules), []
 
     def run(i):
@@ -25,11 +26,13 @@ def threaded(modules, inputs, kwargs, devices=None):
             out[i] = modules[i](*inputs[i], **kwargs[i])
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(modules))]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, len(modules))]
     for t in threads:
         t.start()
+    run(0)
     for t in threads:
-        t.join(60)
+        t.join(30)
+        assert not t.is_alive(), "a tower is still waiting at the towers' meeting"
     if errors:
         raise errors[0]
     return out
@@ -54,7 +57,7 @@ def test_replicas_run_as_their_tower_and_meet_in_sync_batchnorm(monkeypatch):
     x = torch.randn(8, 3, 4, 4, dtype=torch.float64)
     out = dp.parallel_apply([dp.module, dp.module], [(x[:4],), (x[4:],)], [{}, {}])
     assert sorted(seen) == [0, 1]
-    assert current_tower() == 0
+    assert current_tower() == 0  # tower 0 ran in this thread, and left its index as it found it
     torch.testing.assert_close(torch.cat(out), plain(x), rtol=1e-12, atol=1e-12)
     # the running statistics are updated once (tower 0), with the whole batch's
     torch.testing.assert_close(synced.running_mean, plain.running_mean, rtol=1e-12, atol=1e-12)
@@ -103,3 +106,29 @@ def _holder(ids):
         self.module, self.device_ids = module, list(device_ids)
     with mock.patch.object(nn.DataParallel, "__init__", init):
         return SeededDataParallel(nn.Identity(), device_ids=ids)
+
+
+def test_a_failing_tower_breaks_the_meeting_instead_of_leaving_the_others_waiting(monkeypatch):
+    """Tower 1 fails before sync BatchNorm's meeting: the towers' group is aborted, so tower 0 raises at
+    once instead of waiting out the barrier's timeout (600 s); the next forward repairs the group."""
+    import time
+
+    monkeypatch.setattr(DATA_PARALLEL, "parallel_apply", threaded)
+    group = TowerGroup(2, timeout_s=60)  # without the abort, tower 0 (this thread) would wait all of it
+    synced = SyncBatchNorm(3, reducer=TowerReducer(group))
+
+    class FailsInTower1(nn.Module):
+        def forward(self, x):
+            if current_tower() == 1:
+                raise RuntimeError("tower 1 failed")
+            return synced(x)
+
+    dp = SeededDataParallel(FailsInTower1(), group=group)
+    x = torch.randn(8, 3, 4, 4)
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, threading.BrokenBarrierError)):
+        dp.parallel_apply([dp.module, dp.module], [(x[:4],), (x[4:],)], [{}, {}])
+    assert time.monotonic() - start < 30, "tower 0 waited out the barrier: the failing tower did not abort it"
+    assert group.barrier.broken
+    group.ready()  # what SeededDataParallel.forward does first
+    assert not group.barrier.broken

@@ -848,7 +848,7 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     assert got["recommended"] == "allreduce" and got["shortfall"] == pytest.approx(0.12)
 
 
-def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_minus_off(monkeypatch, tmp_path):
+def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_minus_off(monkeypatch, capsys):
     """profile_runs.loop_sync_batchnorm with the runs stubbed: the commands (each strategy at 2
     replicas, the global batch, the key on and off) and the arithmetic (median on - median off of rank
     0's data + forward + backward, at least 0)."""
@@ -892,6 +892,17 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
     compute[("replicate", True)] = [0.015, 0.015, 0.015]
     commands.clear()
     assert loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=3)["replicate"] == 0.0
+    # a strategy whose run fails is left out with a line (the plan falls back to the micro-benchmark)
+    monkeypatch.setattr(report, "run_record", lambda i: {"ok": "replicate" not in commands[i], "units_per_step": 64,
+                                                          "cmd": commands[i], "i": i})
+    commands.clear()
+    got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=1)
+    assert set(got) == {"allreduce"}
+    assert "replicate left out (its run with the key on failed" in capsys.readouterr().out
+    # a global batch that 2 replicas of 4 micro-batches cannot split: nothing runs, both left out
+    commands.clear()
+    assert loop_sync_batchnorm(recipe, None, (), None, 12, 12, accumulation=4) == {} and not commands
+    assert "does not split over 2 replicas of 4 micro-batches" in capsys.readouterr().out
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():

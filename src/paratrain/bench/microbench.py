@@ -196,7 +196,8 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ``timeout_s`` seconds of starting (they are killed); the message holds their tracebacks.
     ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip);
     ``all_gather`` / ``reduce_scatter``: those collectives; ``sync_batchnorm``: ``sizes_bytes`` are
-    BatchNorm input shapes (N, C, *), returned as lists with :func:`_time_sync_batchnorm`'s seconds;
+    BatchNorm input shapes (N, C, *) or ``{"shape": ..., "compute_s": [before, between]}`` items,
+    returned as given with :func:`_time_sync_batchnorm`'s seconds;
     ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
     seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`).
     """

@@ -41,8 +41,10 @@ def _time_sync_batchnorm(item: Sequence[int] | dict, repeats: int, warmup: int, 
     and their gradients), each pair meeting a rank that may still be computing.
 
     As inside a training step, the layer's forward follows ``item["compute_s"][0]`` seconds of
-    one-thread compute (the layers before it), and its backward ``item["compute_s"][1]`` more (the rest
-    of the forward and the backward down to it). Only the layer's forward and backward are timed.
+    one-thread compute (what the step computes between two BatchNorm layers' forwards), and its backward
+    ``item["compute_s"][1]`` more (what it computes between two layers' backwards: each pair of meetings
+    pays the ranks' drift over the compute since the last one). Only the layer's forward and backward
+    are timed.
     The median over ``repeats`` interleaved pairs, difference of the medians. A bare shape stands for
     ``{"shape": item, "compute_s": [compute_s, 0]}`` (the backward right after the forward).
     Collective: every rank calls it."""
@@ -114,12 +116,16 @@ def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, compute_s: Seque
     shapes (N, C, *) costs two local gloo processes (one thread each) beyond plain BatchNorm: the
     sum over the layers of :func:`_time_sync_batchnorm`. ``compute_s``: (before, between), the
     one-thread compute each layer's forward follows and its backward follows, as inside the step
-    (the profile gives the step's forward and backward split evenly over the layers). 0 for no
-    shapes. Raises RuntimeError as :func:`measure_allreduce`."""
+    (the profile gives the step's forward and backward split evenly over the layers; the default, 1 ms
+    before each, is ``paratrain predict``'s). ``timeout_s``: beyond that compute, which both the
+    synchronised and the plain layer run every repeat. 0 for no shapes. Raises RuntimeError as
+    :func:`measure_allreduce`."""
     if not shapes:
         return 0.0
     items = [{"shape": [int(d) for d in s], "compute_s": [float(c) for c in compute_s]} for s in shapes]
-    points = measure_allreduce(2, items, repeats=repeats, warmup=warmup, timeout_s=timeout_s, op="sync_batchnorm")
+    compute = 2 * (warmup + repeats) * len(shapes) * sum(items[0]["compute_s"])
+    points = measure_allreduce(2, items, repeats=repeats, warmup=warmup, timeout_s=timeout_s + 2 * compute,
+                               op="sync_batchnorm")
     return sum(t for _, t in points)
 
 

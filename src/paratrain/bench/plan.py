@@ -159,7 +159,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 progress("sync BatchNorm in the loop's two-replica steps")
                 prof["loop_sync_batchnorm_s"] = loop_sync_batchnorm(
                     args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                    repeats=args.profile_repeats)
+                    repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             bar.update(phases - bar.n)
             return prof
 

@@ -28,8 +28,9 @@ Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``) and what synchronising them costs a step between two processes here
-(``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU, between two
-towers of one process (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
+(``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU of several
+cores, between two towers of one process (``tower_sync_batchnorm_s``,
+:func:`~.microbench_towers.measured_tower_sync_batchnorm`).
 Each layer's meetings there follow the compute that precedes them in the step: the step's forward and
 backward, split evenly over the BatchNorm calls (for towers, their forwards side by side, below).
 Every meeting pair of a layer pays the ranks' drift over that compute, not only the layer's first.

@@ -42,6 +42,11 @@ class Replicate(SingleDevice):
                 and cls.towers(cfg.dist) > 1 and "cuda" not in cfg.dist.devices):
             raise UsageError("model.activation_checkpointing with dropout on CPU towers: the backward's recomputation "
                              "would not draw from the tower's generator; set model.dropout = 0 or use allreduce")
+        if (cfg.model_value("activation_checkpointing", False) and cfg.model_value("sync_batchnorm", False)
+                and cls.towers(cfg.dist) > 1):
+            raise UsageError("model.activation_checkpointing with model.sync_batchnorm on towers: the backward's "
+                             "recomputation runs one tower at a time, so its BatchNorm meetings would wait for towers "
+                             "that never come; turn one of them off or use allreduce")
 
     @classmethod
     def towers(cls, dist) -> int:
@@ -82,7 +87,7 @@ class Replicate(SingleDevice):
             return module
         if self.device.type == "cuda":
             ids = [d.index for d in self.devices]
-            return SeededDataParallel(module, device_ids=ids, output_device=ids[0], dim=batch_dim)
+            return SeededDataParallel(module, device_ids=ids, output_device=ids[0], dim=batch_dim, group=self.group)
         return CPUTowers(module, len(self.devices), batch_dim, torch.get_num_threads(), self.group)
 
     def describe(self) -> list[str]:

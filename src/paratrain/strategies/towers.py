@@ -189,8 +189,10 @@ class SeededDataParallel(nn.DataParallel):
     on cuda:0 twice). The maths is the same; the towers that share a device then share its
     generator, so with dropout their masks depend on thread order. A warning says so."""
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, device_ids: Sequence[int] | None = None, *, group: TowerGroup | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(module, device_ids=device_ids, **kwargs)
+        self.group = group  # the towers' meetings (sync BatchNorm): repaired before a forward, broken by a failure
         if len(set(self.device_ids)) < len(self.device_ids):
             warnings.warn(f"towers on devices {list(self.device_ids)} share a device: they compute the same "
                           "result, but their dropout masks share its generator and are not reproducible",
@@ -200,6 +202,8 @@ class SeededDataParallel(nn.DataParallel):
         if self.training and len(self.device_ids) > 1:
             for d, seed in zip(self.device_ids, tower_seeds(len(self.device_ids))):
                 torch.cuda.default_generators[d].manual_seed(seed)
+        if self.group is not None:
+            self.group.ready()
         return super().forward(*inputs, **kwargs)
 
     def scatter(self, inputs: Any, kwargs: Any, device_ids: Sequence[int]) -> Any:
@@ -216,7 +220,8 @@ class SeededDataParallel(nn.DataParallel):
         (see the module doc)."""
         modes = measurement_modes() if len(replicas) > 1 else []  # one replica runs in this thread, under them
         lock = threading.RLock()
-        return super().parallel_apply([_Tower(r, t, modes, lock) for t, r in enumerate(replicas)], inputs, kwargs)
+        return super().parallel_apply([_Tower(r, t, modes, lock, self.group) for t, r in enumerate(replicas)],
+                                      inputs, kwargs)
 
 
 def contiguous_parts(obj: Any) -> Any:
@@ -228,20 +233,25 @@ def contiguous_parts(obj: Any) -> Any:
 
 class _Tower(nn.Module):
     """``module`` called as tower ``index`` (:func:`current_tower`) in the calling thread, under
-    :func:`shared_modes` (``modes``, ``lock``) when there are modes to share."""
+    :func:`shared_modes` (``modes``, ``lock``) when there are modes to share. A failure breaks
+    ``group``'s meetings, so the other towers raise instead of waiting for this one."""
 
     def __init__(self, module: nn.Module, index: int, modes: Sequence[TorchDispatchMode],
-                 lock: threading.RLock) -> None:
+                 lock: threading.RLock, group: TowerGroup | None = None) -> None:
         super().__init__()
-        self.module, self.index, self.modes, self.lock = module, index, modes, lock
+        self.module, self.index, self.modes, self.lock, self.group = module, index, modes, lock, group
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _TOWER.index = self.index
+        before, _TOWER.index = current_tower(), self.index
         try:
             with shared_modes(self.modes, self.lock, caller=False):
                 return self.module(*args, **kwargs)
+        except BaseException:
+            if self.group is not None:
+                self.group.abort()
+            raise
         finally:
-            _TOWER.index = 0
+            _TOWER.index = before
 
 
 def shallow_replica(module: nn.Module) -> nn.Module:
