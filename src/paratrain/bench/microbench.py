@@ -2,11 +2,10 @@
 the fitted :class:`~paratrain.bench.costmodel.Link` (``paratrain bench --validate-model``).
 
 :func:`measure_allreduce` starts ``world_size`` processes (:func:`run_ranks`: forked from a
-preloaded fork server) that meet through a ``torch.distributed.FileStore`` in a temporary folder
-(no ports),
-each with one intra-op thread and gloo pinned to loopback (``GLOO_SOCKET_IFNAME=lo`` unless
-set). Per size: ``warmup`` untimed all-reduces, then ``repeats`` times: barrier, time one
-all-reduce of float32 zeros (zeros: the sums never overflow), take the max over ranks (a
+preloaded fork server) that meet through a ``torch.distributed.FileStore`` in a temporary
+folder (no ports), each with one intra-op thread and gloo pinned to loopback
+(``GLOO_SOCKET_IFNAME=lo`` unless set). Per size: ``warmup`` untimed all-reduces, then ``repeats``
+times: barrier, time one all-reduce of float32 zeros (zeros: the sums never overflow), take the max over ranks (a
 one-element all-reduce with MAX, outside the timed block). The result is the median of those
 maxima. Rank 0 writes the results as JSON; the parent kills every rank still running after
 ``timeout_s`` and raises RuntimeError.
@@ -196,15 +195,15 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ``timeout_s`` seconds of starting (they are killed); the message holds their tracebacks.
     ``op="p2p"``: the seconds of one send from rank 0 to rank 1 instead (half a round trip);
     ``all_gather`` / ``reduce_scatter``: those collectives; ``sync_batchnorm``: ``sizes_bytes`` are
-    BatchNorm input shapes (N, C, *) or ``{"shape": ..., "compute_s": [before, between]}`` items,
-    returned as given with :func:`_time_sync_batchnorm`'s seconds;
+    ``{"shape": (N, C, *), "compute_s": [before, between]}`` items (BatchNorm inputs), returned as
+    given with :func:`_time_sync_batchnorm`'s seconds;
     ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
     seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`).
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
-    sizes = ([s if isinstance(s, dict) else list(s) for s in sizes_bytes] if op == "sync_batchnorm"  # shapes
+    sizes = (list(sizes_bytes) if op == "sync_batchnorm"  # BatchNorm inputs, not bytes
              else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,
@@ -235,8 +234,7 @@ def rank_context():
 
 def run_ranks(target, world_size: int, args: tuple, timeout_s: float, what: str):
     """Run ``target(rank, workdir, *args)`` in ``world_size`` new processes (:func:`rank_context`),
-    sharing
-    a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
+    sharing a temporary ``workdir``; returns the JSON that rank 0 wrote to ``workdir/results.json``. A rank
     writes its traceback to ``error-<rank>.txt``. Raises RuntimeError naming ``what``: at once when a
     rank fails (the others, which would wait for it in a collective or ``rpc.shutdown``, are killed;
     the message names the failed rank and its error), or when ranks are still running ``timeout_s``

@@ -34,7 +34,7 @@ def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
     return int(k)
 
 
-def _time_sync_batchnorm(item: Sequence[int] | dict, repeats: int, warmup: int, compute_s: float = 1e-3) -> float:
+def _time_sync_batchnorm(item: dict, repeats: int, warmup: int) -> float:
     """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
     ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
     input of shape ``item["shape"]`` (N, C, *): four blocking all-reduces (count and sum, the variance,
@@ -45,16 +45,13 @@ def _time_sync_batchnorm(item: Sequence[int] | dict, repeats: int, warmup: int, 
     ``item["compute_s"][1]`` more (what it computes between two layers' backwards: each pair of meetings
     pays the ranks' drift over the compute since the last one). Only the layer's forward and backward
     are timed.
-    The median over ``repeats`` interleaved pairs, difference of the medians. A bare shape stands for
-    ``{"shape": item, "compute_s": [compute_s, 0]}`` (the backward right after the forward).
-    Collective: every rank calls it."""
+    The median over ``repeats`` interleaved pairs, difference of the medians. Collective: every rank
+    calls it."""
     import torch.distributed as dist
 
     from ..strategies.sync_batchnorm import GroupReducer, SyncBatchNorm
 
-    shape, (before, between) = ((item["shape"], item["compute_s"]) if isinstance(item, dict)
-                                else (item, (compute_s, 0.0)))
-    shape = [int(d) for d in shape]
+    shape, (before, between) = [int(d) for d in item["shape"]], item["compute_s"]
     x = torch.randn(*shape, requires_grad=True)
     synced = SyncBatchNorm(shape[1], reducer=GroupReducer(dist.group.WORLD))
     plain = SyncBatchNorm(shape[1], reducer=None)

@@ -132,7 +132,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     from ..consistency import config_text
     from ..env import available_cores
-    from .profile import cached_profile, profile_key, profile_model
+    from .profile import profile_model
+    from .profile_cache import cached_profile, profile_key
     from .profile_runs import loop_sync_batchnorm, loop_workloads
 
     path = out / "profile.json"

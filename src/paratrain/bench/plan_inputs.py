@@ -50,8 +50,9 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     ring all-reduces of C + 1 numbers per BatchNorm layer and forward (count and sums, the variance,
     and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`); on this machine the
     profile's measurement at two processes plus what the ring adds beyond two processes. That
-    measurement is the training loop's own (``loop_sync_batchnorm_s["allreduce"]``: an allreduce step
-    with the key on minus off, :func:`~.profile_runs.loop_sync_batchnorm`) where the profile has it,
+    measurement is the training loop's own (``loop_sync_batchnorm_s`` of the processes' strategy of
+    :func:`~.profile_runs.sync_batchnorm_strategies`: its step with the key on minus off,
+    :func:`~.profile_runs.loop_sync_batchnorm`) where the profile has it,
     else the layers' micro-benchmark (``sync_batchnorm_s``: the model's BatchNorm input shapes, each
     layer after the step's compute). 0 without BatchNorm, without the key or at n = 1."""
     from .costmodel import ring_allreduce_s
@@ -64,7 +65,10 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     def ring(k: int) -> float:
         return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) for shape in shapes)
 
-    measured = (prof.get("loop_sync_batchnorm_s") or {}).get("allreduce", prof.get("sync_batchnorm_s"))
+    from .profile_runs import sync_batchnorm_strategies
+
+    processes, _ = sync_batchnorm_strategies()
+    measured = (prof.get("loop_sync_batchnorm_s") or {}).get(processes, prof.get("sync_batchnorm_s"))
     if on_this_machine and measured is not None:
         return measured + ring(n) - ring(2)
     return ring(n)
@@ -92,7 +96,7 @@ def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
     """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
     profile's measurement at two towers (the training loop's own where the profile has it,
-    ``loop_sync_batchnorm_s["replicate"]``, :func:`~.profile_runs.loop_sync_batchnorm`; else
+    ``loop_sync_batchnorm_s`` of the towers' strategy, :func:`~.profile_runs.loop_sync_batchnorm`; else
     ``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower
     threads meet twice per BatchNorm layer in the forward), times n - 1 beyond two (each
     meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
@@ -100,5 +104,8 @@ def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> fl
     between device threads: not modelled)."""
     if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
         return 0.0
-    measured = (prof.get("loop_sync_batchnorm_s") or {}).get("replicate", prof.get("tower_sync_batchnorm_s", 0.0))
+    from .profile_runs import sync_batchnorm_strategies
+
+    _, towers = sync_batchnorm_strategies()
+    measured = (prof.get("loop_sync_batchnorm_s") or {}).get(towers, prof.get("tower_sync_batchnorm_s", 0.0))
     return measured * (n - 1)

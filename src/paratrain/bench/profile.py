@@ -37,18 +37,15 @@ Every meeting pair of a layer pays the ranks' drift over that compute, not only 
 On a CPU of several cores, one forward per core side by side in this process' threads, right after a
 training step, as CPU towers run them (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`).
 
-:func:`cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
+:func:`~.profile_cache.cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
 cluster reads it instead of measuring again. Units: seconds, bytes.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -377,30 +374,3 @@ def _stage_inputs(task, cfg) -> dict[str, Any]:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys}
     return out
-
-
-def profile_key(config_text: str, cores: int) -> str:
-    """What a cached profile depends on: the recipe after overrides, versions, cores."""
-    import platform
-
-    from .. import __version__
-
-    text = json.dumps([PROFILE_VERSION, config_text, torch.__version__, __version__, cores, platform.node()])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cached_profile(path: Path, key: str, measure: Callable[[], dict]) -> tuple[dict, bool]:
-    """(profile, True if read from ``path``): the cached one when its key matches, else measured now
-    and written (atomically)."""
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached, True
-    except (OSError, ValueError):
-        pass
-    prof = {**measure(), "key": key}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(prof, indent=1))
-    tmp.replace(path)
-    return prof, False

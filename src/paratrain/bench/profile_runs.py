@@ -75,8 +75,18 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
     return out
 
 
+def sync_batchnorm_strategies() -> tuple[str, str]:
+    """(processes, towers): the registry's strategies whose two-replica steps price synchronised
+    BatchNorm (:func:`loop_sync_batchnorm`): the default one for several processes (DDP's all-reduce)
+    and the one the towers' cost model describes."""
+    from ..strategies import DEFAULT, modelled
+    from .strategy_model import TOWERS
+
+    return DEFAULT, modelled(TOWERS)[0]
+
+
 def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
-                        batch: int, steps: int, strategies: tuple[str, ...] = ("allreduce", "replicate"),
+                        batch: int, steps: int, strategies: tuple[str, ...] | None = None,
                         repeats: int = 1, accumulation: int = 1) -> dict[str, float]:
     """{strategy: seconds per step that ``model.sync_batchnorm = true`` adds to rank 0's compute
     (forward + backward + data) in ``paratrain train``'s own two-replica step of global batch
@@ -88,9 +98,10 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     ranks over that compute plus gloo's (or the threads') wake-ups. On the 2-vCPU EPYC VM the layers
     timed alone, with the step's compute put before each (:func:`~.microbench_meetings.measured_sync_batchnorm`,
     :func:`~.microbench_towers.measured_tower_sync_batchnorm`), gave 27.6 and 4.4 ms a step where the
-    loop paid 33.5 and 12 ms for digits_cnn (benchmarks/RESULTS.md). ``allreduce``'s term prices
-    every layout of processes (:func:`~.plan_inputs.sync_batchnorm_s`), ``replicate``'s the CPU
-    towers (:func:`~.plan_inputs.tower_sync_batchnorm_s`). A strategy whose run fails, or that the recipe
+    loop paid 33.5 and 12 ms for digits_cnn (benchmarks/RESULTS.md). ``strategies``: default
+    :func:`sync_batchnorm_strategies`; the processes' term prices every layout of processes
+    (:func:`~.plan_inputs.sync_batchnorm_s`), the towers' the CPU towers
+    (:func:`~.plan_inputs.tower_sync_batchnorm_s`). A strategy whose run fails, or that the recipe
     does not allow at 2 replicas (a global batch that does not split over 2 replicas' micro-batches), is
     left out, with a line: the plan then prices it with the micro-benchmark's value."""
     import statistics
@@ -101,6 +112,7 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     from .sweep import BenchSpec, RunPlan, read_outcome, train_command
     from .validate import workload_from_record
 
+    strategies = strategies or sync_batchnorm_strategies()
     common = (*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}")
     specs = {on: BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=(2,), scaling=("strong",),
                            steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
