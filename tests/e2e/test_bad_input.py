@@ -22,6 +22,7 @@ import (2.5-4 s of CPU on the 2-core machine); in this process, milliseconds.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -369,6 +370,36 @@ def _check(case: Case, tmp_path: Path, before: tuple, code: int | None, out: str
     assert not changes, f"the command changed files: {changes}{shown}"
 
 
+@contextlib.contextmanager
+def _as_a_fresh_process(tmp_path: Path, closed_url: str, monkeypatch: pytest.MonkeyPatch, case_id: str):
+    """This process made to look like a fresh ``paratrain``'s for the body, and put back after it,
+    whatever the body raised: the environment (exactly ``_env``'s), the working directory, no
+    bytecode written, ``sys.path`` (a user's task folder joins it), a user's task modules
+    (``paratrain_task_*``, by their files' paths) and :func:`paratrain.runs.start_run` (a failure:
+    bad input must not reach it)."""
+    from paratrain import runs
+
+    environ, modules = dict(os.environ), set(sys.modules)
+    fresh = _env(tmp_path, closed_url)
+    try:
+        for name in set(os.environ) - set(fresh):
+            monkeypatch.delenv(name)
+        for name, value in fresh.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(sys, "dont_write_bytecode", True)
+        monkeypatch.setattr(sys, "path", list(sys.path))
+        monkeypatch.setattr(runs, "start_run", lambda run: pytest.fail(f"{case_id}: bad input reached start_run"))
+        monkeypatch.chdir(tmp_path)
+        yield
+    finally:
+        for name in set(sys.modules) - modules:
+            if name.startswith("paratrain_task_"):
+                del sys.modules[name]
+        monkeypatch.undo()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: Path, closed_url: str,
                                                         request: pytest.FixtureRequest,
@@ -382,35 +413,19 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(case: Case, tmp_path: P
     import signal
     import warnings
 
-    from paratrain import cli, runs
+    from paratrain import cli
 
     argv, before = _prepare(case, tmp_path, request)
-    environ, modules, handler = dict(os.environ), set(sys.modules), signal.getsignal(signal.SIGTERM)
-    fresh = _env(tmp_path, closed_url)
-    for name in set(os.environ) - set(fresh):
-        monkeypatch.delenv(name)
-    for name, value in fresh.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # a user's task file leaves no __pycache__
-    monkeypatch.setattr(sys, "path", list(sys.path))  # a user's task folder joins it
-    monkeypatch.setattr(runs, "start_run", lambda run: pytest.fail(f"{case.id}: bad input reached start_run"))
-    monkeypatch.chdir(tmp_path)
-    capfd.readouterr()
-    caplog.set_level("WARNING")
-    try:
+    handler = signal.getsignal(signal.SIGTERM)
+    with _as_a_fresh_process(tmp_path, closed_url, monkeypatch, case.id):
+        capfd.readouterr()
+        caplog.set_level("WARNING")
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             try:
                 code = cli.main(argv)
             except SystemExit as e:  # argparse's refusals
                 code = e.code
-    finally:
-        for name in set(sys.modules) - modules:
-            if name.startswith("paratrain_task_"):  # a user's task module, by its file's path
-                del sys.modules[name]
-        monkeypatch.undo()
-        os.environ.clear()
-        os.environ.update(environ)
     out, err = capfd.readouterr()
     shown = [f"{w.category.__name__}: {w.message}" for w in warned
              if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
