@@ -92,12 +92,31 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     assert p.step_s == pytest.approx(compute + (1e-3 + 2e-3) + (2e-3 + 6e-3) + 4 * 2e-4 + norm, rel=1e-12)
 
 
-def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_processes():
+@pytest.mark.parametrize("processes", [2, 4])
+def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_or_four_processes(processes):
     from paratrain.bench.microbench_meetings import measured_meetings
 
-    points = measured_meetings((1e-4, 2e-3), timeout_s=90)
+    points = measured_meetings((1e-4, 2e-3), processes=processes, timeout_s=90)
     assert [c for c, _ in points] == pytest.approx([1e-4, 2e-3])
-    assert all(math.isfinite(t) and 0 < t < 0.5 for _, t in points)  # both ranks met 30+ times and returned
+    assert all(math.isfinite(t) and 0 < t < 0.5 for _, t in points)  # every rank met 30+ times and returned
+
+
+def test_n_above_the_cores_prices_fsdps_meetings_with_the_oversubscribed_measurement():
+    """plan_inputs.meetings: two processes' table up to the cores, the table of 4 processes on 2 cores
+    above them (3 too); a profile without it (more cores, or older) keeps two processes' for every n."""
+    from paratrain.bench.plan_inputs import meetings
+
+    two, four = [[0.001, 0.001], [0.004, 0.002]], [[0.001, 0.004], [0.004, 0.009]]
+    prof = {"cores": 2, "meetings": two, "meetings_oversubscribed": {"processes": 4, "points": four}}
+    assert [meetings(prof, n) for n in (1, 2, 3, 4, 8)] == [two, two, four, four, four]
+    assert meetings({**prof, "cores": 4}, 4) == two
+    assert meetings({"cores": 2, "meetings": two}, 4) == two
+    assert meetings({"cores": 2}, 4) is None
+    # fsdp's step at n = 4: each unit's forward and backward end in a wait of the 4-process table
+    lay = dict(unit_bytes=[MIB, 2 * MIB], overlap=False)
+    slow = predict_fsdp(W, 4, LINK, meeting_s=meeting_seconds(four), **lay).step_s
+    fast = predict_fsdp(W, 4, LINK, meeting_s=meeting_seconds(two), **lay).step_s
+    assert slow > fast
 
 
 def test_the_fsdp_unit_microbenchmark_measures_each_unit_size_once_between_two_processes():

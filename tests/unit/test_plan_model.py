@@ -693,6 +693,16 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     assert sync_batchnorm_s(loop, cfg, 2, link, on_this_machine=True) == 0.0335
     assert sync_batchnorm_s(loop, cfg, 4, link, on_this_machine=True) == pytest.approx(0.0335 + ring[4] - ring[2])
     assert sync_batchnorm_s(loop, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])  # a cluster
+    # more processes than cores, measured at 4 on 2 cores (digits_cnn on the 2-vCPU VM: 29 and 85 ms): the
+    # straight line through 2 and 4 processes, beyond 4 extrapolated; not on a cluster, not within the cores
+    over = {**loop, "cores": 2, "loop_sync_batchnorm_oversubscribed": {"replicas": 4, "seconds": 0.085}}
+    assert sync_batchnorm_s(over, cfg, 2, link, on_this_machine=True) == 0.0335
+    assert sync_batchnorm_s(over, cfg, 3, link, on_this_machine=True) == pytest.approx(0.0335 + (0.085 - 0.0335) / 2)
+    assert sync_batchnorm_s(over, cfg, 4, link, on_this_machine=True) == pytest.approx(0.085)
+    assert sync_batchnorm_s(over, cfg, 8, link, on_this_machine=True) == pytest.approx(0.0335 + 3 * (0.085 - 0.0335))
+    assert sync_batchnorm_s(over, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])
+    assert sync_batchnorm_s({**over, "cores": 4}, cfg, 4, link, on_this_machine=True) == pytest.approx(
+        0.0335 + ring[4] - ring[2])  # 4 processes on 4 cores: not oversubscribed
 
 
 def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_their_sync_on_two_processes():
@@ -899,10 +909,55 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
     got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=1)
     assert set(got) == {"allreduce"}
     assert "replicate left out (its run with the key on failed" in capsys.readouterr().out
+    # 4 replicas (more than the cores): each with the two-replica run's batch, 32 of 64
+    commands.clear()
+    got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, strategies=("allreduce",), replicas=4)
+    assert set(got) == {"allreduce"} and len(commands) == 2
+    assert all("dist.nproc=4" in c and "train.batch_size=128" in c for c in commands), commands
     # a global batch that 2 replicas of 4 micro-batches cannot split: nothing runs, both left out
     commands.clear()
     assert loop_sync_batchnorm(recipe, None, (), None, 12, 12, accumulation=4) == {} and not commands
     assert "does not split over 2 replicas of 4 micro-batches" in capsys.readouterr().out
+
+
+def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_measure(monkeypatch):
+    """profile.sync_batchnorm_fallbacks with the micro-benchmarks stubbed: the loop's measurement of
+    both strategies leaves nothing to time; a strategy it left out (a failed run) or no loop at all
+    (a GPU) times the layers apart, with each layer's share of the step's compute; no BatchNorm
+    inputs, no links or no towers' forwards: nothing for what needs them."""
+    from paratrain.bench import microbench_meetings, microbench_towers
+    from paratrain.bench.profile import sync_batchnorm_fallbacks
+    from paratrain.bench.profile_runs import sync_batchnorm_strategies
+
+    calls = []
+    monkeypatch.setattr(microbench_meetings, "measured_sync_batchnorm",
+                        lambda shapes, compute_s, repeats: calls.append(("processes", compute_s)) or 0.025)
+    monkeypatch.setattr(microbench_towers, "measured_tower_sync_batchnorm",
+                        lambda shapes, repeats, compute_s: calls.append(("towers", compute_s)) or 0.006)
+    processes, towers = sync_batchnorm_strategies()
+    shapes = [[64, 16, 8, 8], [64, 32, 8, 8]]
+
+    def profile(**extra):
+        return {"batchnorm_inputs": shapes, "links": {}, "default_threads": 2,
+                "workloads_in_process": {"2": {"forward_s": 0.004, "backward_s": 0.006}},
+                "towers_forward_threads": {"towers": 2, "seconds": 0.010}, **extra}
+
+    prof = profile()
+    sync_batchnorm_fallbacks(prof, {processes: 0.031, towers: 0.012})
+    assert not calls and "sync_batchnorm_s" not in prof and "tower_sync_batchnorm_s" not in prof
+    sync_batchnorm_fallbacks(prof, {processes: 0.031})  # the towers' run failed
+    assert calls == [("towers", pytest.approx(0.005))] and prof["tower_sync_batchnorm_s"] == 0.006
+    calls.clear()
+    prof = profile()
+    sync_batchnorm_fallbacks(prof, {})  # no loop (a GPU): both, each layer after its share of the compute
+    assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003))), ("towers", pytest.approx(0.005))]
+    assert prof["sync_batchnorm_s"] == 0.025 and prof["tower_sync_batchnorm_s"] == 0.006
+    calls.clear()
+    for bare in (profile(batchnorm_inputs=[]), {k: v for k, v in profile().items() if k != "links"}):
+        sync_batchnorm_fallbacks(bare, {})
+    gpu = {k: v for k, v in profile().items() if k != "towers_forward_threads"}
+    sync_batchnorm_fallbacks(gpu, {})
+    assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003)))]
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():

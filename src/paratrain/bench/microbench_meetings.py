@@ -127,11 +127,13 @@ def measured_sync_batchnorm(shapes: Sequence[Sequence[int]], *, compute_s: Seque
 
 
 def measured_meetings(compute_s: Sequence[float] = (2.5e-4, 1e-3, 4e-3, 1.6e-2, 6.4e-2), *,
-                      timeout_s: float = 120.0) -> list[list[float]]:
-    """``[compute seconds, seconds]``: what one blocking collective costs two local gloo processes (one
-    thread each) that come to it from that much compute (:func:`_time_meeting`: about 1 s of timed
-    repeats per point, 30 to 400 of them). For :func:`~.costmodel_sharded.meeting_seconds`. Raises
+                      processes: int = 2, timeout_s: float = 120.0) -> list[list[float]]:
+    """``[compute seconds, seconds]``: what one blocking collective costs ``processes`` local gloo
+    processes (one thread each) that come to it from that much compute (:func:`_time_meeting`: about
+    1 s of timed repeats per point, 30 to 400 of them). More processes than cores take turns on them:
+    the compute is calibrated as it runs then (rank 0's, with the others computing), and each meeting
+    waits for the processes still computing. For :func:`~.costmodel_sharded.meeting_seconds`. Raises
     RuntimeError as :func:`measure_allreduce`."""
-    points = measure_allreduce(2, [max(1, round(c * 1e6)) for c in compute_s], repeats=400, warmup=3,
+    points = measure_allreduce(processes, [max(1, round(c * 1e6)) for c in compute_s], repeats=400, warmup=3,
                                timeout_s=timeout_s, op="meeting")
     return [[us * 1e-6, t] for us, t in points]

@@ -19,6 +19,7 @@ each device on its own like the profiled one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shlex
@@ -27,8 +28,8 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
-from .plan_inputs import (memory_inputs, stage_outputs, sync_batchnorm_s, tower_sync_batchnorm_s,  # noqa: F401 (API)
-                          towers_forward_s, workload)
+from .plan_inputs import (meetings, memory_inputs, stage_outputs, sync_batchnorm_s,  # noqa: F401 (API)
+                          tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_model import PS, Layout, best_bucket, memory_per_device, ps_message_link, step_parts
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
@@ -132,9 +133,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     from ..consistency import config_text
     from ..env import available_cores
-    from .profile import profile_model
+    from .profile import profile_model, sync_batchnorm_fallbacks
     from .profile_cache import cached_profile, profile_key
-    from .profile_runs import loop_sync_batchnorm, loop_workloads
+    from .profile_runs import OVERSUBSCRIBED, loop_sync_batchnorm, loop_workloads, sync_batchnorm_strategies
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
@@ -157,10 +158,21 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                                                cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
                                                repeats=args.profile_repeats)
             if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
-                progress("sync BatchNorm in the loop's two-replica steps")
-                prof["loop_sync_batchnorm_s"] = loop_sync_batchnorm(
-                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                    repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
+                progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
+                loop = functools.partial(loop_sync_batchnorm, args.config, args.task, tuple(args.overrides),
+                                         args.data_dir, cfg.train.batch_size, steps=steps,
+                                         repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                prof["loop_sync_batchnorm_s"] = loop()
+                if over_cores:  # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
+                    processes, _ = sync_batchnorm_strategies()
+                    fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)
+                    over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
+                    if processes in over:
+                        prof["loop_sync_batchnorm_oversubscribed"] = {"replicas": OVERSUBSCRIBED,
+                                                                      "seconds": over[processes]}
+            # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
+            sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {})
             bar.update(phases - bar.n)
             return prof
 
@@ -254,7 +266,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "ps_update_s": prof.get("ps_update_s"),
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
-              "meetings": prof.get("meetings") if shared_cores else None,
+              "meetings": meetings(prof, n) if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,

@@ -22,12 +22,15 @@ optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimi
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved), what a blocking collective costs two processes reaching it from compute
-(``meetings``, :func:`~.microbench_meetings.measured_meetings`) and what FSDP2's collectives cost each unit
+(``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
+taking turns on them, ``meetings_oversubscribed``) and what FSDP2's collectives cost each unit
 size between two processes (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
-(``batchnorm_inputs``) and what synchronising them costs a step between two processes here
+(``batchnorm_inputs``). What synchronising them costs a step is the training loop's own measurement
+where it runs (:func:`~.profile_runs.loop_sync_batchnorm`, on a CPU of several cores); for what it
+leaves out, :func:`sync_batchnorm_fallbacks` times the layers apart: between two processes here
 (``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU of several
 cores, between two towers of one process (``tower_sync_batchnorm_s``,
 :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
@@ -50,7 +53,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 13  # 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
+PROFILE_VERSION = 14  # 14: sync BatchNorm in the loop at 4 processes on fewer cores (oversubscribed);
+# 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
 # server's round trip (the PS's link); 11: the step's spread from
 # successive differences (timing.successive_difference_sd), without the run's drift; 10: FSDP2's collectives
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
@@ -209,7 +213,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; DTensor steps; "
-                 "FSDP2's collectives per unit; sync BatchNorm")
+                 "FSDP2's collectives per unit")
         from .microbench import measured_links
 
         out["links"] = measured_links()
@@ -234,32 +238,55 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
             from .microbench_sharded import measured_fsdp_units
+            from .profile_runs import OVERSUBSCRIBED
 
             units = out["strategy_inputs"]["units"]
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
             out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
+            if out["cores"] < OVERSUBSCRIBED:  # and more processes than cores take turns on them
+                out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
+                                                  "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
-        if out["batchnorm_inputs"]:
-            from .microbench_meetings import measured_sync_batchnorm
-
-            # a replica's compute between one layer's meetings and the next layer's, as in its step: the
-            # forward and the backward of this process' step split evenly over the BatchNorm calls
-            calls = len(out["batchnorm_inputs"])
-            out["sync_batchnorm_s"] = measured_sync_batchnorm(
-                out["batchnorm_inputs"], compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls),
-                repeats=80)
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
-        from .microbench_towers import measured_tower_sync_batchnorm, measured_towers_forward
+        from .microbench_towers import measured_towers_forward
 
         progress("CPU towers' forwards side by side")
         out["towers_forward_threads"] = {"towers": out["cores"], "seconds": measured_towers_forward(
             model, lambda m: loss_fn(draw(), m), one_step, out["cores"])}
-        if links and out["batchnorm_inputs"]:  # CPU towers meet in this process' threads, within the forward
-            per_layer = out["towers_forward_threads"]["seconds"] / len(out["batchnorm_inputs"])
-            out["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(out["batchnorm_inputs"], repeats=60,
-                                                                          compute_s=per_layer)
     return out
+
+
+def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float]) -> None:
+    """Add to ``prof`` the layers' micro-benchmarks of ``model.sync_batchnorm`` that the training
+    loop's own measurement (``measured_in_loop``: :func:`~.profile_runs.loop_sync_batchnorm`'s answer,
+    by strategy; {} where it did not run) leaves out: between processes (``sync_batchnorm_s``,
+    :func:`~.microbench_meetings.measured_sync_batchnorm`; a replica's compute between one layer's
+    meetings and the next, as in its step: this process' forward and backward split evenly over the
+    BatchNorm calls) unless the loop measured the processes' strategy, and between CPU towers
+    (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
+    forwards side by side split over the layers) unless it measured the towers' strategy. Nothing
+    without BatchNorm inputs or links (``profile_model(links=False)``); the towers' only where their
+    forwards were measured (a CPU of several cores). Call in the profiling process, at its default
+    threads."""
+    from .profile_runs import sync_batchnorm_strategies
+
+    shapes = prof.get("batchnorm_inputs")
+    if not shapes or "links" not in prof:
+        return
+    processes, towers = sync_batchnorm_strategies()
+    if processes not in measured_in_loop:
+        from .microbench_meetings import measured_sync_batchnorm
+
+        timed = prof["workloads_in_process"][str(prof["default_threads"])]
+        calls = len(shapes)
+        prof["sync_batchnorm_s"] = measured_sync_batchnorm(
+            shapes, compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls), repeats=80)
+    if towers not in measured_in_loop and prof.get("towers_forward_threads"):
+        from .microbench_towers import measured_tower_sync_batchnorm
+
+        per_layer = prof["towers_forward_threads"]["seconds"] / len(shapes)
+        prof["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(shapes, repeats=60, compute_s=per_layer)
 
 
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:

@@ -75,6 +75,11 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
     return out
 
 
+OVERSUBSCRIBED = 4
+"""Replicas of the processes' second sync BatchNorm measurement in the loop, on a CPU of fewer cores:
+the largest N ``paratrain plan`` predicts for this machine by default (1, 2, 4)."""
+
+
 def sync_batchnorm_strategies() -> tuple[str, str]:
     """(processes, towers): the registry's strategies whose two-replica steps price synchronised
     BatchNorm (:func:`loop_sync_batchnorm`): the default one for several processes (DDP's all-reduce)
@@ -87,11 +92,14 @@ def sync_batchnorm_strategies() -> tuple[str, str]:
 
 def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                         batch: int, steps: int, strategies: tuple[str, ...] | None = None,
-                        repeats: int = 1, accumulation: int = 1) -> dict[str, float]:
+                        repeats: int = 1, accumulation: int = 1, replicas: int = 2) -> dict[str, float]:
     """{strategy: seconds per step that ``model.sync_batchnorm = true`` adds to rank 0's compute
-    (forward + backward + data) in ``paratrain train``'s own two-replica step of global batch
-    ``batch``}: each strategy run with the key on and off, ``repeats`` rounds (on and off side by
-    side in each), the median of each minus the other, at least 0.
+    (forward + backward + data) in ``paratrain train``'s own step of ``replicas`` replicas of batch
+    ``batch`` / 2 each (global batch ``batch`` at two replicas)}: each strategy run with the key on
+    and off, ``repeats`` rounds (on and off side by side in each), the median of each minus the
+    other, at least 0. More replicas than cores (:data:`OVERSUBSCRIBED`) price the processes taking
+    turns on the cores: each meeting then waits for every process' compute before it, and gloo's
+    ring hands the sums from process to process, each woken in turn.
 
     Why the loop and not a micro-benchmark of the layers alone: on a CPU the meetings sit between
     the model's own compute in both processes (or tower threads), and their cost is the drift of the
@@ -102,8 +110,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     :func:`sync_batchnorm_strategies`; the processes' term prices every layout of processes
     (:func:`~.plan_inputs.sync_batchnorm_s`), the towers' the CPU towers
     (:func:`~.plan_inputs.tower_sync_batchnorm_s`). A strategy whose run fails, or that the recipe
-    does not allow at 2 replicas (a global batch that does not split over 2 replicas' micro-batches), is
-    left out, with a line: the plan then prices it with the micro-benchmark's value."""
+    does not allow (a batch that does not split over 2 replicas' micro-batches), is left out, with a
+    line: the plan then prices it with the micro-benchmark's value."""
     import statistics
     import tempfile
 
@@ -114,8 +122,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
 
     strategies = strategies or sync_batchnorm_strategies()
     common = (*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}")
-    specs = {on: BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=(2,), scaling=("strong",),
-                           steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
+    specs = {on: BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=(replicas,),
+                           scaling=("strong",), steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
                            overrides=(*common, f"model.sync_batchnorm={'true' if on else 'false'}"))
              for on in (True, False)}
     seen: dict[tuple[str, bool], list[float]] = {}
@@ -123,13 +131,14 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     if batch % (2 * accumulation):
         left_out = {s: f"a global batch of {batch} does not split over 2 replicas of {accumulation} micro-batches"
                     for s in strategies}
+    global_batch = batch // 2 * replicas
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-sync-bn-") as tmp:
         for r in range(repeats):
             for strategy in strategies:
                 for on in (True, False):
                     if strategy in left_out:
                         continue
-                    plan = RunPlan(strategy=strategy, n=2, global_batch=batch, repeat=r)
+                    plan = RunPlan(strategy=strategy, n=replicas, global_batch=global_batch, repeat=r)
                     run_dir = Path(tmp) / f"{plan.name}-{'on' if on else 'off'}"
                     log = Path(tmp) / f"{run_dir.name}.log"
                     rc, _ = run_cmd(train_command(specs[on], plan, run_dir), log, specs[on].timeout_s,
@@ -143,7 +152,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
                     w = workload_from_record(rec, [0], rec["units_per_step"])
                     seen.setdefault((strategy, on), []).append(w.data_s + w.forward_s + w.backward_s)
     for strategy, why in left_out.items():
-        print(f"[plan] sync BatchNorm in the loop: {strategy} left out ({why}); its term comes from the "
-              f"micro-benchmark", flush=True)
+        print(f"[plan] sync BatchNorm in the loop at {replicas} replicas: {strategy} left out ({why}); "
+              + ("its term comes from the micro-benchmark" if replicas == 2 else
+                 "above the cores it is priced from 2 replicas and the ring"), flush=True)
     return {s: max(0.0, statistics.median(seen[s, True]) - statistics.median(seen[s, False]))
             for s in strategies if s not in left_out}
