@@ -85,6 +85,15 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned):
 
         assert step(prof, here, True) != step(bare, here, True), strategy  # priced here ...
         assert step(prof, PRESETS["ib400"], False) == step(bare, PRESETS["ib400"], False), strategy  # ... only here
+    # more processes than this machine's cores: fsdp's and zero1's meetings are the 4-process table's
+    if prof["cores"] < 4:
+        assert prof["meetings_oversubscribed"]["processes"] == 4
+        alone = {k: v for k, v in prof.items() if k != "meetings_oversubscribed"}
+        for strategy in ("fsdp", "zero1"):
+            def at(n, p):
+                return predict_layout(Layout(strategy, n, {}, strategy), p, cfg, here, on_this_machine=True,
+                                      global_batch=None)["step_s"]
+            assert at(2, prof) == at(2, alone) and at(4, prof) != at(4, alone), strategy
     # zero1's row copies alone
     uncopied = {k: v for k, v in prof.items() if k != "memory_copy"}
     lay = Layout("zero1", 2, {}, "zero1")

@@ -92,18 +92,26 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     assert p.step_s == pytest.approx(compute + (1e-3 + 2e-3) + (2e-3 + 6e-3) + 4 * 2e-4 + norm, rel=1e-12)
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_or_four_processes(processes):
+def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_processes(monkeypatch):
+    from paratrain.bench import microbench_meetings
     from paratrain.bench.microbench_meetings import measured_meetings
 
-    points = measured_meetings((1e-4, 2e-3), processes=processes, timeout_s=90)
+    points = measured_meetings((1e-4, 2e-3), timeout_s=90)
     assert [c for c, _ in points] == pytest.approx([1e-4, 2e-3])
-    assert all(math.isfinite(t) and 0 < t < 0.5 for _, t in points)  # every rank met 30+ times and returned
+    assert all(math.isfinite(t) and 0 < t < 0.5 for _, t in points)  # both ranks met 30+ times and returned
+    # more processes than cores: as many ranks (the plan's profile runs 4 on this machine: test_plan_cli)
+    asked = []
+    monkeypatch.setattr(microbench_meetings, "measure_allreduce",
+                        lambda world, sizes, **kw: asked.append((world, list(sizes), kw["op"])) or
+                        [(us, 1e-3) for us in sizes])
+    assert measured_meetings((1e-3,), processes=4) == [[pytest.approx(1e-3), 1e-3]]
+    assert asked == [(4, [1000], "meeting")]
 
 
 def test_n_above_the_cores_prices_fsdps_meetings_with_the_oversubscribed_measurement():
     """plan_inputs.meetings: two processes' table up to the cores, the table of 4 processes on 2 cores
-    above them (3 too); a profile without it (more cores, or older) keeps two processes' for every n."""
+    above them (3 too); a profile without it (more cores, or older) keeps two processes' for every n;
+    on one core, n = 2 is two processes' own measurement."""
     from paratrain.bench.plan_inputs import meetings
 
     two, four = [[0.001, 0.001], [0.004, 0.002]], [[0.001, 0.004], [0.004, 0.009]]
@@ -112,6 +120,7 @@ def test_n_above_the_cores_prices_fsdps_meetings_with_the_oversubscribed_measure
     assert meetings({**prof, "cores": 4}, 4) == two
     assert meetings({"cores": 2, "meetings": two}, 4) == two
     assert meetings({"cores": 2}, 4) is None
+    assert [meetings({**prof, "cores": 1}, n) for n in (2, 4)] == [two, four]
     # fsdp's step at n = 4: each unit's forward and backward end in a wait of the 4-process table
     lay = dict(unit_bytes=[MIB, 2 * MIB], overlap=False)
     slow = predict_fsdp(W, 4, LINK, meeting_s=meeting_seconds(four), **lay).step_s

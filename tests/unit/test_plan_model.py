@@ -703,6 +703,8 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     assert sync_batchnorm_s(over, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])
     assert sync_batchnorm_s({**over, "cores": 4}, cfg, 4, link, on_this_machine=True) == pytest.approx(
         0.0335 + ring[4] - ring[2])  # 4 processes on 4 cores: not oversubscribed
+    noisy = {**over, "loop_sync_batchnorm_oversubscribed": {"replicas": 4, "seconds": 0.0}}
+    assert sync_batchnorm_s(noisy, cfg, 8, link, on_this_machine=True) == 0.0  # a falling line stops at 0
 
 
 def test_the_profile_finds_every_batchnorm_input_and_the_microbenchmark_runs_their_sync_on_two_processes():
@@ -958,6 +960,58 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
     gpu = {k: v for k, v in profile().items() if k != "towers_forward_threads"}
     sync_batchnorm_fallbacks(gpu, {})
     assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003)))]
+
+
+@pytest.mark.parametrize("cores", [2, 4])
+def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_fewer_cores(monkeypatch, tmp_path,
+                                                                                           cores):
+    """plan.load_profile with the measurements stubbed (a BatchNorm recipe on a CPU): the loop's sync
+    BatchNorm at 2 replicas for both strategies; on fewer than 4 cores the processes' again at 4, with
+    half the steps (its step is about 4 / 2 times as long), kept as loop_sync_batchnorm_oversubscribed;
+    not when the 2-replica run of the processes' strategy failed (a line needs both ends); then the
+    layers' micro-benchmarks for what the loop left out."""
+    import argparse
+    from pathlib import Path
+
+    from paratrain.bench import plan, profile, profile_runs
+    from paratrain.config import load
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    cfg = load(recipe, [])
+    processes, towers = profile_runs.sync_batchnorm_strategies()
+    loops, fallbacks = [], []
+
+    def loop_sync_batchnorm(config, task, overrides, data_dir, batch, steps, strategies=None, repeats=1,
+                            accumulation=1, replicas=2):
+        loops.append((replicas, steps, strategies))
+        measured = {processes: 0.03, towers: 0.01} if replicas == 2 else {processes: 0.085}
+        return {k: v for k, v in measured.items() if k not in failing}
+
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress: {
+        "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
+        "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
+                                       "optimizer_s": 0.002}}})
+    monkeypatch.setattr(profile, "sync_batchnorm_fallbacks", lambda prof, loop: fallbacks.append(dict(loop)))
+    monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
+    monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
+    args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
+                              task=None, overrides=[], data_dir=None)
+    failing = ()
+    prof, cached = plan.load_profile(args, cfg, None, tmp_path / "a")
+    steps = plan.run_steps(6, 0.01, 2.0)  # 300 at a 10 ms step
+    assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
+    if cores < 4:
+        assert loops == [(2, steps, None), (4, plan.run_steps(6, 0.02, 2.0), (processes,))]
+        assert prof["loop_sync_batchnorm_oversubscribed"] == {"replicas": 4, "seconds": 0.085}
+    else:
+        assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
+    assert fallbacks == [{processes: 0.03, towers: 0.01}]
+    loops.clear(), fallbacks.clear()
+    failing = (processes,)  # its 2-replica run failed: no 4-replica run, the micro-benchmark for it
+    prof, _ = plan.load_profile(args, cfg, None, tmp_path / "b")
+    assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
+    assert fallbacks == [{towers: 0.01}]
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():

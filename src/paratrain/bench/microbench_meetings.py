@@ -1,8 +1,9 @@
 """Micro-benchmarks of compute meeting communication on this machine: what a blocking collective
 costs ranks that reach it from compute (:func:`measured_meetings`), and what synchronising
 BatchNorm layers costs two processes a step (:func:`measured_sync_batchnorm`). Both run in
-:func:`~.microbench.measure_allreduce`'s two gloo processes (``op="meeting"`` and
-``op="sync_batchnorm"``); :func:`products_for` calibrates the compute before each meeting."""
+:func:`~.microbench.measure_allreduce`'s gloo processes (``op="meeting"``: two, or more to take
+turns on fewer cores; ``op="sync_batchnorm"``: two); :func:`products_for` calibrates the compute
+before each meeting."""
 from __future__ import annotations
 
 import statistics

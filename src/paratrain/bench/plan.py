@@ -164,8 +164,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                                          args.data_dir, cfg.train.batch_size, steps=steps,
                                          repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
                 prof["loop_sync_batchnorm_s"] = loop()
-                if over_cores:  # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
-                    processes, _ = sync_batchnorm_strategies()
+                processes, _ = sync_batchnorm_strategies()
+                if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
+                    # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
                     fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)
                     over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
                     if processes in over:

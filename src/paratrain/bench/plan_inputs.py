@@ -58,7 +58,7 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     each meeting waits for every process' compute before it (n / cores turns) and the ring wakes its
     2 (n - 1) hops one after another, both linear in n; where the profile measured the loop at
     m > cores replicas too (``loop_sync_batchnorm_oversubscribed``, m = 4 on fewer cores), n > cores
-    is the straight line through the measurements at 2 and m (beyond m: extrapolated). On the 2-vCPU
+    is the straight line through the measurements at 2 and m (beyond m: extrapolated; at least 0). On the 2-vCPU
     VM, digits_cnn paid 29 ms a step at 2 processes and 85 ms at 4, where the ring's latency beyond 2
     adds 10 ms. 0 without BatchNorm, without the key or at n = 1."""
     from .costmodel import ring_allreduce_s
@@ -78,8 +78,8 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     if not on_this_machine or measured is None:
         return ring(n)
     over = prof.get("loop_sync_batchnorm_oversubscribed")
-    if over and n > prof.get("cores", n) and over["replicas"] > 2:
-        return measured + (over["seconds"] - measured) * (n - 2) / (over["replicas"] - 2)
+    if over and n > max(2, prof.get("cores", n)) and over["replicas"] > 2:
+        return max(0.0, measured + (over["seconds"] - measured) * (n - 2) / (over["replicas"] - 2))
     return measured + ring(n) - ring(2)
 
 
@@ -87,10 +87,10 @@ def meetings(prof: dict, n: int) -> list | None:
     """The measured (compute seconds, seconds) points of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`) for n processes here: measured between two
     processes, and for n above the cores between the processes the profile ran oversubscribed
-    (``meetings_oversubscribed``, 4 on fewer cores: taken for every n > cores). None where not
-    measured (a GPU's profile)."""
+    (``meetings_oversubscribed``, 4 on fewer cores: taken for every n > cores, n = 3 included, and
+    n > 2), not interpolated. None where not measured (a GPU's profile)."""
     over = prof.get("meetings_oversubscribed")
-    if over and n > prof.get("cores", n):
+    if over and n > max(2, prof.get("cores", n)):  # on one core, two processes' own table is n = 2's
         return over["points"]
     return prof.get("meetings")
 

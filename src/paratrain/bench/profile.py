@@ -53,7 +53,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 14  # 14: sync BatchNorm in the loop at 4 processes on fewer cores (oversubscribed);
+PROFILE_VERSION = 14  # 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
+# (oversubscribed); the layers' sync BatchNorm micro-benchmarks only for what the loop did not measure;
 # 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
 # server's round trip (the PS's link); 11: the step's spread from
 # successive differences (timing.successive_difference_sd), without the run's drift; 10: FSDP2's collectives

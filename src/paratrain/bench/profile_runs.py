@@ -1,6 +1,7 @@
 """The training loop's own step for ``paratrain plan``'s profile: ``single`` runs of ``paratrain train``
 through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`), and, for a recipe
 with ``model.sync_batchnorm`` on a CPU, what synchronised BatchNorm adds to the loop's two-replica steps
+and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many replicas
 (:func:`loop_sync_batchnorm`). The rest of the profile is measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
 
 
 OVERSUBSCRIBED = 4
-"""Replicas of the processes' second sync BatchNorm measurement in the loop, on a CPU of fewer cores:
-the largest N ``paratrain plan`` predicts for this machine by default (1, 2, 4)."""
+"""On a CPU of fewer cores, the processes of the profile's measurements of N above the cores: the
+loop's second sync BatchNorm measurement (its replicas) and the meeting micro-benchmark's second
+table (``meetings_oversubscribed``); the largest N ``paratrain plan`` predicts for this machine by
+default (1, 2, 4)."""
 
 
 def sync_batchnorm_strategies() -> tuple[str, str]:
@@ -111,7 +114,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     (:func:`~.plan_inputs.sync_batchnorm_s`), the towers' the CPU towers
     (:func:`~.plan_inputs.tower_sync_batchnorm_s`). A strategy whose run fails, or that the recipe
     does not allow (a batch that does not split over 2 replicas' micro-batches), is left out, with a
-    line: the plan then prices it with the micro-benchmark's value."""
+    line: the plan then prices it with the micro-benchmark's value (at 2 replicas), or from 2
+    replicas and the ring (at more)."""
     import statistics
     import tempfile
 
