@@ -895,7 +895,7 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
     assert got == pytest.approx({"allreduce": 0.034, "replicate": 0.014})
     assert len(commands) == 12  # 3 rounds x 2 strategies x on, off
     for cmd in commands:
-        assert "train.batch_size=64" in cmd and "train.max_steps=12" in cmd
+        assert "train.batch_size=128" in cmd and "train.max_steps=12" in cmd  # 64 a replica, as the plan's rows
         assert ("model.sync_batchnorm=true" in cmd) != ("model.sync_batchnorm=false" in cmd)
     replicate = [c for c in commands if c[c.index("--strategy") + 1] == "replicate"]
     assert all('dist.devices="cpu:0,cpu:1"' in c for c in replicate)  # two towers
@@ -911,15 +911,15 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
     got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, repeats=1)
     assert set(got) == {"allreduce"}
     assert "replicate left out (its run with the key on failed" in capsys.readouterr().out
-    # 4 replicas (more than the cores): each with the two-replica run's batch, 32 of 64
+    # 4 replicas (more than the cores): each with the recipe's batch too
     commands.clear()
     got = loop_sync_batchnorm(recipe, None, (), None, 64, 12, strategies=("allreduce",), replicas=4)
     assert set(got) == {"allreduce"} and len(commands) == 2
-    assert all("dist.nproc=4" in c and "train.batch_size=128" in c for c in commands), commands
-    # a global batch that 2 replicas of 4 micro-batches cannot split: nothing runs, both left out
+    assert all("dist.nproc=4" in c and "train.batch_size=256" in c for c in commands), commands
+    # a batch that 5 micro-batches cannot split: nothing runs, both left out
     commands.clear()
-    assert loop_sync_batchnorm(recipe, None, (), None, 12, 12, accumulation=4) == {} and not commands
-    assert "does not split over 2 replicas of 4 micro-batches" in capsys.readouterr().out
+    assert loop_sync_batchnorm(recipe, None, (), None, 12, 12, accumulation=5) == {} and not commands
+    assert "a batch of 12 per replica does not split into 5 micro-batches" in capsys.readouterr().out
 
 
 def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_measure(monkeypatch):

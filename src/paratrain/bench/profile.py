@@ -53,7 +53,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 14  # 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
+PROFILE_VERSION = 15  # 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
+# 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
 # (oversubscribed); the layers' sync BatchNorm micro-benchmarks only for what the loop did not measure;
 # 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
 # server's round trip (the PS's link); 11: the step's spread from
