@@ -923,13 +923,12 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
 
 
 def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_measure(monkeypatch):
-    """profile.sync_batchnorm_fallbacks with the micro-benchmarks stubbed: the loop's measurement of
+    """profile_runs.sync_batchnorm_fallbacks with the micro-benchmarks stubbed: the loop's measurement of
     both strategies leaves nothing to time; a strategy it left out (a failed run) or no loop at all
     (a GPU) times the layers apart, with each layer's share of the step's compute; no BatchNorm
     inputs, no links or no towers' forwards: nothing for what needs them."""
     from paratrain.bench import microbench_meetings, microbench_towers
-    from paratrain.bench.profile import sync_batchnorm_fallbacks
-    from paratrain.bench.profile_runs import sync_batchnorm_strategies
+    from paratrain.bench.profile_runs import sync_batchnorm_fallbacks, sync_batchnorm_strategies
 
     calls = []
     monkeypatch.setattr(microbench_meetings, "measured_sync_batchnorm",
@@ -991,7 +990,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
                                        "optimizer_s": 0.002}}})
-    monkeypatch.setattr(profile, "sync_batchnorm_fallbacks", lambda prof, loop: fallbacks.append(dict(loop)))
+    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop: fallbacks.append(dict(loop)))
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)

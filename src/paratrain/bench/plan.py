@@ -133,9 +133,10 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     from ..consistency import config_text
     from ..env import available_cores
-    from .profile import profile_model, sync_batchnorm_fallbacks
+    from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
-    from .profile_runs import OVERSUBSCRIBED, loop_sync_batchnorm, loop_workloads, sync_batchnorm_strategies
+    from .profile_runs import (OVERSUBSCRIBED, loop_sync_batchnorm, loop_workloads, sync_batchnorm_fallbacks,
+                               sync_batchnorm_strategies)
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())

@@ -30,7 +30,8 @@ profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strate
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``). What synchronising them costs a step is the training loop's own measurement
 where it runs (:func:`~.profile_runs.loop_sync_batchnorm`, on a CPU of several cores); for what it
-leaves out, :func:`sync_batchnorm_fallbacks` times the layers apart: between two processes here
+leaves out, :func:`~.profile_runs.sync_batchnorm_fallbacks` times the layers apart: between two
+processes here
 (``sync_batchnorm_s``, :func:`~.microbench_meetings.measured_sync_batchnorm`) and, on a CPU of several
 cores, between two towers of one process (``tower_sync_batchnorm_s``,
 :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
@@ -257,38 +258,6 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         out["towers_forward_threads"] = {"towers": out["cores"], "seconds": measured_towers_forward(
             model, lambda m: loss_fn(draw(), m), one_step, out["cores"])}
     return out
-
-
-def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float]) -> None:
-    """Add to ``prof`` the layers' micro-benchmarks of ``model.sync_batchnorm`` that the training
-    loop's own measurement (``measured_in_loop``: :func:`~.profile_runs.loop_sync_batchnorm`'s answer,
-    by strategy; {} where it did not run) leaves out: between processes (``sync_batchnorm_s``,
-    :func:`~.microbench_meetings.measured_sync_batchnorm`; a replica's compute between one layer's
-    meetings and the next, as in its step: this process' forward and backward split evenly over the
-    BatchNorm calls) unless the loop measured the processes' strategy, and between CPU towers
-    (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
-    forwards side by side split over the layers) unless it measured the towers' strategy. Nothing
-    without BatchNorm inputs or links (``profile_model(links=False)``); the towers' only where their
-    forwards were measured (a CPU of several cores). Call in the profiling process, at its default
-    threads."""
-    from .profile_runs import sync_batchnorm_strategies
-
-    shapes = prof.get("batchnorm_inputs")
-    if not shapes or "links" not in prof:
-        return
-    processes, towers = sync_batchnorm_strategies()
-    if processes not in measured_in_loop:
-        from .microbench_meetings import measured_sync_batchnorm
-
-        timed = prof["workloads_in_process"][str(prof["default_threads"])]
-        calls = len(shapes)
-        prof["sync_batchnorm_s"] = measured_sync_batchnorm(
-            shapes, compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls), repeats=80)
-    if towers not in measured_in_loop and prof.get("towers_forward_threads"):
-        from .microbench_towers import measured_tower_sync_batchnorm
-
-        per_layer = prof["towers_forward_threads"]["seconds"] / len(shapes)
-        prof["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(shapes, repeats=60, compute_s=per_layer)
 
 
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:

@@ -2,12 +2,14 @@
 through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`), and, for a recipe
 with ``model.sync_batchnorm`` on a CPU, what synchronised BatchNorm adds to the loop's two-replica steps
 and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many replicas
-(:func:`loop_sync_batchnorm`). The rest of the profile is measured in process (:mod:`.profile`)."""
+(:func:`loop_sync_batchnorm`), with the layers timed apart for what it leaves out
+(:func:`sync_batchnorm_fallbacks`). The rest of the profile is measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
 import os
 import statistics
 from pathlib import Path
+from typing import Any
 
 
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
@@ -162,3 +164,33 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
                  "above the cores it is priced from 2 replicas and the ring"), flush=True)
     return {s: max(0.0, statistics.median(seen[s, True]) - statistics.median(seen[s, False]))
             for s in strategies if s not in left_out}
+
+
+def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float]) -> None:
+    """Add to ``prof`` the layers' micro-benchmarks of ``model.sync_batchnorm`` that the training
+    loop's own measurement (``measured_in_loop``: :func:`loop_sync_batchnorm`'s answer,
+    by strategy; {} where it did not run) leaves out: between processes (``sync_batchnorm_s``,
+    :func:`~.microbench_meetings.measured_sync_batchnorm`; a replica's compute between one layer's
+    meetings and the next, as in its step: this process' forward and backward split evenly over the
+    BatchNorm calls) unless the loop measured the processes' strategy, and between CPU towers
+    (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
+    forwards side by side split over the layers) unless it measured the towers' strategy. Nothing
+    without BatchNorm inputs or links (``profile.profile_model(links=False)``); the towers' only
+    where their forwards were measured (a CPU of several cores). Call in the profiling process, at
+    its default threads."""
+    shapes = prof.get("batchnorm_inputs")
+    if not shapes or "links" not in prof:
+        return
+    processes, towers = sync_batchnorm_strategies()
+    if processes not in measured_in_loop:
+        from .microbench_meetings import measured_sync_batchnorm
+
+        timed = prof["workloads_in_process"][str(prof["default_threads"])]
+        calls = len(shapes)
+        prof["sync_batchnorm_s"] = measured_sync_batchnorm(
+            shapes, compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls), repeats=80)
+    if towers not in measured_in_loop and prof.get("towers_forward_threads"):
+        from .microbench_towers import measured_tower_sync_batchnorm
+
+        per_layer = prof["towers_forward_threads"]["seconds"] / len(shapes)
+        prof["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(shapes, repeats=60, compute_s=per_layer)
