@@ -78,9 +78,16 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     if not on_this_machine or measured is None:
         return ring(n)
     over = prof.get("loop_sync_batchnorm_oversubscribed")
-    if over and n > max(2, prof.get("cores", n)) and over["replicas"] > 2:
+    if over and above_the_cores(prof, n) and over["replicas"] > 2:
         return max(0.0, measured + (over["seconds"] - measured) * (n - 2) / (over["replicas"] - 2))
     return measured + ring(n) - ring(2)
+
+
+def above_the_cores(prof: dict, n: int) -> bool:
+    """Whether n processes here take turns on the profile's cores, so that its oversubscribed
+    measurements price them: n above the cores, and above 2 (on one core, the two-process
+    measurements are n = 2's own)."""
+    return n > max(2, prof.get("cores", n))
 
 
 def meetings(prof: dict, n: int) -> list | None:
@@ -90,7 +97,7 @@ def meetings(prof: dict, n: int) -> list | None:
     (``meetings_oversubscribed``, 4 on fewer cores: taken for every n > cores, n = 3 included, and
     n > 2), not interpolated. None where not measured (a GPU's profile)."""
     over = prof.get("meetings_oversubscribed")
-    if over and n > max(2, prof.get("cores", n)):  # on one core, two processes' own table is n = 2's
+    if over and above_the_cores(prof, n):
         return over["points"]
     return prof.get("meetings")
 
