@@ -106,6 +106,30 @@ def test_an_unequal_pipeline_is_paced_by_its_slowest_stage():
         predict_pipeline(W, 1, 2, 4, FREE, activation_bytes=1e6, stage_fractions=[1.0])
 
 
+def test_processes_above_the_cores_fill_the_pipelines_bubble_with_other_stages_work():
+    """compute_scale s = processes x threads / cores > 1: the schedule is the larger of the critical
+    path on cores of their own and each core's share of every process' work, s x M x mean stage
+    time (Graham's bound); s = 1 is the critical path. gpt_wt2's pipeline on the 2-vCPU VM: its second
+    stage holds about 95% of the work, so at 2 x 2 on 2 cores its first stages' bubble is the
+    heavy stages' turn: 2.2 s a step measured, 3.7 s predicted as s x the critical path."""
+    from paratrain.bench.costmodel_sharded import pipeline_schedule_s
+
+    t = W.forward_s + W.backward_s
+    # equal stages, M = 4: critical path 5 t / 8; 4 processes on 2 cores (s = 2): 2 x 4 x t / 8 = t
+    assert pipeline_schedule_s([t / 8, t / 8], 4) == pytest.approx(5 * t / 8)
+    assert pipeline_schedule_s([t / 8, t / 8], 4, 2.0) == pytest.approx(t)
+    # 5% and 95% of t: critical path t (0.05 + 0.95) / 4 + 3 x 0.95 t / 4 = 0.9625 t; work 2 x t / 2 = t
+    lop = [0.05 * t / 4, 0.95 * t / 4]
+    assert pipeline_schedule_s(lop, 4) == pytest.approx(0.9625 * t)
+    assert pipeline_schedule_s(lop, 4, 2.0) == pytest.approx(t)
+    assert pipeline_schedule_s(lop, 4, 1.5) == pytest.approx(0.9625 * t)  # the critical path is still longer
+    # the step: the schedule, then data and the largest stage's optimizer, s times as long
+    p = predict_pipeline(W, 2, 2, 4, FREE, activation_bytes=0, stage_fractions=[0.05, 0.95], compute_scale=2.0)
+    assert p.step_s == pytest.approx(t + 2 * (W.data_s + W.optimizer_s / 2))
+    # the old model, s x the critical path: 1.925 t; the bubble's idle core now runs the other stages
+    assert p.step_s < 2 * 0.9625 * t + 2 * (W.data_s + W.optimizer_s / 2)
+
+
 def test_the_largest_stage_paces_the_optimizer_and_the_replicas_all_reduce():
     # a tied embedding of 12 MiB in both stages of a 16 MiB model: stages of 14 and 14 MiB
     stages = [14 * MIB, 14 * MIB]
