@@ -109,14 +109,23 @@ def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_t
 
 
 def test_n_above_the_cores_prices_fsdps_meetings_with_the_oversubscribed_measurement():
-    """plan_inputs.meetings: two processes' table up to the cores, the table of 4 processes on 2 cores
-    above them (3 too); a profile without it (more cores, or older) keeps two processes' for every n;
-    on one core, n = 2 is two processes' own measurement."""
+    """plan_inputs.meetings: two processes' table up to the cores; above them each point on the line
+    in n through two processes' table and the table of 4 processes on 2 cores (n = 3 halfway, n = 8
+    extrapolated, never below 0); a 4-process table on other compute points is taken as it is; a
+    profile without it (more cores, or older) keeps two processes' for every n; on one core, n = 2
+    is two processes' own measurement."""
     from paratrain.bench.plan_inputs import meetings
 
     two, four = [[0.001, 0.001], [0.004, 0.002]], [[0.001, 0.004], [0.004, 0.009]]
     prof = {"cores": 2, "meetings": two, "meetings_oversubscribed": {"processes": 4, "points": four}}
-    assert [meetings(prof, n) for n in (1, 2, 3, 4, 8)] == [two, two, four, four, four]
+    assert [meetings(prof, n) for n in (1, 2, 4)] == [two, two, four]
+    assert meetings(prof, 3) == [[0.001, pytest.approx(0.0025)], [0.004, pytest.approx(0.0055)]]
+    # 8 processes: 3 times the rise from 2 to 4 above two processes' seconds
+    assert meetings(prof, 8) == [[0.001, pytest.approx(0.010)], [0.004, pytest.approx(0.023)]]
+    falling = {**prof, "meetings_oversubscribed": {"processes": 4, "points": [[0.001, 0.0], [0.004, 0.001]]}}
+    assert meetings(falling, 8) == [[0.001, 0.0], [0.004, 0.0]]  # 0.001 - 3 x 0.001 and 0.002 - 3 x 0.001
+    other = [[0.002, 0.004], [0.008, 0.009]]
+    assert meetings({**prof, "meetings_oversubscribed": {"processes": 4, "points": other}}, 3) == other
     assert meetings({**prof, "cores": 4}, 4) == two
     assert meetings({"cores": 2, "meetings": two}, 4) == two
     assert meetings({"cores": 2}, 4) is None

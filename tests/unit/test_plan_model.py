@@ -695,7 +695,7 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     assert sync_batchnorm_s(loop, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])  # a cluster
     # more processes than cores, measured at 4 on 2 cores (digits_cnn on the 2-vCPU VM: 29 and 85 ms): the
     # straight line through 2 and 4 processes, beyond 4 extrapolated; not on a cluster, not within the cores
-    over = {**loop, "cores": 2, "loop_sync_batchnorm_oversubscribed": {"replicas": 4, "seconds": 0.085}}
+    over = {**loop, "cores": 2, "loop_sync_batchnorm_oversubscribed": {"processes": 4, "seconds": 0.085}}
     assert sync_batchnorm_s(over, cfg, 2, link, on_this_machine=True) == 0.0335
     assert sync_batchnorm_s(over, cfg, 3, link, on_this_machine=True) == pytest.approx(0.0335 + (0.085 - 0.0335) / 2)
     assert sync_batchnorm_s(over, cfg, 4, link, on_this_machine=True) == pytest.approx(0.085)
@@ -703,7 +703,7 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     assert sync_batchnorm_s(over, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])
     assert sync_batchnorm_s({**over, "cores": 4}, cfg, 4, link, on_this_machine=True) == pytest.approx(
         0.0335 + ring[4] - ring[2])  # 4 processes on 4 cores: not oversubscribed
-    noisy = {**over, "loop_sync_batchnorm_oversubscribed": {"replicas": 4, "seconds": 0.0}}
+    noisy = {**over, "loop_sync_batchnorm_oversubscribed": {"processes": 4, "seconds": 0.0}}
     assert sync_batchnorm_s(noisy, cfg, 8, link, on_this_machine=True) == 0.0  # a falling line stops at 0
 
 
@@ -925,7 +925,8 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
 def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_measure(monkeypatch):
     """profile_runs.sync_batchnorm_fallbacks with the micro-benchmarks stubbed: the loop's measurement of
     both strategies leaves nothing to time; a strategy it left out (a failed run) or no loop at all
-    (a GPU) times the layers apart, with each layer's share of the step's compute; no BatchNorm
+    (a GPU) times the layers apart, with each layer's share of the step's compute, and tells the
+    progress bar each one it runs; no BatchNorm
     inputs, no links or no towers' forwards: nothing for what needs them."""
     from paratrain.bench import microbench_meetings, microbench_towers
     from paratrain.bench.profile_runs import sync_batchnorm_fallbacks, sync_batchnorm_strategies
@@ -949,9 +950,10 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
     sync_batchnorm_fallbacks(prof, {processes: 0.031})  # the towers' run failed
     assert calls == [("towers", pytest.approx(0.005))] and prof["tower_sync_batchnorm_s"] == 0.006
     calls.clear()
-    prof = profile()
-    sync_batchnorm_fallbacks(prof, {})  # no loop (a GPU): both, each layer after its share of the compute
+    prof, told = profile(), []
+    sync_batchnorm_fallbacks(prof, {}, told.append)  # no loop (a GPU): both, each layer after its share of compute
     assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003))), ("towers", pytest.approx(0.005))]
+    assert told == ["sync BatchNorm micro-benchmark: 2 processes", "sync BatchNorm micro-benchmark: CPU towers"]
     assert prof["sync_batchnorm_s"] == 0.025 and prof["tower_sync_batchnorm_s"] == 0.006
     calls.clear()
     for bare in (profile(batchnorm_inputs=[]), {k: v for k, v in profile().items() if k != "links"}):
@@ -990,7 +992,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
                                        "optimizer_s": 0.002}}})
-    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop: fallbacks.append(dict(loop)))
+    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: fallbacks.append(dict(loop)))
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
@@ -1002,7 +1004,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
     if cores < 4:
         assert loops == [(2, steps, None), (4, plan.run_steps(6, 0.02, 2.0), (processes,))]
-        assert prof["loop_sync_batchnorm_oversubscribed"] == {"replicas": 4, "seconds": 0.085}
+        assert prof["loop_sync_batchnorm_oversubscribed"] == {"processes": 4, "seconds": 0.085}
     else:
         assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{processes: 0.03, towers: 0.01}]

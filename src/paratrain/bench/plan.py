@@ -142,13 +142,13 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 9
+    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
             def progress(what: str) -> None:
                 bar.set_postfix_str(what)
-                bar.update(1)
+                bar.update(min(1, phases - bar.n))
 
             prof = profile_model(task, cfg, progress=progress)
             progress("the training loop's step: one-device runs")
@@ -171,10 +171,10 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                     fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)
                     over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
                     if processes in over:
-                        prof["loop_sync_batchnorm_oversubscribed"] = {"replicas": OVERSUBSCRIBED,
+                        prof["loop_sync_batchnorm_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                                       "seconds": over[processes]}
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
-            sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {})
+            sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)
             return prof
 

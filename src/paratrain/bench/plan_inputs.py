@@ -78,8 +78,8 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     if not on_this_machine or measured is None:
         return ring(n)
     over = prof.get("loop_sync_batchnorm_oversubscribed")
-    if over and above_the_cores(prof, n) and over["replicas"] > 2:
-        return max(0.0, measured + (over["seconds"] - measured) * (n - 2) / (over["replicas"] - 2))
+    if over and above_the_cores(prof, n) and over["processes"] > 2:
+        return max(0.0, _through_two(measured, over["seconds"], over["processes"], n))
     return measured + ring(n) - ring(2)
 
 
@@ -90,16 +90,27 @@ def above_the_cores(prof: dict, n: int) -> bool:
     return n > max(2, prof.get("cores", n))
 
 
+def _through_two(at_two: float, at_m: float, m: int, n: int) -> float:
+    """The straight line through (2, at_two) and (m, at_m), at n."""
+    return at_two + (at_m - at_two) * (n - 2) / (m - 2)
+
+
 def meetings(prof: dict, n: int) -> list | None:
     """The measured (compute seconds, seconds) points of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`) for n processes here: measured between two
-    processes, and for n above the cores between the processes the profile ran oversubscribed
-    (``meetings_oversubscribed``, 4 on fewer cores: taken for every n > cores, n = 3 included, and
-    n > 2), not interpolated. None where not measured (a GPU's profile)."""
-    over = prof.get("meetings_oversubscribed")
-    if over and above_the_cores(prof, n):
+    processes, and for n above the cores also between the m processes the profile ran oversubscribed
+    (``meetings_oversubscribed``, m = 4 on fewer cores). Above the cores each point's seconds is the
+    straight line in n through the two tables (n = 3 between them; beyond m extrapolated; at least
+    0), as :func:`sync_batchnorm_s`: each meeting waits for the processes still computing, n / cores
+    turns of them. Where the two tables' compute points differ, the m processes' table unchanged.
+    None where not measured (a GPU's profile)."""
+    over, two = prof.get("meetings_oversubscribed"), prof.get("meetings")
+    if not over or not above_the_cores(prof, n) or over["processes"] <= 2:
+        return two
+    if two is None or [c for c, _ in two] != [c for c, _ in over["points"]]:
         return over["points"]
-    return prof.get("meetings")
+    return [[c, max(0.0, _through_two(t2, tm, over["processes"], n))]
+            for (c, t2), (_, tm) in zip(two, over["points"])]
 
 
 def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:

@@ -54,7 +54,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 15  # 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
+PROFILE_VERSION = 16  # 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
+# does (was "replicas"); 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
 # 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
 # (oversubscribed); the layers' sync BatchNorm micro-benchmarks only for what the loop did not measure;
 # 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
@@ -166,7 +166,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
             for s in strategies if s not in left_out}
 
 
-def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float]) -> None:
+def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float],
+                             progress: Callable[[str], None] = lambda what: None) -> None:
     """Add to ``prof`` the layers' micro-benchmarks of ``model.sync_batchnorm`` that the training
     loop's own measurement (``measured_in_loop``: :func:`loop_sync_batchnorm`'s answer,
     by strategy; {} where it did not run) leaves out: between processes (``sync_batchnorm_s``,
@@ -176,8 +177,8 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
     forwards side by side split over the layers) unless it measured the towers' strategy. Nothing
     without BatchNorm inputs or links (``profile.profile_model(links=False)``); the towers' only
-    where their forwards were measured (a CPU of several cores). Call in the profiling process, at
-    its default threads."""
+    where their forwards were measured (a CPU of several cores). ``progress`` is told which runs, for
+    the profile's progress bar. Call in the profiling process, at its default threads."""
     shapes = prof.get("batchnorm_inputs")
     if not shapes or "links" not in prof:
         return
@@ -185,6 +186,7 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     if processes not in measured_in_loop:
         from .microbench_meetings import measured_sync_batchnorm
 
+        progress("sync BatchNorm micro-benchmark: 2 processes")
         timed = prof["workloads_in_process"][str(prof["default_threads"])]
         calls = len(shapes)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(
@@ -192,5 +194,6 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     if towers not in measured_in_loop and prof.get("towers_forward_threads"):
         from .microbench_towers import measured_tower_sync_batchnorm
 
+        progress("sync BatchNorm micro-benchmark: CPU towers")
         per_layer = prof["towers_forward_threads"]["seconds"] / len(shapes)
         prof["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(shapes, repeats=60, compute_s=per_layer)
