@@ -1035,3 +1035,30 @@ def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile
     assert machine_drift(quiet) is None and "machine" not in markdown({"config": "c", "rows": quiet})
     assert machine_drift([row("allreduce", 2, 40.0, 50.0)]) is None  # no one-device row: nothing to say
     assert machine_drift([row("single", 1, 8.1, 13.3, ok=False)]) is None  # a failed run says nothing
+
+
+def test_validation_shows_each_layouts_runs_and_which_misses_lie_inside_their_own_spread():
+    """validation.md: the fastest and slowest run of each layout and their spread; of the layouts at
+    N <= 2 over the 15% step target, those whose prediction lies between their own runs are named
+    (digits_cnn's ps-sync at 2 on the 2-vCPU VM: 50.3 ms predicted, runs of 38.5 and 52.9 ms)."""
+    from paratrain.bench.plan_validate import between_runs, markdown
+
+    def row(label, n, predicted, runs):
+        measured = sorted(runs)[(len(runs) - 1) // 2]
+        return {"strategy": label, "label": label, "n": n, "ok": True, "predicted_step_ms": predicted,
+                "measured_step_ms": measured, "measured_step_ms_all": runs, "step_error": predicted / measured - 1,
+                "predicted_memory_bytes": 2 ** 20, "measured_memory_bytes": 2 ** 20, "memory_error": 0.0}
+
+    ps = row("ps-sync", 2, 50.3, [38.5, 52.9])
+    zero1 = row("zero1", 2, 60.0, [41.2, 45.0])  # +45.6%, above both runs
+    fine = row("fsdp", 2, 69.2, [66.6, 70.3])  # +3.9%: not over the target
+    four = row("towers", 4, 72.1, [59.3, 78.7])  # +21.6% but N = 4: no target
+    alone = row("allreduce", 2, 60.0, [40.0])  # one run: no spread to lie inside
+    assert [between_runs(r) for r in (ps, zero1, fine, alone)] == [True, False, True, False]
+    text = markdown({"config": "c", "rows": [ps, zero1, fine, four, alone]})
+    assert "| 38.5-52.9 (37%) |" in text and "| 41.2-45.0 (9%) |" in text
+    assert "| allreduce | 2 | 60.0 | 40.0 | +50.0% | - |" in text  # one run: no spread
+    assert ("3 layout(s) at N <= 2 are over the 15% step target; for 1 of them the prediction lies between "
+            "the layout's own fastest and slowest runs") in text
+    assert "(ps-sync at 2)." in text
+    assert "over the 15%" not in markdown({"config": "c", "rows": [fine, four]})
