@@ -109,8 +109,8 @@ def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_t
 
 
 def test_n_above_the_cores_prices_fsdps_meetings_with_the_oversubscribed_measurement():
-    """plan_inputs.meetings: two processes' table up to the cores; above them each point on the line
-    in n through two processes' table and the table of 4 processes on 2 cores (n = 3 halfway, n = 8
+    """plan_inputs.meetings: two processes' table up to the cores; at 4 the table of 4 processes on 2
+    cores; above the cores each point on the line in n through the two tables (n = 3 halfway, n = 8
     extrapolated, never below 0); a 4-process table on other compute points is taken as it is; a
     profile without it (more cores, or older) keeps two processes' for every n; on one core, n = 2
     is two processes' own measurement."""

@@ -29,7 +29,9 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   parameters' all-reduce over the stages and the largest stage's gradient all-reduce over the D
   replicas (not overlapped); the optimizer on the largest stage's parameters (a tied embedding is
   in two stages and updated by both); micro-batches cost the measured ``microbatch_factor`` more
-  than the whole batch.
+  than the whole batch. With more processes than cores, a stage waiting in the bubble leaves its
+  core to the others: the schedule is the larger of the critical path and each core's share of all
+  the work (:func:`pipeline_schedule_s`).
 
 Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.UsageError`.
 """
@@ -287,7 +289,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     hop = p2p_link or link
     p2p = hop.alpha_s + activation_bytes / M * hop.beta_s_per_byte if S > 1 else 0.0
     optimizer = w.optimizer_s * min(1.0, largest / total) if total else w.optimizer_s / S
-    compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s  # the bubble is idle compute
+    # the bubble is idle compute (above the cores, other processes' turn)
+    compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
     shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
     step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
     return _prediction(w, replicas * S, step, compute, "stages", replicas=replicas)
@@ -300,14 +303,16 @@ def pipeline_schedule_s(per_mb: Sequence[float], microbatches: int, compute_scal
     ``compute_scale`` s > 1: the job's processes take turns on fewer cores, s = processes x threads /
     cores. A stage that waits in the bubble leaves its core to the others, so the machine runs the
     job's work back to back where it can: each core's share of every process' busy time, s x M x
-    mean_s t_s, is a second lower bound, and the schedule takes the larger of the two (Graham's
-    bound for work-conserving list scheduling: the makespan is at least the work over the machines
-    and at least the critical path). For s = 1 the critical path is always the larger. On the 2-vCPU
-    VM, gpt_wt2's 2 x 2 pipeline (its second stage holds 95% of the work, the output layer) took
-    2.2-2.7 s a step, where s x the critical path predicted 3.7 s and this predicts 2.0 s."""
+    mean_s t_s, and the critical path are both lower bounds of any schedule, and this takes the
+    larger of the two. It is a lower bound: Graham (1969) bounds a work-conserving list schedule
+    above by their sum, so a scheduler that leaves a core idle while work waits is slower than this.
+    For s = 1 the critical path is always the larger; for s < 1 (a faster device) the critical path
+    is s times as long, as before. On the 2-vCPU VM, gpt_wt2's 2 x 2 pipeline (its second stage holds
+    95% of the work, the output layer) took 2.2-2.7 s a step, where s x the critical path predicted
+    3.7 s and this predicts 2.0 s."""
     M = microbatches
     critical = sum(per_mb) + (M - 1) * max(per_mb)
-    return max(critical, compute_scale * M * sum(per_mb) / len(per_mb))
+    return max(min(1.0, compute_scale) * critical, compute_scale * M * sum(per_mb) / len(per_mb))
 
 
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
@@ -350,5 +355,5 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "meeting_seconds", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline", "pipeline_schedule_s",
-           "predict_towers", "bubble_fraction", "MIB"]
+           "copy_seconds", "meeting_seconds", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline",
+           "pipeline_schedule_s", "predict_towers", "bubble_fraction", "MIB"]

@@ -107,7 +107,7 @@ def meetings(prof: dict, n: int) -> list | None:
     over, two = prof.get("meetings_oversubscribed"), prof.get("meetings")
     if not over or not above_the_cores(prof, n) or over["processes"] <= 2:
         return two
-    if two is None or [c for c, _ in two] != [c for c, _ in over["points"]]:
+    if n == over["processes"] or two is None or [c for c, _ in two] != [c for c, _ in over["points"]]:
         return over["points"]
     return [[c, max(0.0, _through_two(t2, tm, over["processes"], n))]
             for (c, t2), (_, tm) in zip(two, over["points"])]

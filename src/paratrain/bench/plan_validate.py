@@ -238,11 +238,12 @@ def markdown(result: dict) -> str:
         lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
                       f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
     over = [r for r in result["rows"] if r["n"] <= 2 and math.isfinite(r["step_error"])
-            and abs(r["step_error"]) > STEP_TARGET]
+            and abs(r["step_error"]) > STEP_TARGET and len(_finite_runs(r)) >= 2]  # runs to compare with
     inside = [r for r in over if between_runs(r)]
     if over:
         named = ", ".join(f"{r['label']} at {r['n']}" for r in inside)
-        lines += ["", f"{len(over)} layout(s) at N <= 2 are over the {100 * STEP_TARGET:.0f}% step target; "
+        lines += ["", f"{len(over)} layout(s) at N <= 2 with two or more runs are over the "
+                      f"{100 * STEP_TARGET:.0f}% step target; "
                       + (f"for {len(inside)} of them the prediction lies between the layout's own fastest and "
                          f"slowest runs, so there the runs differ by as much as the error ({named})." if inside else
                          "no prediction of theirs lies between the layout's own fastest and slowest runs.")]
