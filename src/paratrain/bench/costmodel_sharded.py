@@ -285,7 +285,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     largest = max(stage_param_bytes) if stage_param_bytes else total / S
     if not microbatch_factor > 0 or largest < 0:
         raise UsageError(f"microbatch_factor = {microbatch_factor} must be > 0 and stage_param_bytes >= 0")
-    per_mb = [(w.forward_s + w.backward_s) * microbatch_factor * f / sum(fractions) / M for f in fractions]
+    per_mb = stage_microbatch_s(w, fractions, M, microbatch_factor)
     hop = p2p_link or link
     p2p = hop.alpha_s + activation_bytes / M * hop.beta_s_per_byte if S > 1 else 0.0
     optimizer = w.optimizer_s * min(1.0, largest / total) if total else w.optimizer_s / S
@@ -294,6 +294,14 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
     step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
     return _prediction(w, replicas * S, step, compute, "stages", replicas=replicas)
+
+
+def stage_microbatch_s(w: Workload, fractions: Sequence[float], microbatches: int,
+                       microbatch_factor: float = 1.0) -> list[float]:
+    """Each stage's forward + backward of one micro-batch on a core of its own (unscaled), t_s: the
+    step's forward + backward times ``microbatch_factor``, stage s's share ``fractions[s] /
+    sum(fractions)`` of it, over ``microbatches``. For :func:`pipeline_schedule_s`."""
+    return [(w.forward_s + w.backward_s) * microbatch_factor * f / sum(fractions) / microbatches for f in fractions]
 
 
 def pipeline_schedule_s(per_mb: Sequence[float], microbatches: int, compute_scale: float = 1.0) -> float:
@@ -356,4 +364,4 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
            "copy_seconds", "meeting_seconds", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_pipeline",
-           "pipeline_schedule_s", "predict_towers", "bubble_fraction", "MIB"]
+           "stage_microbatch_s", "pipeline_schedule_s", "predict_towers", "bubble_fraction", "MIB"]

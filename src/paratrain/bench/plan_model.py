@@ -64,7 +64,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
-from .costmodel_sharded import pipeline_schedule_s
+from .costmodel_sharded import pipeline_schedule_s, stage_microbatch_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
@@ -338,8 +338,9 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         p = predict_model(model, w, n, link, d, got, compute_scale=s, overlap=overlap, links=links)
         replicas = n // stages
         f = got.get("stage_fractions") or [1 / stages] * stages
-        whole = (w.forward_s + w.backward_s) * got.get("microbatch_factor", 1.0)  # on a core of its own
-        per_mb = [whole * x / sum(f) / d.dist.microbatches for x in f]
+        factor = got.get("microbatch_factor", 1.0)
+        per_mb = stage_microbatch_s(w, f, d.dist.microbatches, factor)
+        whole = (w.forward_s + w.backward_s) * factor  # on a core of its own
         pipelined = pipeline_schedule_s(per_mb, d.dist.microbatches, s)
         compute = s * whole / stages + w.data_s * s  # a device's share of the work; the rest of the schedule is bubble
         bubble = max(0.0, pipelined - s * whole / stages)
