@@ -109,7 +109,7 @@ def test_an_unequal_pipeline_is_paced_by_its_slowest_stage():
 def test_processes_above_the_cores_fill_the_pipelines_bubble_with_other_stages_work():
     """compute_scale s = processes x threads / cores > 1: the schedule is the larger of the critical
     path on cores of their own and each core's share of every process' work, s x M x mean stage
-    time (Graham's bound); s = 1 is the critical path. gpt_wt2's pipeline on the 2-vCPU VM: its second
+    time (both lower bounds of any schedule); s = 1 is the critical path. gpt_wt2's pipeline on the 2-vCPU VM: its second
     stage holds about 95% of the work, so at 2 x 2 on 2 cores its first stages' bubble is the
     heavy stages' turn: 2.2 s a step measured, 3.7 s predicted as s x the critical path."""
     from paratrain.bench.costmodel_sharded import pipeline_schedule_s
