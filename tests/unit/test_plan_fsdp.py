@@ -92,6 +92,60 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     assert p.step_s == pytest.approx(compute + (1e-3 + 2e-3) + (2e-3 + 6e-3) + 4 * 2e-4 + norm, rel=1e-12)
 
 
+def test_measured_unit_paths_hold_two_processes_waits_so_only_more_processes_add_any():
+    """With the units measured between 2 processes (``unit_path_s``), whose means hold the waits of 2
+    ranks reaching each collective apart, a wait per stretch of compute is what the n processes'
+    meeting costs beyond the 2 processes' (``path_meeting_s``): nothing at n = 2, the difference
+    above the cores; without the paths (the ring model), the meeting less the all-gather's alpha."""
+    rows = [[MIB, 1e-3, 3e-3, 2e-3], [2 * MIB, 2e-3, 6e-3, 4e-3]]
+    path = unit_paths(rows)
+    two = lambda c: 5e-4 + 0.1 * c  # noqa: E731 (2 processes: 0.9 ms after 4 ms of compute)
+    four = lambda c: 2e-3 + 0.2 * c  # noqa: E731 (4 processes on 2 cores: 2.8 ms after 4 ms)
+    lay = dict(unit_bytes=[0, 2 * MIB], overlap=False, unit_path_s=path)  # one unit: 2 stretches of 4 ms
+    compute = W.forward_s + W.backward_s + W.optimizer_s / 2
+    norm = 5e-4  # the norm's all-reduce: the meeting of no compute (more than the ring's 0.2 ms)
+    at2 = predict_fsdp(W, 2, LINK, meeting_s=two, path_meeting_s=two, **lay)
+    assert at2.step_s == pytest.approx(compute + (2e-3 + 6e-3) + norm, rel=1e-12)  # no wait on top
+    # 4 processes: the measured paths at 2, the ring's difference from 2 to 4, and 2 waits of 2.8 - 0.9 ms
+    d_ag = ring_allgather_s(2 * MIB, 4, LINK) - ring_allgather_s(2 * MIB, 2, LINK)
+    d_rs = ring_reduce_scatter_s(2 * MIB, 4, LINK) - ring_reduce_scatter_s(2 * MIB, 2, LINK)
+    at4 = predict_fsdp(W, 4, LINK, meeting_s=four, path_meeting_s=two, **lay)
+    compute4 = W.forward_s + W.backward_s + W.optimizer_s / 4
+    assert at4.step_s == pytest.approx(compute4 + (2e-3 + 6e-3) + 2 * d_ag + d_rs + 2 * 1.9e-3 + 2e-3, rel=1e-9)
+    # a meeting table below the paths' one adds nothing (never a negative wait)
+    assert predict_fsdp(W, 2, LINK, meeting_s=lambda c: 1e-4, path_meeting_s=two, **lay).step_s == pytest.approx(
+        compute + 8e-3 + max(1e-4, ring_allreduce_s(4, 2, LINK)), rel=1e-12)
+    # without path_meeting_s (an older caller), the wait is the meeting less the all-gather's alpha
+    old = predict_fsdp(W, 2, LINK, meeting_s=two, **lay)
+    assert old.step_s - at2.step_s == pytest.approx(2 * (9e-4 - LINK.alpha_s), rel=1e-9)
+    # the ring model (overlap, no measured paths used) keeps the alpha too: the paths' table is not its
+    ring = dict(unit_bytes=[0, 2 * MIB], overlap=True, meeting_s=two)
+    assert predict_fsdp(W, 2, LINK, path_meeting_s=two, unit_path_s=path, **ring).step_s == pytest.approx(
+        predict_fsdp(W, 2, LINK, **ring).step_s, rel=1e-12)
+
+
+def test_the_plan_gives_fsdp_the_two_process_meeting_table_its_unit_paths_were_measured_with():
+    """strategy_model.predict_model: ``inputs["path_meetings"]`` reaches predict_fsdp as
+    ``path_meeting_s``; plan.predict_layout passes the profile's 2-process ``meetings`` there."""
+    from types import SimpleNamespace
+
+    from paratrain.bench.strategy_model import predict_model
+
+    cfg = SimpleNamespace(dist=SimpleNamespace(reshard_after_forward=True, bucket_mb=25.0))
+    two, four = [[0.001, 0.001], [0.004, 0.002]], [[0.001, 0.004], [0.004, 0.009]]
+    inputs = {"units": [0, 2 * MIB], "fsdp_units": [[MIB, 1e-3, 3e-3, 2e-3]], "meetings": two}
+    plain = predict_model("sharded_parameters", W, 2, LINK, cfg, inputs, overlap=False)
+    held = predict_model("sharded_parameters", W, 2, LINK, cfg, {**inputs, "path_meetings": two}, overlap=False)
+    # 2 stretches of 4 ms: the meeting's 2 ms less the alpha (0.1 ms) each, gone when the paths hold it
+    assert plain.step_s - held.step_s == pytest.approx(2 * (2e-3 - LINK.alpha_s), rel=1e-9)
+    above = predict_model("sharded_parameters", W, 4, LINK, cfg, {**inputs, "meetings": four, "path_meetings": two},
+                          overlap=False)
+    lone = predict_model("sharded_parameters", W, 4, LINK, cfg, {**inputs, "meetings": two, "path_meetings": two},
+                         overlap=False)
+    # 4 processes: 9 - 2 ms more per stretch, and the norm's meeting of no compute 4 - 1 ms more
+    assert above.step_s - lone.step_s == pytest.approx(2 * 7e-3 + 3e-3, rel=1e-9)
+
+
 def test_the_meeting_microbenchmark_times_a_collective_reached_from_compute_in_two_processes(monkeypatch):
     from paratrain.bench import microbench_meetings
     from paratrain.bench.microbench_meetings import measured_meetings
@@ -144,8 +198,10 @@ def test_the_fsdp_unit_microbenchmark_measures_each_unit_size_once_between_two_p
     rows = measured_fsdp_units([0, 4096, 65536, 4096], repeats=20, timeout_s=150)
     assert [r[0] for r in rows] == [4096, 65536]  # distinct sizes > 0, smallest first
     assert all(len(r) == 4 and all(math.isfinite(v) and 0 <= v < 1 for v in r[1:]) for r in rows)
-    # two ranks' backward, resharded, all-gathers and reduce-scatters: more than one rank's by some time
-    assert all(r[2] > 1e-5 for r in rows)
+    # FSDP2's hooks, copies and collectives take time beyond the same module without FSDP2: the
+    # forward's all-gather, and the backward's second all-gather and reduce-scatter (resharded) or
+    # reduce-scatter alone (kept)
+    assert all(r[1] > 1e-5 and r[2] > 1e-5 and r[3] > 1e-5 for r in rows)
 
 
 def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_guard(monkeypatch):

@@ -171,7 +171,8 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
                  compute_scale: float = 1.0, overlap: bool = True, gather_link: Link | None = None,
                  scatter_link: Link | None = None, copy_s: Callable[[float], float] | None = None,
                  meeting_s: Callable[[float], float] | None = None,
-                 unit_path_s: Callable[[float], Sequence[float]] | None = None) -> Prediction:
+                 unit_path_s: Callable[[float], Sequence[float]] | None = None,
+                 path_meeting_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
     sharded), in forward order: the root first (its own parameters, which FSDP2 keeps gathered from
     the forward to the backward: no second all-gather), then the units. A unit of 0 bytes has no
@@ -188,7 +189,16 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     ``2 k (meeting_s(c) - alpha)`` for k units with parameters and c = (forward + backward) / 2k, the
     all-gather's alpha being already in the collectives' price. ``overlap=False``: no collective
     overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
-    are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``."""
+    are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``.
+    ``path_meeting_s``: :func:`meeting_seconds` of the 2 processes those paths were measured between,
+    whose means hold the 2 processes' waits already (a rank waits inside each collective it reaches
+    first, in the benchmark as in a step): with the paths, each wait is ``meeting_s(c) -
+    path_meeting_s(c)``, what n processes taking turns on fewer cores wait beyond 2 (0 at or below
+    the cores, where ``meeting_s`` is that table). Measured on 2026-11-26 with every collective's
+    call timed on both ranks of ptb_small's fsdp at N = 2: the nine collectives of a step took
+    75.8 ms (mean of the ranks; 57.0 ms for the rank that arrived last) against 74.4 ms by the unit
+    benchmark's means, and a wait per stretch of compute on top put the step 18% over.
+    """
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
         raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order, the root first")
@@ -205,7 +215,9 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     waits = 0.0
     if meeting_s is not None and units:  # a wait per stretch of compute: each unit's forward and its backward
         segment = (w.forward_s + w.backward_s) * s / (2 * units)
-        waits = 2 * units * max(0.0, meeting_s(segment) - glink.alpha_s)
+        paths_hold = unit_path_s is not None and not overlap and path_meeting_s is not None
+        held = path_meeting_s(segment) if paths_hold else glink.alpha_s
+        waits = 2 * units * max(0.0, meeting_s(segment) - held)
     if unit_path_s is not None and not overlap:
         paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
         return _prediction(w, n, compute + paths + waits + norm, compute, "sharded_parameters")
@@ -222,16 +234,18 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
 
 def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: Callable[[float], Sequence[float]],
                  gather_link: Link, scatter_link: Link) -> float:
-    """Seconds of FSDP2's collectives in one step of n ranks, none overlapped, from what they were
-    measured to cost a unit of so many bytes between 2 ranks beyond the same unit on one rank
-    (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
-    :func:`~.microbench_sharded.time_fsdp_unit`: the collectives, the Python around them and the
-    copies two ranks make beyond one's, which the alpha-beta model leaves out). FSDP2's hooks and the copies
-    it makes on one rank too are not counted: measured for the whole model in one process and added, they
-    put ptb_small's fsdp 20% over its measured step (2026-11-25). Per unit of ``unit_bytes`` (forward
-    order, the root first and never gathered again; 0 bytes: no collective), its forward and its
-    backward, plus for n != 2 the ring model's difference between n and 2 ranks on the links. 0 for
-    n = 1."""
+    """Seconds FSDP2 adds to one step of n ranks around the units' compute, none of it overlapped,
+    from what it was measured to add to a unit of so many bytes between 2 ranks beyond the same module
+    without FSDP2 (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
+    :func:`~.microbench_sharded.time_fsdp_unit`): its hooks, the copies into and out of the
+    collectives' buffers, the collectives and the waits inside them, all of which the alpha-beta
+    model leaves out. Until 2026-11-26 the measurement took one rank's FSDP2 off as well, and the
+    model added a wait per stretch of compute instead: with every collective of ptb_small's step
+    timed in training, FSDP2's work outside the collectives was 36 ms a step (one rank alone: 19 to
+    36 ms), which the model lacked, and the waits, which the measured collectives already held, were
+    counted twice. Per unit of ``unit_bytes`` (forward order, the root first and never gathered
+    again; 0 bytes: no collective), its forward and its backward, plus for n != 2 the ring model's
+    difference between n and 2 ranks on the links. 0 for n = 1."""
     _check_n(n)
     if n == 1:
         return 0.0

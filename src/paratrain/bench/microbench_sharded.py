@@ -6,9 +6,10 @@ step on DTensor shards (in this process), and FSDP2's collectives per unit (two 
 operation through Python (sharding propagation, then the local operation), so a step over many small
 tensors costs far more than 1/N of the plain step: on digits_cnn's 11 tensors SGD took 0.61 ms on
 DTensors against 0.21 ms on plain tensors. The cost model's ``optimizer / N`` sees none of that.
-FSDP2's collectives cost far more than the link's alpha-beta time on a CPU: the copies in and out
-of their buffers and the Python around each (:func:`time_fsdp_unit`: digits_cnn's 91 KiB unit, 0.9
-to 1.4 ms forward and 2.0 to 2.7 ms backward, against an all-gather's 0.35 ms).
+FSDP2's collectives cost far more than the link's alpha-beta time on a CPU: its hooks, the copies
+in and out of their buffers and the Python around each (:func:`time_fsdp_unit`: digits_cnn's 91 KiB
+unit, 3.2 ms forward and 5.0 ms backward between two ranks, of which one rank alone takes 0.8 and
+1.2 ms, against an all-gather's 0.35 ms).
 """
 from __future__ import annotations
 
@@ -119,16 +120,19 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
 
 
 def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
-    """What FSDP2's collectives cost one shard unit of ``nbytes`` of float32 parameters between the
-    ranks of the default group (gloo), beyond the same unit on a one-rank mesh (hooks alone, no
-    collective; FSDP2 still copies the unit in and out there): ``[forward, backward resharded,
+    """What FSDP2 adds to one shard unit of ``nbytes`` of float32 parameters between the ranks of
+    the default group (gloo), beyond the same module without FSDP2: ``[forward, backward resharded,
     backward kept]`` seconds, each the difference of the means over 20 to ``repeats`` passes (about
-    1 s of each kind) after ``warmup`` (a barrier before each, so the ranks start together; the wait
-    for a rank that arrives late is :func:`~.microbench_meetings.measured_meetings`'). The forward all-gathers
-    the unit (copy-in, collective, copy-out); the backward reduce-scatters its gradient (copy-in,
-    collective, the shard out) after gathering it again when it was resharded after the forward
-    (``reshard_after_forward``). The unit's compute is a product with one element. Collective: every
-    rank of the group calls it."""
+    1 s of each kind) after ``warmup`` (a barrier before each pass). That is everything FSDP2 does
+    around the unit's compute: its hooks, the copies into and out of the collectives' buffers, the
+    collectives, and the wait for the rank that reaches each one last (the mean of a measured
+    collective includes it, as inside a training step). The forward all-gathers the unit; the
+    backward reduce-scatters its gradient after gathering it again when it was resharded after the
+    forward (``reshard_after_forward``). The unit's compute is a product with one element, and the
+    module without FSDP2 runs the same forward and backward, so that what is left is FSDP2's own.
+    Each pass also runs an FSDP2 root with no parameters of its own, as ``fsdp`` wraps a model: a
+    step has one root, and a model of k units is priced k of them (its hooks, about 0.1 ms a pass
+    here). Collective: every rank of the group calls it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
@@ -142,15 +146,15 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.weight[:1].sum()
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
     x = torch.ones(1)
 
-    def passes(group, reshard: bool, count: int) -> tuple[float, float]:
+    def passes(reshard: bool | None, count: int) -> tuple[float, float]:
+        """Mean forward and backward seconds; ``reshard`` None: the module without FSDP2."""
         root = nn.Sequential(Unit())
-        mesh = DeviceMesh.from_group(group, "cpu")
-        fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(root, mesh=mesh)
+        if reshard is not None:
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+            fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(root, mesh=mesh)
         fwd, bwd = [], []
         for i in range(warmup + count):
             dist.barrier()
@@ -165,16 +169,14 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
                 bwd.append(t2 - t1)
         return statistics.fmean(fwd), statistics.fmean(bwd)
 
-    f2, b2 = passes(dist.group.WORLD, True, 10)  # then as many passes as fit in about 1 s (rank 0's count)
+    f2, b2 = passes(True, 10)  # then as many passes as fit in about 1 s (rank 0's count)
     count = torch.tensor([max(20, min(repeats, round(1.0 / max(f2 + b2, 1e-6))))])
     dist.broadcast(count, 0)
     count = int(count)
-    (f2, b2), (_, k2) = passes(dist.group.WORLD, True, count), passes(dist.group.WORLD, False, count)
-    (f1, b1), (_, k1) = passes(alone, True, count), passes(alone, False, count)
-    dist.destroy_process_group(alone)  # (the other ranks' one-rank groups are not this rank's)
-    got = torch.tensor([max(0.0, f2 - f1), max(0.0, b2 - b1), max(0.0, k2 - k1)], dtype=torch.float64)
+    (f2, b2), (_, k2), (f0, b0) = passes(True, count), passes(False, count), passes(None, count)
+    got = torch.tensor([max(0.0, f2 - f0), max(0.0, b2 - b0), max(0.0, k2 - b0)], dtype=torch.float64)
     dist.all_reduce(got)  # the ranks' mean
-    return [float(v) / world for v in got]
+    return [float(v) / dist.get_world_size() for v in got]
 
 
 def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeout_s: float = 300.0

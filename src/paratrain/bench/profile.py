@@ -23,8 +23,8 @@ on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`,
 copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
 whole and halved), what a blocking collective costs two processes reaching it from compute
 (``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
-taking turns on them, ``meetings_oversubscribed``) and what FSDP2's collectives cost each unit
-size between two processes (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
+taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
+two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
@@ -54,7 +54,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 16  # 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
+PROFILE_VERSION = 17  # 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
+# with FSDP2); 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
 # does (was "replicas"); 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
 # 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
 # (oversubscribed); the layers' sync BatchNorm micro-benchmarks only for what the loop did not measure;

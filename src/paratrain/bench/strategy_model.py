@@ -127,7 +127,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
     ``inputs["fsdp_units"]``: FSDP2's collectives per unit size measured here
-    (:func:`~.costmodel_sharded.unit_paths`)."""
+    (:func:`~.costmodel_sharded.unit_paths`), between the processes of ``inputs["path_meetings"]``'
+    meeting table (2: the waits those paths hold)."""
     d, links = cfg.dist, links or {}
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
     meeting_s = meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None
@@ -142,7 +143,9 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
                             scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
-                            unit_path_s=unit_path_s)
+                            unit_path_s=unit_path_s,
+                            path_meeting_s=meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings")
+                            else None)
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
