@@ -62,10 +62,11 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     assert prof["flops_per_step"] > 0 and len(prof["blocks"]) == 2 and prof["links"]["p2p"]["beta_s_per_byte"] > 0
 
 
-def test_this_machines_cpu_measurements_price_only_this_machine(planned):
-    """The profile's CPU-only measurements (the meetings of a blocking collective, FSDP2's collectives
-    per unit, memory copies) price fsdp and zero1 on this machine's cores, and no cluster's: there the
-    collectives run on their own streams and links; so does the parameter server's measured exchange."""
+def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeypatch):
+    """The profile's CPU-only measurements (the meetings of a blocking collective, what FSDP2 adds to
+    each unit, memory copies) price fsdp and zero1 on this machine's cores, and no cluster's: there the
+    collectives run on their own streams and links; so does the parameter server's measured exchange.
+    fsdp's unit paths come with the 2-process meeting table they were measured with, at every N."""
     tmp, r = planned
     assert r.returncode == 0
     from paratrain import config as configuration
@@ -94,6 +95,20 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned):
                 return predict_layout(Layout(strategy, n, {}, strategy), p, cfg, here, on_this_machine=True,
                                       global_batch=None)["step_s"]
             assert at(2, prof) == at(2, alone) and at(4, prof) != at(4, alone), strategy
+    # fsdp's measured units hold the 2 processes' waits: predict_fsdp gets that table as path_meeting_s
+    from paratrain.bench import strategy_model
+    from paratrain.bench.costmodel_sharded import meeting_seconds
+
+    seen, real = [], strategy_model.predict_fsdp
+    monkeypatch.setattr(strategy_model, "predict_fsdp", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    for n in (2, 4):
+        predict_layout(Layout("fsdp", n, {}, "fsdp"), prof, cfg, here, on_this_machine=True, global_batch=None)
+    two = meeting_seconds(prof["meetings"])
+    assert len(seen) == 2 and all(kw["unit_path_s"] is not None for kw in seen)
+    assert all(kw["path_meeting_s"](c) == two(c) for kw in seen for c in (0.0, 0.004, 0.05))
+    assert seen[0]["meeting_s"](0.004) == two(0.004)  # N = 2: the same table, no wait on top
+    if prof["cores"] < 4:  # N = 4 on fewer cores: the 4-process table, its waits beyond the 2 processes'
+        assert seen[1]["meeting_s"](0.004) != two(0.004)
     # zero1's row copies alone
     uncopied = {k: v for k, v in prof.items() if k != "memory_copy"}
     lay = Layout("zero1", 2, {}, "zero1")

@@ -83,7 +83,8 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     assert d_ag > 0 and fsdp_paths_s([0, 2 * MIB], 4, True, path, LINK, LINK) == pytest.approx(
         2e-3 + 6e-3 + 2 * d_ag + d_rs)
     assert fsdp_paths_s([MIB, 2 * MIB], 1, True, path, LINK, LINK) == 0.0  # one rank: no collective
-    # the whole step: compute + the units' collectives + 4 waits (2 units) + the norm's all-reduce, a meeting
+    # without path_meeting_s (a caller that does not say which processes the paths were measured
+    # between): compute + the units' paths + 4 waits (2 units) + the norm's all-reduce, a meeting
     compute = W.forward_s + W.backward_s + W.optimizer_s / 2
     p = predict_fsdp(W, 2, LINK, unit_bytes=[MIB, 2 * MIB], overlap=False, unit_path_s=path,
                      meeting_s=lambda c: 3e-4)

@@ -18,9 +18,11 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   reduce-scatter's buffer, the reduced shard out), priced as measured memory copies where known.
   The root unit (first in forward order) stays gathered from its forward to its backward. After the
   backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
-  where FSDP2's collectives block (no streams), each unit's collectives are priced as measured
-  between two processes beyond one (:func:`fsdp_paths_s`), and after each stretch of compute the
-  ranks wait for the last to arrive (:func:`meeting_seconds`).
+  where FSDP2's collectives block (no streams), each unit is priced as what FSDP2 was measured to
+  add to it between two processes, hooks, copies, collectives and the waits inside them
+  (:func:`fsdp_paths_s`); where the profile measured more processes than cores taking turns on them,
+  each stretch of compute ends in the wait that their meeting costs beyond two processes'
+  (:func:`meeting_seconds`).
 * ``pipeline`` (GPipe / 1F1B, Huang et al. 2019; Narayanan et al. 2019): S stages with measured
   shares of the forward + backward, M micro-batches: sum_s t_s + (M - 1) max_s t_s for stage s's
   time t_s per micro-batch (S equal stages: ``(M + S - 1)`` slots of ``(forward + backward) / (S M)``,
@@ -197,7 +199,12 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     the cores, where ``meeting_s`` is that table). Measured on 2026-11-26 with every collective's
     call timed on both ranks of ptb_small's fsdp at N = 2: the nine collectives of a step took
     75.8 ms (mean of the ranks; 57.0 ms for the rank that arrived last) against 74.4 ms by the unit
-    benchmark's means, and a wait per stretch of compute on top put the step 18% over.
+    benchmark's means, and a wait per stretch of compute on top put the step 18% over. Assumed, not
+    derived: the benchmark's ranks reach each collective after almost no compute, yet wait inside it
+    as long as after a training step's stretch (the measurement above says they do, on this
+    machine). The paths are not scaled by ``compute_scale``; above the cores the 4-process meeting
+    prices the taking of turns. Without ``path_meeting_s`` each wait is the meeting less the
+    all-gather's alpha, as before 2026-11-26.
     """
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):

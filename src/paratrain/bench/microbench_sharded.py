@@ -1,5 +1,5 @@
 """What sharded data parallel costs beyond the plain step, for ``paratrain plan``: the optimizer's
-step on DTensor shards (in this process), and FSDP2's collectives per unit (two processes).
+step on DTensor shards (in this process), and what FSDP2 adds to each unit (two processes).
 
 ``zero1`` and ``fsdp`` step the user's optimizer on ``DTensor`` shards of the parameters
 (:mod:`paratrain.strategies.zero1`, :mod:`paratrain.strategies.fsdp`). A DTensor dispatches every
@@ -8,8 +8,8 @@ tensors costs far more than 1/N of the plain step: on digits_cnn's 11 tensors SG
 DTensors against 0.21 ms on plain tensors. The cost model's ``optimizer / N`` sees none of that.
 FSDP2's collectives cost far more than the link's alpha-beta time on a CPU: its hooks, the copies
 in and out of their buffers and the Python around each (:func:`time_fsdp_unit`: digits_cnn's 91 KiB
-unit, 3.2 ms forward and 5.0 ms backward between two ranks, of which one rank alone takes 0.8 and
-1.2 ms, against an all-gather's 0.35 ms).
+unit, 3.1 ms forward and 5.0 ms backward between two ranks on 2026-11-26, against an all-gather's
+0.5 ms).
 """
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; DTensor steps; "
-                 "FSDP2's collectives per unit")
+                 "what FSDP2 adds to each unit")
         from .microbench import measured_links
 
         out["links"] = measured_links()

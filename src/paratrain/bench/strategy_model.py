@@ -126,7 +126,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join, FSDP2's buffers and ZeRO-1's rows;
     ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
-    ``inputs["fsdp_units"]``: FSDP2's collectives per unit size measured here
+    ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
     (:func:`~.costmodel_sharded.unit_paths`), between the processes of ``inputs["path_meetings"]``'
     meeting table (2: the waits those paths hold)."""
     d, links = cfg.dist, links or {}
