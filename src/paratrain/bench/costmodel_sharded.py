@@ -219,13 +219,13 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     if meeting_s is not None:  # a blocking collective a moment after the last reduce-scatter
         norm = max(norm, meeting_s(0.0))
     glink, slink = gather_link or link, scatter_link or link
+    measured = unit_path_s is not None and not overlap  # this machine's CPU: the units' measured paths
     waits = 0.0
     if meeting_s is not None and units:  # a wait per stretch of compute: each unit's forward and its backward
         segment = (w.forward_s + w.backward_s) * s / (2 * units)
-        paths_hold = unit_path_s is not None and not overlap and path_meeting_s is not None
-        held = path_meeting_s(segment) if paths_hold else glink.alpha_s
+        held = path_meeting_s(segment) if measured and path_meeting_s is not None else glink.alpha_s
         waits = 2 * units * max(0.0, meeting_s(segment) - held)
-    if unit_path_s is not None and not overlap:
+    if measured:
         paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
         return _prediction(w, n, compute + paths + waits + norm, compute, "sharded_parameters")
     ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]

@@ -132,6 +132,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     d, links = cfg.dist, links or {}
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
     meeting_s = meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None
+    path_meeting_s = meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings") else None
     unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     bucket = bucket_mb or d.bucket_mb
     if model == RING:
@@ -143,9 +144,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
                             scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
-                            unit_path_s=unit_path_s,
-                            path_meeting_s=meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings")
-                            else None)
+                            unit_path_s=unit_path_s, path_meeting_s=path_meeting_s)
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
