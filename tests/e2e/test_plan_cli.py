@@ -75,7 +75,8 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
 
     prof = json.loads((tmp / "p" / "profile.json").read_text())
     assert prof["device"] == "cpu" and prof["meetings"] and prof["fsdp_units"] and prof["memory_copy"]
-    bare = {k: v for k, v in prof.items() if k not in ("meetings", "fsdp_units", "memory_copy")}
+    assert math.isfinite(prof["zero1_step_s"])
+    bare = {k: v for k, v in prof.items() if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s")}
     cfg = configuration.load(str(tmp / "gpt.toml"))
     here = Link(name="measured", **prof["links"]["all_reduce"])
     for strategy in ("fsdp", "zero1"):
@@ -109,10 +110,17 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     assert seen[0]["meeting_s"](0.004) == two(0.004)  # N = 2: the same table, no wait on top
     if prof["cores"] < 4:  # N = 4 on fewer cores: the 4-process table, its waits beyond the 2 processes'
         assert seen[1]["meeting_s"](0.004) != two(0.004)
-    # zero1's row copies alone
-    uncopied = {k: v for k, v in prof.items() if k != "memory_copy"}
+    # zero1's measured step between 2 processes reaches predict_zero1 with the table of its 2 processes
+    seen, real = [], strategy_model.predict_zero1
+    monkeypatch.setattr(strategy_model, "predict_zero1", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     lay = Layout("zero1", 2, {}, "zero1")
-    assert (predict_layout(lay, prof, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
+    predict_layout(lay, prof, cfg, here, on_this_machine=True, global_batch=None)
+    assert seen[0]["step_path_s"] == prof["zero1_step_s"]
+    assert all(seen[0]["path_meeting_s"](c) == two(c) for c in (0.0, 0.004, 0.05))
+    # a profile without it: zero1's row copies alone
+    older = {k: v for k, v in prof.items() if k != "zero1_step_s"}
+    uncopied = {k: v for k, v in older.items() if k != "memory_copy"}
+    assert (predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
             > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
     # the parameter server's measured exchange sets its link here, and no cluster's
     assert prof["ps_round_trip_s"] > 0

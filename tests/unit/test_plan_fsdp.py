@@ -239,3 +239,92 @@ def test_fsdp_memory_keeps_the_roots_gathered_parameters_from_the_forward_to_the
     no_root = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0)
     assert memory_per_device(SHARDED_PARAMETERS, 2, no_root)["total"] == pytest.approx(50 + 50 + 1000 + 2 * 10)
     assert memory_per_device(SHARDED_PARAMETERS, 1, m)["total"] == pytest.approx(100 + 100 + 1000 + 2 * 10)
+
+
+def test_zero1_on_this_machine_is_allreduce_plus_its_measured_step_moved_from_two_ranks_to_n():
+    """predict_zero1 with ``step_path_s`` (ZeRO-1's optimizer step measured against allreduce's between
+    2 processes): at n = 2 the step is allreduce's plus the path, nothing else; at n = 4 on time-shared
+    cores (compute_scale 2) the path is doubled and moved by the terms that depend on n: the
+    optimizer's arithmetic on 1/4 instead of 1/2, the all-gather's ring time at 4 less at 2, the copies
+    at 4 less at 2, and the 4 processes' meeting beyond the 2 processes' (hand-computed below)."""
+    from paratrain.bench.costmodel import predict
+
+    path = 7e-3
+    two = lambda c: 5e-4 + 0.1 * c  # noqa: E731
+    four = lambda c: 2e-3 + 0.2 * c  # noqa: E731
+    copy = lambda b: 1e-5 if b < MIB else 5e-5  # noqa: E731
+    kw = dict(bucket_mb=25.0, overlap=False, copy_s=copy, step_path_s=path, path_meeting_s=two)
+    at2 = predict_zero1(W, 2, LINK, meeting_s=two, **kw)
+    allreduce2 = predict(W, 2, LINK, algorithm="ring", bucket_mb=25.0, overlap=False)
+    assert at2.step_s == pytest.approx(allreduce2.step_s + 7e-3, rel=1e-12)
+    assert at2.compute_s == pytest.approx(0.003 + 0.005 + 0.002 / 2, rel=1e-12)
+    at4 = predict_zero1(W, 4, LINK, meeting_s=four, compute_scale=2.0, **kw)
+    allreduce4 = predict(W, 4, LINK, algorithm="ring", bucket_mb=25.0, overlap=False, compute_scale=2.0)
+    optimizer = 0.002 * 2 * (1 / 4 - 1 / 2)  # -1 ms: a quarter of the rows instead of half
+    gather = 2e-4 + (3 / 4 - 1 / 2) * 2 * MIB * 1e-9  # 2 alphas and a quarter of 2 MiB more
+    copies = (1e-5 + 5e-5) - 2 * 5e-5  # 0.5 MiB in and 1.5 MiB out, against 1 MiB each way
+    wait = (2e-3 + 0.2 * 1e-3) - (5e-4 + 0.1 * 1e-3)  # after the optimizer's 1 ms (0.002 x 2 / 4)
+    assert at4.step_s == pytest.approx(allreduce4.step_s + 2 * 7e-3 + optimizer + gather + copies + wait, rel=1e-12)
+    assert at4.compute_s == pytest.approx(2 * (0.003 + 0.005) + 0.002 * 2 / 4, rel=1e-12)
+    # the ring model where the collectives overlap compute (another machine): the path is not used
+    assert predict_zero1(W, 2, LINK, step_path_s=path).step_s == pytest.approx(predict_zero1(W, 2, LINK).step_s)
+    assert predict_zero1(W, 1, LINK, **kw).step_s == pytest.approx(W.local_s())  # one rank: the single step
+
+
+def test_a_measured_zero1_step_replaces_the_one_process_dispatch_and_is_zero1s_optimizer_part():
+    """plan_model.step_parts: with ``zero1_step_s`` the one-process DTensor dispatch
+    (``sharded_optimizer_s``) is not added again for zero1 (fsdp still pays it), and zero1's optimizer
+    part is everything its step adds to allreduce's without allreduce's optimizer; compute and
+    exposed communication are allreduce's (the measured parts: the optimizer's span holds the
+    all-gather). plan.predict_layout passes the profile's ``zero1_step_s`` on this machine's CPU."""
+    from types import SimpleNamespace
+
+    from paratrain.bench.plan_model import Layout, step_parts
+    from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS
+    from paratrain.config import Config
+
+    cls = lambda m: SimpleNamespace(cost_model=m, synchronous=True)  # noqa: E731
+    cfg = Config()
+    inputs = {"units": [0, MIB, MIB], "sharded_optimizer_s": 3e-3, "sharded_norm_s": 0.0}
+    lay = Layout("x", 2, {"bucket_mb": 25.0})
+    ring = step_parts(cls(RING), lay, W, LINK, cfg, inputs, overlap=False)
+    z = step_parts(cls(SHARDED_OPTIMIZER), lay, W, LINK, cfg, {**inputs, "zero1_step_s": 7e-3}, overlap=False)
+    assert z["step_s"] == pytest.approx(ring["step_s"] + 7e-3, rel=1e-12)  # no 3 ms dispatch on top
+    assert z["optimizer_s"] == pytest.approx(0.002 + 7e-3, rel=1e-12)
+    assert z["compute_s"] == pytest.approx(ring["compute_s"]) and z["comm_s"] == pytest.approx(ring["comm_s"])
+    old = step_parts(cls(SHARDED_OPTIMIZER), lay, W, LINK, cfg, inputs, overlap=False)  # a profile without it
+    assert old["optimizer_s"] == pytest.approx(0.002 / 2 + 3e-3, rel=1e-12)
+    f0, f1 = [step_parts(cls(SHARDED_PARAMETERS), lay, W, LINK, cfg, {**inputs, "zero1_step_s": z1}, overlap=False)
+              for z1 in (None, 7e-3)]
+    assert f0 == f1  # fsdp's price does not read zero1's measurement
+
+
+def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_allreduces(monkeypatch):
+    """time_zero1_step in this process on a one-rank group: a ``Zero1._gather_rows`` made 10 ms slower
+    is measured (the real strategy's step is what is timed), and it leaves the group as it was. Then
+    between 2 processes for digits_cnn's parameter shapes with training's SGD: the DTensor steps cost
+    more than the plain one (finite, positive, under a second)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.bench.microbench_sharded import measured_zero1_step, optimizer_spec, time_zero1_step
+    from paratrain.strategies.zero1 import Zero1
+
+    shapes = [[10], [10, 64], [64], [64, 32, 3, 3], [16, 1, 3, 3]]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    sgd = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=5e-4)
+    spec = {**optimizer_spec(sgd), "shapes": shapes}
+    assert spec["optimizer"] == "torch.optim.sgd:SGD" and spec["defaults"]["momentum"] == 0.9
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gather = Zero1._gather_rows
+        monkeypatch.setattr(Zero1, "_gather_rows", lambda self: (time.sleep(0.01), gather(self)))
+        assert 0.009 <= time_zero1_step(spec, repeats=20, warmup=1) < 0.1
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.undo()
+    got = measured_zero1_step(params, sgd, timeout_s=150)
+    assert math.isfinite(got) and 0 < got < 1

@@ -73,7 +73,9 @@ def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm:
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
                   overlap: bool = True, gather_link: Link | None = None,
                   meeting_s: Callable[[float], float] | None = None,
-                  copy_s: Callable[[float], float] | None = None) -> Prediction:
+                  copy_s: Callable[[float], float] | None = None,
+                  step_path_s: float | None = None,
+                  path_meeting_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
     were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`; the ranks reach the
@@ -82,11 +84,39 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     CPU, where copies take the cores that compute); ``Zero1._gather_rows`` copies the rank's rows into
     the send buffer (P / n bytes of the P parameter bytes) and the other ranks' rows out
     (P (n - 1) / n), in the step's critical path: ``copy_s(P / n) + copy_s(P (n - 1) / n)`` (0 for
-    n = 1 or without ``copy_s``)."""
-    ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
-                  compute_scale=compute_scale, overlap=overlap)
+    n = 1 or without ``copy_s``).
+
+    ``step_path_s`` (this machine's CPU, ``overlap=False``): what ZeRO-1's optimizer step was measured
+    to add to allreduce's between 2 processes of one thread each
+    (:func:`~.microbench_sharded.time_zero1_step`: the DTensor wrap and dispatch, the arithmetic on
+    half the rows instead of all, the copies, the all-gather and the waits inside it). Then the step
+    is allreduce's (the whole optimizer) plus ``step_path_s * compute_scale`` (CPU work: processes
+    beyond the cores take turns), moved from 2 to n ranks by the terms that depend on n: the
+    optimizer's arithmetic ``O s (1/n - 1/2)``, the all-gather's ring time at n less at 2, the copies
+    at n less at 2, and the wait that n processes' meeting (``meeting_s``) costs beyond the 2
+    processes' (``path_meeting_s``; 0 at or below the cores, where they are one table). The
+    one-process DTensor dispatch (``sharded_optimizer_s`` in the plan) is inside the measured path
+    and must not be added again. Measured on 2026-11-27 for digits_cnn at N = 2 (2 vCPU, 1 thread a
+    process), timing zero1's step inside training: the wrap 1.9 ms, the sharded step 3.3 ms, the
+    copies 0.8 ms and the all-gather 1.2 ms (8.0 ms in all, 7.4 ms above allreduce's), against
+    3.6 ms above allreduce's by the terms above without ``step_path_s``: the wrap and dispatch ran at
+    two processes' speed, and the copies' per-tensor calls cost 40 times their bytes' time."""
     glink = gather_link or link
     nbytes = sum(w.param_bytes)
+    if step_path_s is not None and n > 1 and not overlap:
+        s = compute_scale
+        whole = predict(w, n, link, algorithm="ring", bucket_mb=bucket_mb, compute_scale=s, overlap=overlap)
+        step = (whole.step_s + step_path_s * s + w.optimizer_s * s * (1 / n - 1 / 2)
+                + ring_allgather_s(nbytes, n, glink) - ring_allgather_s(nbytes, 2, glink))
+        if copy_s is not None:
+            step += (copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)) - 2 * copy_s(nbytes / 2)
+        if meeting_s is not None and path_meeting_s is not None:
+            c = w.optimizer_s * s / n
+            step += max(0.0, meeting_s(c) - path_meeting_s(c))
+        compute = whole.compute_s - w.optimizer_s * s * (1 - 1 / n)
+        return _prediction(w, n, step, compute, "sharded_optimizer", bucket_mb=bucket_mb)
+    ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
+                  compute_scale=compute_scale, overlap=overlap)
     step = ddp.step_s + ring_allgather_s(nbytes, n, glink)
     if meeting_s is not None and n > 1:
         step += max(0.0, meeting_s(w.optimizer_s * compute_scale / n) - glink.alpha_s)

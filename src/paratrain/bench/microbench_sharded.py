@@ -179,6 +179,94 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     return [float(v) / dist.get_world_size() for v in got]
 
 
+def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict:
+    """``{"optimizer": "module:QualName", "defaults": {...}}``: ``optimizer``'s class (the user's,
+    under a strategy's wrapper) and defaults, for :func:`time_zero1_step` in other processes."""
+    from ..strategies.wrapping import _Distributed
+
+    cls = type(optimizer)
+    if issubclass(cls, _Distributed):
+        cls = cls.__mro__[2]  # (Distributed<X>, _Distributed, X, ...)
+    return {"optimizer": f"{cls.__module__}:{cls.__qualname__}", "defaults": dict(optimizer.defaults)}
+
+
+def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
+    """Seconds that ``zero1``'s optimizer step adds to ``allreduce``'s between the ranks of the
+    default group (gloo, CPU), for parameters of ``spec["shapes"]`` and the optimizer of
+    :func:`optimizer_spec` (``spec["optimizer"]``, ``spec["defaults"]``): the mean of
+    ``optimizer.step()`` under the real :class:`~paratrain.strategies.zero1.Zero1` less the mean under
+    :class:`~paratrain.strategies.allreduce.AllReduce` (the plain step on whole tensors), both with
+    training's options (the non-finite guard on), the same gradients set before each step, a barrier
+    before each. That difference is everything ZeRO-1 changes in the step: the gradients' rows wrapped
+    as DTensors, the optimizer's per-operation dispatch on them, its arithmetic on 1/W of the rows
+    instead of all, the copies into and out of the all-gather's buffer, the all-gather and the wait
+    for the rank that reaches it last. The two kinds of steps alternate in rounds (about 1 s of
+    each in all), so that a change of the machine's speed meets both. Returns the ranks' mean.
+    Collective: every rank of the group calls it."""
+    import functools
+    import importlib
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..env import DistEnv
+    from ..strategies import get_strategy
+    from ..train.optim import optimizer_like
+
+    module_name, _, qualname = spec["optimizer"].partition(":")
+    cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    torch.manual_seed(0)  # the same parameters and gradients on every rank
+    shapes = [tuple(s) for s in spec["shapes"]]
+    values = [torch.randn(s) for s in shapes]
+    grads = [torch.randn(s) * 1e-3 for s in shapes]
+
+    def built(name: str):
+        module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
+        opt = optimizer_like(cls, module.parameters(), spec["defaults"])
+        strategy = get_strategy(name, env, timing=True, skip_nonfinite=True)
+        _, opt = strategy.setup(module, opt)
+        params = list(module.parameters())
+
+        def step() -> float:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            return time.perf_counter() - t0
+        return step
+
+    zero1, plain = built("zero1"), built("allreduce")
+    for _ in range(warmup):
+        zero1(), plain()
+    per_round = 10
+    pair = statistics.fmean(zero1() + plain() for _ in range(5))  # one step of each kind
+    rounds = torch.tensor([max(2, min(repeats // per_round, round(1.0 / max(pair * per_round, 1e-6))))])
+    dist.broadcast(rounds, 0)  # rank 0's count
+    z, a = [], []
+    for _ in range(int(rounds)):
+        z += [zero1() for _ in range(per_round)]
+        a += [plain() for _ in range(per_round)]
+    got = torch.tensor([statistics.fmean(z) - statistics.fmean(a)], dtype=torch.float64)
+    dist.all_reduce(got)
+    return float(got) / world
+
+
+def measured_zero1_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+                        repeats: int = 200, timeout_s: float = 300.0) -> float:
+    """:func:`time_zero1_step` between two local gloo processes of one thread each, for ``params``'
+    shapes and ``optimizer``'s class and defaults (seconds; may be below 0 where the sharded step is
+    faster, on large models). For :func:`~.costmodel_sharded.predict_zero1`'s ``step_path_s`` on
+    this machine. Raises RuntimeError as :func:`~.microbench.measure_allreduce`."""
+    from .microbench import measure_allreduce
+
+    spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params]}
+    ((_, seconds),) = measure_allreduce(2, [spec], repeats=repeats, warmup=3, timeout_s=timeout_s, op="zero1_step")
+    return float(seconds)
+
+
 def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeout_s: float = 300.0
                         ) -> list[list[float]]:
     """``[bytes, forward, backward resharded, backward kept]`` (seconds) per distinct unit size > 0:
@@ -194,4 +282,5 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeou
     return [[float(b), *t] for b, t in points]
 
 
-__all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units"]
+__all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units",
+           "optimizer_spec", "time_zero1_step", "measured_zero1_step"]

@@ -270,7 +270,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
               "meetings": meetings(prof, n) if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
-              "path_meetings": prof.get("meetings") if shared_cores else None,  # the 2 processes of fsdp_units
+              "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
+              "path_meetings": prof.get("meetings") if shared_cores else None,  # 2 processes: fsdp_units, zero1_step_s
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)

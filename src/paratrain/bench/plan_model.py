@@ -295,14 +295,18 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
     optimizer's 1/n of the plain step; FSDP's guard takes the norm of its DTensor gradients every
     step, whose dispatch ``inputs["sharded_norm_s"]`` (measured,
-    :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too."""
+    :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too. Where ZeRO-1's whole optimizer
+    step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
+    holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
+    communication (the part measured in training: the optimizer's span holds the all-gather)."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     model, meets = cls.cost_model or RING, meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     dispatch = 0.0
-    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1:  # fsdp's guard: its DTensor gradients' norm
-        dispatch = (inputs.get("sharded_optimizer_s", 0.0)
+    zero1_measured = model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None  # holds the dispatch
+    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1 and not zero1_measured:
+        dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
     if parts is None or not (extra or dispatch):
         return parts
@@ -351,7 +355,12 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links)
-    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
+    if model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and n > 1 and not overlap:
+        # the measured path: the optimizer's part is all zero1's step adds to allreduce's without its optimizer
+        ring = predict_model(RING, ww, n, link, d, inputs, compute_scale=s,
+                             bucket_mb=layout.overrides.get("bucket_mb"), overlap=overlap, links=links)
+        optimizer = max(optimizer / n, p.step_s - (ring.step_s - optimizer))
+    elif model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer

@@ -24,7 +24,9 @@ copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outp
 whole and halved), what a blocking collective costs two processes reaching it from compute
 (``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
-two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`).
+two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
+and what ZeRO-1's optimizer step adds to allreduce's between two processes (``zero1_step_s``,
+:func:`~.microbench_sharded.measured_zero1_step`).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
@@ -54,7 +56,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 17  # 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
+PROFILE_VERSION = 18  # 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
+# 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
 # with FSDP2); 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
 # does (was "replicas"); 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
 # 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
@@ -218,7 +221,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; DTensor steps; "
-                 "what FSDP2 adds to each unit")
+                 "what FSDP2 adds to each unit and ZeRO-1 to the optimizer's step")
         from .microbench import measured_links
 
         out["links"] = measured_links()
@@ -242,7 +245,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
-            from .microbench_sharded import measured_fsdp_units
+            from .microbench_sharded import measured_fsdp_units, measured_zero1_step
             from .profile_runs import OVERSUBSCRIBED
 
             units = out["strategy_inputs"]["units"]
@@ -253,6 +256,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                   "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
+            out["zero1_step_s"] = measured_zero1_step(list(model.parameters()), optimizer)
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
         from .microbench_towers import measured_towers_forward
 

@@ -127,8 +127,10 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
     ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
-    (:func:`~.costmodel_sharded.unit_paths`), between the processes of ``inputs["path_meetings"]``'
-    meeting table (2: the waits those paths hold)."""
+    (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``: what ZeRO-1's optimizer
+    step adds to allreduce's, measured here (:func:`~.microbench_sharded.time_zero1_step`), both
+    between the processes of ``inputs["path_meetings"]``' meeting table (2: the waits those paths
+    hold)."""
     d, links = cfg.dist, links or {}
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
     meeting_s = meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None
@@ -139,7 +141,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
-                             gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s)
+                             gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
+                             step_path_s=inputs.get("zero1_step_s"), path_meeting_s=path_meeting_s)
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
