@@ -90,23 +90,26 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     to add to allreduce's between 2 processes of one thread each
     (:func:`~.microbench_sharded.time_zero1_step`: the DTensor wrap and dispatch, the arithmetic on
     half the rows instead of all, the copies, the all-gather and the waits inside it). Then the step
-    is allreduce's (the whole optimizer) plus ``step_path_s * compute_scale`` (CPU work: processes
-    beyond the cores take turns), moved from 2 to n ranks by the terms that depend on n: the
-    optimizer's arithmetic ``O s (1/n - 1/2)``, the all-gather's ring time at n less at 2, the copies
-    at n less at 2, and the wait that n processes' meeting (``meeting_s``) costs beyond the 2
-    processes' (``path_meeting_s``; 0 at or below the cores, where they are one table). The
-    one-process DTensor dispatch (``sharded_optimizer_s`` in the plan) is inside the measured path
-    and must not be added again. Measured on 2026-11-27 for digits_cnn at N = 2 (2 vCPU, 1 thread a
-    process), timing zero1's step inside training: the wrap 1.9 ms, the sharded step 3.3 ms, the
-    copies 0.8 ms and the all-gather 1.2 ms (8.0 ms in all, 7.4 ms above allreduce's), against
-    3.6 ms above allreduce's by the terms above without ``step_path_s``: the wrap and dispatch ran at
-    two processes' speed, and the copies' per-tensor calls cost 40 times their bytes' time."""
+    is allreduce's (the whole optimizer) plus ``step_path_s``, moved from 2 to n ranks by the terms
+    that depend on n: the optimizer's arithmetic ``O s (1/n - 1/2)``, the all-gather's ring time at
+    n less at 2, the copies at n less at 2, and the wait that n processes' meeting (``meeting_s``)
+    costs beyond the 2 processes' (``path_meeting_s``; 0 at or below the cores, where they are one
+    table). The one-process DTensor dispatch (``sharded_optimizer_s`` in the plan) is inside the
+    measured path and must not be added again. Measured on 2026-11-27 (2 vCPU, 1 thread a process),
+    timing zero1's step inside training: digits_cnn at N = 2, the wrap 1.9 ms, the sharded step
+    3.3 ms, the copies 0.8 ms and the all-gather 1.2 ms (8.0 ms in all, 7.4 ms above allreduce's),
+    against 3.6 ms above allreduce's by the terms above without ``step_path_s``: the wrap and dispatch
+    ran at two processes' speed, and the copies' per-tensor calls cost 40 times their bytes' time.
+    The path is not scaled by ``compute_scale``, as FSDP's unit paths are not: at N = 4 on the 2
+    cores the wrap and the sharded step took as long as at N = 2 (digits_cnn 2.0 and 3.7 ms, ptb_small
+    2.2 and 1.8 ms, medians of each of the 4 ranks), while the all-gather waited for the processes
+    taking turns (digits_cnn 8-10 ms against 1.2 ms at N = 2): the meeting's term."""
     glink = gather_link or link
     nbytes = sum(w.param_bytes)
     if step_path_s is not None and n > 1 and not overlap:
         s = compute_scale
         whole = predict(w, n, link, algorithm="ring", bucket_mb=bucket_mb, compute_scale=s, overlap=overlap)
-        step = (whole.step_s + step_path_s * s + w.optimizer_s * s * (1 / n - 1 / 2)
+        step = (whole.step_s + step_path_s + w.optimizer_s * s * (1 / n - 1 / 2)
                 + ring_allgather_s(nbytes, n, glink) - ring_allgather_s(nbytes, 2, glink))
         if copy_s is not None:
             step += (copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)) - 2 * copy_s(nbytes / 2)
