@@ -117,8 +117,10 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     predict_layout(lay, prof, cfg, here, on_this_machine=True, global_batch=None)
     assert seen[0]["step_path_s"] == prof["zero1_step_s"]
     assert all(seen[0]["path_meeting_s"](c) == two(c) for c in (0.0, 0.004, 0.05))
-    # a profile without it: zero1's row copies alone
     older = {k: v for k, v in prof.items() if k != "zero1_step_s"}
+    assert (predict_layout(lay, prof, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
+            != predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
+    # a profile without it: zero1's row copies alone
     uncopied = {k: v for k, v in older.items() if k != "memory_copy"}
     assert (predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
             > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])

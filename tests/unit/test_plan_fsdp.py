@@ -261,7 +261,9 @@ def test_zero1_on_this_machine_is_allreduce_plus_its_measured_step_moved_from_tw
     assert at2.compute_s == pytest.approx(0.003 + 0.005 + 0.002 / 2, rel=1e-12)
     at4 = predict_zero1(W, 4, LINK, meeting_s=four, compute_scale=2.0, **kw)
     allreduce4 = predict(W, 4, LINK, algorithm="ring", bucket_mb=25.0, overlap=False, compute_scale=2.0)
-    optimizer = 0.002 * 2 * (1 / 4 - 1 / 2)  # -1 ms: a quarter of the rows instead of half
+    # allreduce's whole step at scale 2 (4 ms) becomes a quarter of the rows (1 ms), and the path's own
+    # arithmetic (half the rows less the whole at scale 1: 1 - 2 ms) is given back: -3 + 1 = -2 ms
+    optimizer = (0.002 * 2 / 4 - 0.002 * 2) - (0.002 / 2 - 0.002)
     gather = 2e-4 + (3 / 4 - 1 / 2) * 2 * MIB * 1e-9  # 2 alphas and a quarter of 2 MiB more
     copies = (1e-5 + 5e-5) - 2 * 5e-5  # 0.5 MiB in and 1.5 MiB out, against 1 MiB each way
     wait = (2e-3 + 0.2 * 1e-3) - (5e-4 + 0.1 * 1e-3)  # after the optimizer's 1 ms (0.002 x 2 / 4)
@@ -277,7 +279,8 @@ def test_a_measured_zero1_step_replaces_the_one_process_dispatch_and_is_zero1s_o
     (``sharded_optimizer_s``) is not added again for zero1 (fsdp still pays it), and zero1's optimizer
     part is everything its step adds to allreduce's without allreduce's optimizer; compute and
     exposed communication are allreduce's (the measured parts: the optimizer's span holds the
-    all-gather). plan.predict_layout passes the profile's ``zero1_step_s`` on this machine's CPU."""
+    all-gather). Where collectives overlap compute, the measurement is not used. (That
+    plan.predict_layout passes the profile's ``zero1_step_s``: tests/e2e/test_plan_cli.py.)"""
     from types import SimpleNamespace
 
     from paratrain.bench.plan_model import Layout, step_parts
@@ -298,11 +301,16 @@ def test_a_measured_zero1_step_replaces_the_one_process_dispatch_and_is_zero1s_o
     f0, f1 = [step_parts(cls(SHARDED_PARAMETERS), lay, W, LINK, cfg, {**inputs, "zero1_step_s": z1}, overlap=False)
               for z1 in (None, 7e-3)]
     assert f0 == f1  # fsdp's price does not read zero1's measurement
+    # where collectives overlap compute (not this machine's CPU) the path is not used: the dispatch stays
+    o0, o1 = [step_parts(cls(SHARDED_OPTIMIZER), lay, W, LINK, cfg, {**inputs, "zero1_step_s": z1}, overlap=True)
+              for z1 in (None, 7e-3)]
+    assert o0 == o1 and o0["optimizer_s"] == pytest.approx(0.002 / 2 + 3e-3, rel=1e-12)
 
 
 def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_allreduces(monkeypatch):
     """time_zero1_step in this process on a one-rank group: a ``Zero1._gather_rows`` made 10 ms slower
-    is measured (the real strategy's step is what is timed), and it leaves the group as it was. Then
+    is measured (the real strategy's step is what is timed), and the group, the threads and the
+    global random generator are left as they were. Then
     between 2 processes for digits_cnn's parameter shapes with training's SGD: the DTensor steps cost
     more than the plain one (finite, positive, under a second)."""
     import time
@@ -323,7 +331,10 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
     try:
         gather = Zero1._gather_rows
         monkeypatch.setattr(Zero1, "_gather_rows", lambda self: (time.sleep(0.01), gather(self)))
-        assert 0.009 <= time_zero1_step(spec, repeats=20, warmup=1) < 0.1
+        threads, rng = torch.get_num_threads(), torch.get_rng_state()
+        assert 0.009 <= time_zero1_step({**spec, "threads": 1}, repeats=20, warmup=1) < 0.1
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
     finally:
         dist.destroy_process_group()
     monkeypatch.undo()

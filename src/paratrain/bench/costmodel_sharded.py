@@ -91,7 +91,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     (:func:`~.microbench_sharded.time_zero1_step`: the DTensor wrap and dispatch, the arithmetic on
     half the rows instead of all, the copies, the all-gather and the waits inside it). Then the step
     is allreduce's (the whole optimizer) plus ``step_path_s``, moved from 2 to n ranks by the terms
-    that depend on n: the optimizer's arithmetic ``O s (1/n - 1/2)``, the all-gather's ring time at
+    that depend on n: the optimizer's arithmetic, ``O s (1/n - 1)`` in place of the path's
+    ``O (1/2 - 1)`` (its 2 processes had a core each: scale 1), the all-gather's ring time at
     n less at 2, the copies at n less at 2, and the wait that n processes' meeting (``meeting_s``)
     costs beyond the 2 processes' (``path_meeting_s``; 0 at or below the cores, where they are one
     table). The one-process DTensor dispatch (``sharded_optimizer_s`` in the plan) is inside the
@@ -109,7 +110,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     if step_path_s is not None and n > 1 and not overlap:
         s = compute_scale
         whole = predict(w, n, link, algorithm="ring", bucket_mb=bucket_mb, compute_scale=s, overlap=overlap)
-        step = (whole.step_s + step_path_s + w.optimizer_s * s * (1 / n - 1 / 2)
+        # the path holds the arithmetic of 2 ranks at their measured speed, O (1/2 - 1); here O s (1/n - 1)
+        step = (whole.step_s + step_path_s + w.optimizer_s * (s * (1 / n - 1) - (1 / 2 - 1))
                 + ring_allgather_s(nbytes, n, glink) - ring_allgather_s(nbytes, 2, glink))
         if copy_s is not None:
             step += (copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)) - 2 * copy_s(nbytes / 2)

@@ -193,16 +193,17 @@ def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict:
 def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
     """Seconds that ``zero1``'s optimizer step adds to ``allreduce``'s between the ranks of the
     default group (gloo, CPU), for parameters of ``spec["shapes"]`` and the optimizer of
-    :func:`optimizer_spec` (``spec["optimizer"]``, ``spec["defaults"]``): the mean of
+    :func:`optimizer_spec` (``spec["optimizer"]``, ``spec["defaults"]``), of ``spec["dtypes"]``
+    (default float32), at ``spec["threads"]`` intra-op threads (default 1; restored after): the mean of
     ``optimizer.step()`` under the real :class:`~paratrain.strategies.zero1.Zero1` less the mean under
     :class:`~paratrain.strategies.allreduce.AllReduce` (the plain step on whole tensors), both with
     training's options (the non-finite guard on), the same gradients set before each step, a barrier
     before each. That difference is everything ZeRO-1 changes in the step: the gradients' rows wrapped
     as DTensors, the optimizer's per-operation dispatch on them, its arithmetic on 1/W of the rows
     instead of all, the copies into and out of the all-gather's buffer, the all-gather and the wait
-    for the rank that reaches it last. The two kinds of steps alternate in rounds (about 1 s of
-    each in all), so that a change of the machine's speed meets both. Returns the ranks' mean.
-    Collective: every rank of the group calls it."""
+    for the rank that reaches it last. The two kinds of steps alternate in rounds (about 1 s in
+    all), so that a change of the machine's speed meets both. Returns the ranks' mean. The global
+    random generator is left as it was. Collective: every rank of the group calls it."""
     import functools
     import importlib
 
@@ -217,52 +218,59 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
     cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
     world, rank = dist.get_world_size(), dist.get_rank()
     env = DistEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
-    torch.manual_seed(0)  # the same parameters and gradients on every rank
     shapes = [tuple(s) for s in spec["shapes"]]
-    values = [torch.randn(s) for s in shapes]
-    grads = [torch.randn(s) * 1e-3 for s in shapes]
+    dtypes = [getattr(torch, d) for d in spec.get("dtypes", ["float32"] * len(shapes))]
+    seeded = torch.Generator().manual_seed(0)  # the same parameters and gradients on every rank
+    values = [torch.randn(s, generator=seeded).to(d) for s, d in zip(shapes, dtypes)]
+    grads = [(torch.randn(s, generator=seeded) * 1e-3).to(d) for s, d in zip(shapes, dtypes)]
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    try:
+        def built(name: str):
+            module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
+            opt = optimizer_like(cls, module.parameters(), spec["defaults"])
+            strategy = get_strategy(name, env, timing=True, skip_nonfinite=True)
+            _, opt = strategy.setup(module, opt)
+            params = list(module.parameters())
 
-    def built(name: str):
-        module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
-        opt = optimizer_like(cls, module.parameters(), spec["defaults"])
-        strategy = get_strategy(name, env, timing=True, skip_nonfinite=True)
-        _, opt = strategy.setup(module, opt)
-        params = list(module.parameters())
+            def step() -> float:
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.step()
+                return time.perf_counter() - t0
+            return step
 
-        def step() -> float:
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.step()
-            return time.perf_counter() - t0
-        return step
-
-    zero1, plain = built("zero1"), built("allreduce")
-    for _ in range(warmup):
-        zero1(), plain()
-    per_round = 10
-    pair = statistics.fmean(zero1() + plain() for _ in range(5))  # one step of each kind
-    rounds = torch.tensor([max(2, min(repeats // per_round, round(1.0 / max(pair * per_round, 1e-6))))])
-    dist.broadcast(rounds, 0)  # rank 0's count
-    z, a = [], []
-    for _ in range(int(rounds)):
-        z += [zero1() for _ in range(per_round)]
-        a += [plain() for _ in range(per_round)]
-    got = torch.tensor([statistics.fmean(z) - statistics.fmean(a)], dtype=torch.float64)
-    dist.all_reduce(got)
-    return float(got) / world
+        zero1, plain = built("zero1"), built("allreduce")
+        for _ in range(warmup):
+            zero1(), plain()
+        per_round = 10
+        pair = statistics.fmean(zero1() + plain() for _ in range(5))  # one step of each kind
+        rounds = torch.tensor([max(2, min(repeats // per_round, round(1.0 / max(pair * per_round, 1e-6))))])
+        dist.broadcast(rounds, 0)  # rank 0's count
+        z, a = [], []
+        for _ in range(int(rounds)):
+            z += [zero1() for _ in range(per_round)]
+            a += [plain() for _ in range(per_round)]
+        got = torch.tensor([statistics.fmean(z) - statistics.fmean(a)], dtype=torch.float64)
+        dist.all_reduce(got)
+        return float(got) / world
+    finally:
+        torch.set_num_threads(old_threads)
 
 
-def measured_zero1_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+def measured_zero1_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *, threads: int = 1,
                         repeats: int = 200, timeout_s: float = 300.0) -> float:
-    """:func:`time_zero1_step` between two local gloo processes of one thread each, for ``params``'
-    shapes and ``optimizer``'s class and defaults (seconds; may be below 0 where the sharded step is
-    faster, on large models). For :func:`~.costmodel_sharded.predict_zero1`'s ``step_path_s`` on
-    this machine. Raises RuntimeError as :func:`~.microbench.measure_allreduce`."""
+    """:func:`time_zero1_step` between two local gloo processes of ``threads`` intra-op threads each
+    (a process' share of the cores at N = 2), for ``params``' shapes and dtypes and ``optimizer``'s
+    class and defaults (seconds; may be below 0 where the sharded step is faster, on large models).
+    For :func:`~.costmodel_sharded.predict_zero1`'s ``step_path_s`` on this machine. Raises
+    RuntimeError as :func:`~.microbench.measure_allreduce`."""
     from .microbench import measure_allreduce
 
-    spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params]}
+    spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params],
+            "dtypes": [str(p.dtype).removeprefix("torch.") for p in params], "threads": threads}
     ((_, seconds),) = measure_allreduce(2, [spec], repeats=repeats, warmup=3, timeout_s=timeout_s, op="zero1_step")
     return float(seconds)
 

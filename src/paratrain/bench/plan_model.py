@@ -304,7 +304,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     dispatch = 0.0
-    zero1_measured = model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None  # holds the dispatch
+    # ZeRO-1's step measured between 2 processes holds the dispatch (predict_zero1 uses it on this CPU only)
+    zero1_measured = (model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and not overlap)
     if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1 and not zero1_measured:
         dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale

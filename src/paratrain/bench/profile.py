@@ -256,7 +256,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                   "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
-            out["zero1_step_s"] = measured_zero1_step(list(model.parameters()), optimizer)
+            out["zero1_step_s"] = measured_zero1_step(list(model.parameters()), optimizer,
+                                                      threads=default_threads(2, out["cores"]))
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
         from .microbench_towers import measured_towers_forward
 
