@@ -1,12 +1,13 @@
-"""The cost model of fsdp, zero1 and pipeline (bench/costmodel_sharded.py), against hand computation."""
+"""The cost model of fsdp, zero1 and pipeline (bench/costmodel_sharded.py, bench/costmodel_pipeline.py),
+against hand computation."""
 from __future__ import annotations
 
 import pytest
 
 from paratrain.bench.costmodel import MIB, Link, Workload, predict, ring_allreduce_s
-from paratrain.bench.costmodel_sharded import (bubble_fraction, fsdp_copies_s, fsdp_phases_s, predict_fsdp,
-                                               predict_pipeline, predict_zero1, ring_allgather_s,
-                                               ring_reduce_scatter_s)
+from paratrain.bench.costmodel_pipeline import bubble_fraction, predict_pipeline
+from paratrain.bench.costmodel_sharded import (fsdp_copies_s, fsdp_phases_s, predict_fsdp, predict_zero1,
+                                               ring_allgather_s, ring_reduce_scatter_s)
 from paratrain.errors import UsageError
 
 LINK = Link(name="t", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=2e-10)
@@ -112,7 +113,7 @@ def test_processes_above_the_cores_fill_the_pipelines_bubble_with_other_stages_w
     time (both lower bounds of any schedule); s = 1 is the critical path. gpt_wt2's pipeline on the 2-vCPU VM: its second
     stage holds about 95% of the work, so at 2 x 2 on 2 cores its first stages' bubble is the
     heavy stages' turn: 2.2 s a step measured, 3.7 s predicted as s x the critical path."""
-    from paratrain.bench.costmodel_sharded import pipeline_schedule_s
+    from paratrain.bench.costmodel_pipeline import pipeline_schedule_s
 
     t = W.forward_s + W.backward_s
     # equal stages, M = 4: critical path 5 t / 8; 4 processes on 2 cores (s = 2): 2 x 4 x t / 8 = t

@@ -547,7 +547,7 @@ def test_a_pipelines_step_parts_above_the_cores_add_up_to_the_cost_models_step()
     work, 2 x 0.3 s / 2 = 0.3 s (the critical path, 0.28875 s, is shorter): compute 0.3 s, no bubble,
     the largest stage's optimizer 2 x 0.05 / 2. At 1.5 the critical path is longer: compute
     1.5 x 0.15, and the rest of it bubble. The parts add up to predict_pipeline's step."""
-    from paratrain.bench.costmodel_sharded import predict_pipeline
+    from paratrain.bench.costmodel_pipeline import predict_pipeline
 
     free = Link(name="free", alpha_s=0.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
     inputs = {**INPUTS, "stage_profiles": {"2": {**INPUTS["stage_profiles"]["2"], "stage_fractions": [0.05, 0.95],

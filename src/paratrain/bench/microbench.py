@@ -58,9 +58,8 @@ def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[i
                      "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm,
                      "meeting": _time_meeting, "fsdp_unit": time_fsdp_unit,
                      "zero1_step": time_zero1_step}[op]
-            # a zero1_step spec (an optimizer's defaults) need not be JSON: its index stands for it
-            results = [(i if op == "zero1_step" else size, timer(size, repeats, warmup))
-                       for i, size in enumerate(sizes_bytes)]
+            # each size by its index: an item (a zero1_step spec, an optimizer's defaults) need not be JSON
+            results = [(i, timer(size, repeats, warmup)) for i, size in enumerate(sizes_bytes)]
         finally:
             leave_group()
         if rank == 0:
@@ -212,7 +211,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,
                     "all-reduce benchmark")
-    return [(sizes[s] if op == "zero1_step" else s, t if isinstance(t, list) else float(t)) for s, t in got]
+    return [(sizes[i], t if isinstance(t, list) else float(t)) for i, t in got]
 
 
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc",

@@ -182,11 +182,9 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
 def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict:
     """``{"optimizer": "module:QualName", "defaults": {...}}``: ``optimizer``'s class (the user's,
     under a strategy's wrapper) and defaults, for :func:`time_zero1_step` in other processes."""
-    from ..strategies.wrapping import _Distributed
+    from ..strategies.wrapping import user_optimizer_class
 
-    cls = type(optimizer)
-    if issubclass(cls, _Distributed):
-        cls = cls.__mro__[2]  # (Distributed<X>, _Distributed, X, ...)
+    cls = user_optimizer_class(optimizer)
     return {"optimizer": f"{cls.__module__}:{cls.__qualname__}", "defaults": dict(optimizer.defaults)}
 
 
@@ -211,8 +209,9 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
     from torch import nn
 
     from ..env import DistEnv
-    from ..strategies import get_strategy
+    from ..strategies import DEFAULT, get_strategy, modelled
     from ..train.optim import optimizer_like
+    from .strategy_model import SHARDED_OPTIMIZER
 
     module_name, _, qualname = spec["optimizer"].partition(":")
     cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
@@ -242,7 +241,7 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
                 return time.perf_counter() - t0
             return step
 
-        zero1, plain = built("zero1"), built("allreduce")
+        zero1, plain = built(modelled(SHARDED_OPTIMIZER)[0]), built(DEFAULT)  # zero1, DDP's all-reduce
         for _ in range(warmup):
             zero1(), plain()
         per_round = 10

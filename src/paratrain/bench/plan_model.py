@@ -64,7 +64,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
-from .costmodel_sharded import pipeline_schedule_s, stage_microbatch_s
+from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
@@ -304,9 +304,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     dispatch = 0.0
-    # ZeRO-1's step measured between 2 processes holds the dispatch (predict_zero1 uses it on this CPU only)
-    zero1_measured = (model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and not overlap)
-    if model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and layout.n > 1 and not zero1_measured:
+    priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _zero1_measured(model, inputs, overlap)
+    if priced and layout.n > 1:
         dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
     if parts is None or not (extra or dispatch):
@@ -314,6 +313,13 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     step = parts["step_s"] + extra + dispatch
     return _parts(step, parts["compute_s"], parts["optimizer_s"] + dispatch, parts["bubble_s"],
                   parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
+
+
+def _zero1_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
+    """Whether ZeRO-1's step measured between 2 processes (``inputs["zero1_step_s"]``) prices this
+    layout, as :func:`~.costmodel_sharded.predict_zero1` uses it: on this machine's CPU (no overlap).
+    It holds the DTensor dispatch."""
+    return model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and not overlap
 
 
 def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
@@ -356,7 +362,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links)
-    if model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and n > 1 and not overlap:
+    if _zero1_measured(model, inputs, overlap) and n > 1:
         # the measured path: the optimizer's part is all zero1's step adds to allreduce's without its optimizer
         ring = predict_model(RING, ww, n, link, d, inputs, compute_scale=s,
                              bucket_mb=layout.overrides.get("bucket_mb"), overlap=overlap, links=links)

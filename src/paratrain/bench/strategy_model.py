@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from .costmodel import Link, Prediction, Workload, predict
-from .costmodel_sharded import (copy_seconds, meeting_seconds, predict_fsdp, predict_pipeline, predict_towers,
-                                predict_zero1, unit_paths)
+from .costmodel_pipeline import predict_pipeline
+from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
     "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import UsageError
 from ..strategies.base import Strategy, StepRecord
-from ..strategies.wrapping import base_state_dict
+from ..strategies.wrapping import base_state_dict, user_optimizer_class
 from . import rpc_api
 from .calls import ServerCalls
 from .layout import PSLayout
@@ -127,7 +127,7 @@ class ParameterServerStrategy(ServerCalls, Strategy):
         self.versions = [0] * len(self.servers)
         if self.env.rank == 0:
             defaults = dict(self.optimizer.defaults)
-            opt_cls = type(self.optimizer).__mro__[2]  # the user's optimizer class (behind the distributed one)
+            opt_cls = user_optimizer_class(self.optimizer)
             futs = [rpc.rpc_async(srv, rpc_api.init_shard,
                                   args=(k, self._shard_tensors(k), opt_cls, defaults))
                     for k, srv in enumerate(self.servers)]

@@ -70,7 +70,7 @@ class Pipeline(ShardedCheckpoints, AllReduce):
 
     name = "pipeline"
     dist_keys = ("pipeline_stages", "microbatches", "pipeline_schedule", "pipeline_split")
-    cost_model = "stages"  # paratrain.bench.costmodel_sharded.predict_pipeline
+    cost_model = "stages"  # paratrain.bench.costmodel_pipeline.predict_pipeline
     rank_local_gradients = True  # fp16: each stage checks its own gradients; ShardedGradScaler shares the flag
     task = None  # the trainer's Task (set before setup): how a micro-batch is fed and cut
     @classmethod

@@ -126,11 +126,15 @@ class _Distributed:
 _CLASSES: dict[type, type] = {}
 
 
+def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type:
+    """The user's optimizer class of ``optimizer``, also behind :func:`distribute_optimizer`'s wrapper."""
+    cls = type(optimizer)
+    return cls.__mro__[2] if issubclass(cls, _Distributed) else cls  # (Distributed<X>, _Distributed, X, ...)
+
+
 def distribute_optimizer(optimizer: torch.optim.Optimizer, strategy: Any) -> torch.optim.Optimizer:
     """Make ``optimizer`` (in place) step through ``strategy``; returns it."""
-    base = type(optimizer)
-    if issubclass(base, _Distributed):
-        base = base.__mro__[2]  # (Distributed<X>, _Distributed, X, ...)
+    base = user_optimizer_class(optimizer)
     cls = _CLASSES.get(base)
     if cls is None:
         cls = _CLASSES[base] = type(f"Distributed{base.__name__}", (_Distributed, base), {})

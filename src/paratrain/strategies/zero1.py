@@ -30,6 +30,7 @@ from torch import nn
 from ..errors import UsageError
 from .allreduce import AllReduce
 from .sharded import ShardedCheckpoints, by_index, local_by_name, parameter_names, read_whole
+from .wrapping import user_optimizer_class
 
 
 def row_range(rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -76,8 +77,7 @@ class Zero1(ShardedCheckpoints, AllReduce):
                 self._pairs.append((p, shard, lo, hi))
                 shards.append(shard)
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": shards})
-        cls = type(opt).__mro__[2]  # the user's class: (Distributed<X>, _Distributed, X, ...)
-        self.shard_optimizer = optimizer_like(cls, groups, opt.defaults)
+        self.shard_optimizer = optimizer_like(user_optimizer_class(opt), groups, opt.defaults)
         self._names = parameter_names(self.module, opt)
         self._layout = self._row_layout()
 
