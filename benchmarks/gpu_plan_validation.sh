@@ -5,7 +5,12 @@
 # started over NCCL (world_size 1: one GPU holds one rank; NCCL refuses two ranks on one GPU).
 # Every step has its own time limit and a failed step does not stop the others; logs go to $WORK.
 #   PARATRAIN_DATA=../shared/data bash benchmarks/gpu_plan_validation.sh [step ...]
-# steps: env digits ptb gpt gpt_bf16 nvlink nccl train_mfu (default: all, in that order)
+# steps: env digits ptb gpt gpt_bf16 nvlink nccl train_mfu towers_tf32 (default: all but towers_tf32, in that
+# order). towers_tf32: benchmarks/gpu_towers_check.sh for the cuDNN workloads with TF32 off
+# (NVIDIA_TF32_OVERRIDE=0, which cuDNN and cuBLAS obey) and on, side by side. pack: the small files of
+# $WORK in $OUT/plan-gpu-small.tgz (name it last).
+# On a 15-minute lease (2026-11-27, H200): env gpt_bf16 ptb digits towers_tf32 nvlink pack takes about
+# 12 minutes; give each call's steps so that the call ends inside its limit, and pack in every call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/plan-gpu}
@@ -24,9 +29,12 @@ run() {  # run NAME LIMIT_S COMMAND...: one step, its log in $WORK/NAME.log, its
 }
 
 plan_validate() {  # plan_validate NAME CONFIG [--set ...]: profile on the GPU, validate N = 1 there
-  local name=$1 cfg=$2
+  # (the profile's one-rank runs of allreduce, zero1 and fsdp make it 100-150 s on an H200; REPROFILE=0
+  # keeps a profile already in $WORK, e.g. on the same warm machine after a call that ran out of time)
+  local name=$1 cfg=$2 again=(--reprofile)
   shift 2
-  run "$name" "${LIMIT:-150}" $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name" --reprofile \
+  [ "${REPROFILE:-1}" = 0 ] && again=()
+  run "$name" "${LIMIT:-300}" $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name" "${again[@]}" \
     --validate --validate-nproc 1 --validate-repeats "${REPEATS:-3}" --timed-seconds "${TIMED:-2}" "$@"
 }
 
@@ -60,6 +68,17 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
           --run-dir "$WORK/train-gpt-$prec" --set train.max_steps=200 --set train.checkpoint_every=0 \
           --set "train.precision=$prec" --set train.timing_warmup_steps=20
       done ;;
+    towers_tf32)  # do the CUDA towers' 1e-4 differences from one device come from TF32? (cuDNN's default)
+      for tf32 in 0 1; do
+        env_=(); [ $tf32 = 0 ] && env_=(NVIDIA_TF32_OVERRIDE=0)
+        run "towers-tf32-$tf32" 240 env "${env_[@]}" TASKS="${TOWER_TASKS:-digits_cnn ptb_small}" \
+          W="$WORK/towers-tf32-$tf32" PYTHON="$PY" bash benchmarks/gpu_towers_check.sh
+      done ;;
+    pack)  # the small files (profiles, plans, validations, logs) in one archive: run folders hold MBs
+      # of metrics and TensorBoard files, and the device tool brings back at most 16 MiB a file
+      (cd "$WORK/.." && find "$(basename "$WORK")" \( -name '*.json' -o -name '*.md' -o -name '*.log' \) \
+        -size -2M -print0 | tar czf "${OUT:-$WORK}/plan-gpu-small.tgz" --null -T -)
+      ls -la "${OUT:-$WORK}/plan-gpu-small.tgz" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paratrain.bench import microbench
-from paratrain.bench.costmodel import PRESETS
+from paratrain.bench.costmodel import PRESETS, Workload
 from paratrain.bench.plan_report import _device_limit, _gpu_nproc
 from paratrain.bench.plan_validate import validation_counts
 from paratrain.bench.profile import _to
@@ -88,3 +88,161 @@ def test_the_collectives_take_their_older_name_on_an_older_torch(monkeypatch, ne
     monkeypatch.delattr(dist, new)  # torch 2.11 has only the older name
     helper(*args)
     assert calls == [(new, args), (old, args)]
+
+
+class _Cls:  # a registry entry's attributes that step_parts reads
+    def __init__(self, model, synchronous=True):
+        self.cost_model, self.synchronous, self.name = model, synchronous, "x"
+
+
+_W = Workload(forward_s=0.002, backward_s=0.004, data_s=0.0, optimizer_s=0.001, param_bytes=(4_000_000,) * 10,
+              tokens_per_step=1000)
+_INPUTS = {"units": [4_000_000] * 10, "output_bytes": 1e6, "sharded_optimizer_s": 0.002, "sharded_norm_s": 0.0005}
+
+
+def test_a_gpu_profile_adds_each_strategys_own_work_at_one_rank_to_its_step_and_parts():
+    """The one-rank runs' differences (profile_runs.loop_one_rank_overheads) go into the step and
+    its compute and optimizer parts at every n > 1, and replace the DTensors' dispatch terms they
+    hold; none at n = 1, and none for a strategy that has no measurement."""
+    from paratrain.bench.plan_model import Layout, step_parts
+    from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS
+    from paratrain.config import Config
+
+    link = PRESETS["nvlink"]
+    own = {"step_s": 0.006, "compute_s": 0.004, "optimizer_s": 0.0015}  # 0.0005 s left: exposed at one rank
+    for model, dispatch in ((RING, 0.0), (SHARDED_OPTIMIZER, 0.002), (SHARDED_PARAMETERS, 0.0025)):
+        for n in (2, 8):
+            a, b = [step_parts(_Cls(model), Layout("x", n), _W, link, Config(), x)
+                    for x in (_INPUTS, {**_INPUTS, "one_rank_s": own})]
+            # without: the dispatch terms (zero1: the optimizer's 2 ms; fsdp: and the norm's 0.5 ms)
+            assert b["step_s"] == pytest.approx(a["step_s"] - dispatch + 0.006, abs=1e-12)
+            assert b["compute_s"] == pytest.approx(a["compute_s"] + 0.004, abs=1e-12)
+            assert b["optimizer_s"] == pytest.approx(a["optimizer_s"] - dispatch + 0.0015, abs=1e-12)
+            assert b["comm_s"] == pytest.approx(a["comm_s"] + 0.0005, abs=1e-12)
+            assert b["units_per_s"] == pytest.approx(1000 * n / b["step_s"], rel=1e-9)
+    one = [step_parts(_Cls(RING), Layout("x", 1), _W, link, Config(), x)
+           for x in (_INPUTS, {**_INPUTS, "one_rank_s": own})]
+    assert one[0] == one[1]  # one device: a single run, no strategy's work
+
+
+def test_the_plan_takes_the_one_rank_term_of_the_layouts_own_strategy(monkeypatch):
+    """plan.predict_layout hands step_parts the profile's one-rank measurement of the row's strategy."""
+    from paratrain.bench import plan
+
+    seen, links = {}, []
+
+    def step_parts(cls, layout, w, link, cfg, inputs, **kw):
+        seen[layout.strategy] = inputs["one_rank_s"]
+        links.append(kw["links"])
+        return None
+
+    monkeypatch.setattr(plan, "step_parts", step_parts)
+    prof = _gpu_profile()
+    prof["loop_one_rank_s"] = {"zero1": {"step_s": 0.003, "compute_s": 0.001, "optimizer_s": 0.002}}
+    from paratrain.config import Config
+
+    for name in ("zero1", "allreduce"):
+        plan.predict_layout(plan.Layout(name, 2, {}, name), prof, Config(), PRESETS["nvlink"], on_this_machine=False,
+                            global_batch=None)
+    assert seen == {"zero1": {"step_s": 0.003, "compute_s": 0.001, "optimizer_s": 0.002}, "allreduce": None}
+    assert links[0] == {}  # no parameter server's exchange in this profile: the preset alone
+    # with one: a parameter server's messages on the preset cost at least the host's measured exchange
+    # (40 MB each way in 0.09 s less the update 0.01 s and 2 x 0.5 ms: beta = 0.079 / 80e6 s a byte)
+    prof.update(links={"rpc": {"alpha_s": 5e-4, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 0.0}},
+                ps_round_trip_s=0.09, ps_update_s={"async": 0.01})
+    plan.predict_layout(plan.Layout("ps-sync", 2, {"num_ps": 1}, "ps-sync"), prof, Config(), PRESETS["nvlink"],
+                        on_this_machine=False, global_batch=None)
+    rpc = links[-1]["rpc"]
+    assert (rpc.alpha_s, rpc.beta_s_per_byte) == pytest.approx((5e-4, 0.079 / 80e6), rel=1e-9)
+    assert set(links[-1]) == {"rpc"}  # the collectives keep the preset's link
+
+
+def _gpu_profile() -> dict:
+    w = {"forward_s": 0.002, "backward_s": 0.004, "data_s": 0.0, "optimizer_s": 0.001, "local_sd_s": 0.0}
+    return {"device": "cuda:0", "cores": 16, "batch_size": 32, "default_threads": 16, "tokens_per_step": 1000,
+            "param_bytes": [4_000_000] * 10, "workloads": {"16": w}, "workloads_in_process": {"16": w},
+            "strategy_inputs": {"units": [4_000_000] * 10}, "output_bytes": 1e6}
+
+
+def test_loop_one_rank_overheads_is_each_strategys_one_rank_step_less_singles(monkeypatch, capsys):
+    """profile_runs.loop_one_rank_overheads with the runs stubbed: the commands (single and each
+    strategy at --nproc 1, the recipe's batch, round after round) and the arithmetic (the median of
+    each part less single's; the step at least 0, its parts within [0, step]); a failing strategy is
+    left out with a line, a failing single run ends the profile with one line."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from paratrain.bench import report, runner, sweep, validate
+    from paratrain.bench.profile_runs import loop_one_rank_overheads, one_rank_strategies
+
+    assert one_rank_strategies() == ("allreduce", "zero1", "fsdp")  # the registry's ring, ZeRO-1 and FSDP models
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "gpt_wt2.toml")
+    # (step, compute, optimizer) seconds by strategy, one per round
+    runs = {"single": [(0.0078, 0.0060, 0.0016), (0.0076, 0.0058, 0.0016), (0.0090, 0.0070, 0.0016)],
+            "allreduce": [(0.0083, 0.0066, 0.0016), (0.0085, 0.0065, 0.0016), (0.0081, 0.0064, 0.0017)],
+            "zero1": [(0.0146, 0.0083, 0.0061), (0.0150, 0.0080, 0.0062), (0.0140, 0.0084, 0.0060)],
+            "fsdp": [(0.0070, 0.0050, 0.0017), (0.0072, 0.0052, 0.0018), (0.0071, 0.0051, 0.0016)]}
+    commands = []
+
+    def strategy(cmd):
+        return cmd[cmd.index("--strategy") + 1]
+
+    def record(i):
+        cmd = commands[i]
+        k = sum(1 for c in commands[:i + 1] if strategy(c) == strategy(cmd)) - 1
+        return {"ok": strategy(cmd) not in failing, "units_per_step": 2048, "train_step_ms": 1000 * runs[strategy(
+            cmd)][k][0], "k": k, "cmd": cmd}
+
+    def workload(rec, ranks, units):
+        _, compute, optimizer = runs[strategy(rec["cmd"])][rec["k"]]
+        return SimpleNamespace(data_s=0.0002, forward_s=compute / 2 - 0.0001, backward_s=compute / 2 - 0.0001,
+                               optimizer_s=optimizer)
+
+    failing: set[str] = set()
+    monkeypatch.setattr(runner, "run_cmd", lambda cmd, log, timeout_s, env: (commands.append(cmd), (0, None))[1])
+    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: len(commands) - 1)
+    monkeypatch.setattr(report, "run_record", record)
+    monkeypatch.setattr(validate, "workload_from_record", workload)
+    got = loop_one_rank_overheads(recipe, None, (), None, 32, 40, repeats=3)
+    # medians: single 7.8 / 6.0 / 1.6 ms; allreduce 8.3 / 6.5 / 1.6; zero1 14.6 / 8.3 / 6.1; fsdp 7.1 (below)
+    assert got["allreduce"] == pytest.approx({"step_s": 0.0005, "compute_s": 0.0005, "optimizer_s": 0.0}, abs=1e-12)
+    assert got["zero1"] == pytest.approx({"step_s": 0.0068, "compute_s": 0.0023, "optimizer_s": 0.0045}, abs=1e-12)
+    assert got["fsdp"] == {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}  # faster than single: no term
+    assert [strategy(c) for c in commands] == ["single", "allreduce", "zero1", "fsdp"] * 3  # rounds, in turn
+    assert all("dist.nproc=1" in c and "train.batch_size=32" in c and "train.max_steps=40" in c for c in commands)
+    failing.add("fsdp")
+    commands.clear()
+    assert set(loop_one_rank_overheads(recipe, None, (), None, 32, 40)) == {"allreduce", "zero1"}
+    assert "fsdp at one rank: left out (its run failed" in capsys.readouterr().out
+    failing.add("single")
+    commands.clear()
+    with pytest.raises(UsageError, match="the one-device run for the profile failed"):
+        loop_one_rank_overheads(recipe, None, (), None, 32, 40)
+
+
+def test_towers_on_a_gpu_are_listed_but_recommended_only_where_nothing_priced_fits():
+    from paratrain.bench.plan import rank, unpriced
+    from paratrain.bench.strategy_model import RING, TOWERS
+
+    assert unpriced(TOWERS, {"device": "cuda:0"}).startswith("towers on GPUs")
+    assert unpriced(TOWERS, CPU) == "" and unpriced(RING, {"device": "cuda:0"}) == ""
+
+    def row(label, units, unpriced="", feasible=True):
+        return {"label": label, "units_per_s": units, "n": 8, "feasible": feasible, "synchronous": True,
+                "memory": {"total": 1.0}, "unpriced": unpriced}
+
+    rows = [row("towers", 500.0, "not priced"), row("allreduce", 450.0), row("zero1", 420.0)]
+    assert [r["label"] for r in rank(rows, "words_per_s")] == ["allreduce", "zero1", "towers"]
+    rows[1]["feasible"] = rows[2]["feasible"] = False  # nothing priced fits: the towers, with their note
+    assert rank(rows, "words_per_s")[0]["label"] == "towers"
+
+
+def test_a_parameter_servers_messages_on_a_preset_are_no_faster_than_the_exchange_measured_on_the_host():
+    from paratrain.bench.costmodel import Link
+    from paratrain.bench.plan_model import slower
+
+    a = Link(name="nvlink", alpha_s=5e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=1e-12)
+    b = Link(name="measured-ps", alpha_s=4.6e-4, beta_s_per_byte=5e-10, gamma_s_per_byte=0.0)
+    got = slower(a, b)
+    assert (got.alpha_s, got.beta_s_per_byte, got.gamma_s_per_byte) == (4.6e-4, 5e-10, 1e-12)
+    assert slower(b, a) == dataclasses.replace(got, name="slower of measured-ps, nvlink")

@@ -30,7 +30,7 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .plan_inputs import (meetings, memory_inputs, stage_outputs, sync_batchnorm_s,  # noqa: F401 (API)
                           tower_sync_batchnorm_s, towers_forward_s, workload)
-from .plan_model import PS, Layout, best_bucket, memory_per_device, ps_message_link, step_parts
+from .plan_model import PS, Layout, best_bucket, memory_per_device, ps_message_link, slower, step_parts
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
@@ -135,14 +135,14 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from ..env import available_cores
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
-    from .profile_runs import (OVERSUBSCRIBED, loop_sync_batchnorm, loop_workloads, sync_batchnorm_fallbacks,
-                               sync_batchnorm_strategies)
+    from .profile_runs import (OVERSUBSCRIBED, loop_one_rank_overheads, loop_sync_batchnorm, loop_workloads,
+                               sync_batchnorm_fallbacks, sync_batchnorm_strategies)
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2
+    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2 (a GPU: 1 and 0)
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -158,6 +158,11 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
                                                cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
                                                repeats=args.profile_repeats)
+            if prof["device"] != "cpu":  # a GPU: each strategy's own work around its compute, at one rank
+                progress("each strategy's own step: one-rank runs")
+                prof["loop_one_rank_s"] = loop_one_rank_overheads(
+                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                    repeats=args.profile_repeats)
             if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
                 over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
                 progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
@@ -255,10 +260,14 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     overrides = dict(layout.overrides)
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
-    links = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()} if on_this_machine else {}
-    if "rpc" in links and prof.get("ps_round_trip_s") and (prof.get("ps_update_s") or {}).get("async") is not None:
-        links["rpc"] = ps_message_link(links["rpc"], prof["ps_round_trip_s"], prof["ps_update_s"]["async"],
-                                       sum(w.param_bytes))
+    measured = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()}
+    links = dict(measured) if on_this_machine else {}
+    if "rpc" in measured and prof.get("ps_round_trip_s") and (prof.get("ps_update_s") or {}).get("async") is not None:
+        exchange = ps_message_link(measured["rpc"], prof["ps_round_trip_s"], prof["ps_update_s"]["async"],
+                                   sum(w.param_bytes))
+        # a parameter server's messages go through the hosts' RPC (CPU tensors over TensorPipe) on any
+        # cluster, not the devices' interconnect: the exchange measured on the profiled host bounds them
+        links["rpc"] = exchange if on_this_machine else slower(link, exchange)
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
@@ -272,7 +281,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
               "path_meetings": prof.get("meetings") if shared_cores else None,  # 2 processes: fsdp_units, zero1_step_s
-              "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None}
+              "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
+              # a GPU's: the strategy's own work at one rank (any link: it is the device's)
+              "one_rank_s": (prof.get("loop_one_rank_s") or {}).get(layout.strategy)}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
     if parts is None:
@@ -291,10 +302,23 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
-           "staleness": (n - 1) if not cls.synchronous else 0}
+           "staleness": (n - 1) if not cls.synchronous else 0, "unpriced": unpriced(cls.cost_model, prof)}
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
+
+
+def unpriced(model: str | None, prof: dict) -> str:
+    """What the step formula of cost model ``model`` is known to leave out on the profiled device
+    ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
+    fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
+    and launches every tower from the one process' threads each step (host work under the GIL),
+    which :func:`~.costmodel_sharded.predict_towers` does not price off a CPU. Two towers on one
+    H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, where
+    the formula gives 1.0x (benchmarks/RESULTS.md); what two GPUs would take is not measured."""
+    if model == TOWERS and prof["device"] != "cpu":
+        return "towers on GPUs: DataParallel's host work is not priced"
+    return ""
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:
@@ -341,14 +365,17 @@ def pick(items: list, value, memory) -> int:
 
 def rank(rows: list[dict], objective: str) -> list[dict]:
     """Feasible synchronous rows best first by the objective (words/s, or words/s per device for
-    cost; equal: fewer devices), then the asynchronous ones, then the infeasible ones. The first is
-    the recommendation: of the feasible synchronous rows within :data:`TIE` of the best, the one on
-    the fewest devices, then with the least memory per device (:func:`pick`)."""
+    cost; equal: fewer devices), those with a known unpriced term (:func:`unpriced`) after the rest,
+    then the asynchronous ones, then the infeasible ones. The first is the recommendation: of the
+    feasible synchronous rows within :data:`TIE` of the best (the fully priced ones, where any fits),
+    the one on the fewest devices, then with the least memory per device (:func:`pick`)."""
     def value(r):
         return r["units_per_s"] / (r["n"] if objective == "cost" else 1)
 
-    out = sorted(rows, key=lambda r: (not r["feasible"], not r["synchronous"], -value(r), r["n"]))
+    out = sorted(rows, key=lambda r: (not r["feasible"], not r["synchronous"], bool(r.get("unpriced")),
+                                      -value(r), r["n"]))
     top = [r for r in out if r["feasible"] and r["synchronous"]]
+    top = [r for r in top if not r.get("unpriced")] or top
     i = pick(top, value, lambda r: (r["n"], r["memory"]["total"]))
     if i > 0:
         out.insert(0, out.pop(out.index(top[i])))

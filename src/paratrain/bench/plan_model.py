@@ -203,6 +203,15 @@ def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: flo
     return Link(name="measured-ps", alpha_s=rpc.alpha_s, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
 
+def slower(a: Link, b: Link) -> Link:
+    """The link no faster than either: each of alpha, beta and gamma the larger of ``a``'s and
+    ``b``'s (a parameter server's messages on a cluster: the cluster's network, and at best the RPC
+    exchange measured on one host, :func:`ps_message_link`)."""
+    return Link(name=f"slower of {a.name}, {b.name}", alpha_s=max(a.alpha_s, b.alpha_s),
+                beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte),
+                gamma_s_per_byte=max(a.gamma_s_per_byte, b.gamma_s_per_byte))
+
+
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
@@ -298,21 +307,28 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too. Where ZeRO-1's whole optimizer
     step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
     holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
-    communication (the part measured in training: the optimizer's span holds the all-gather)."""
+    communication (the part measured in training: the optimizer's span holds the all-gather).
+    ``inputs["one_rank_s"]`` (a GPU's profile: :func:`~.profile_runs.loop_one_rank_overheads`, this
+    layout's strategy measured as one rank of ``paratrain train`` less the one-device step:
+    ``step_s``, ``compute_s``, ``optimizer_s``) is the strategy's own work around its compute (DDP's
+    reducer, ZeRO-1's DTensor step, FSDP2's hooks and copies), added at every n > 1 to the step and
+    to those parts; it holds the DTensors' dispatch, which is then not added again."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     model, meets = cls.cost_model or RING, meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
+    own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
+    own = own or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
     dispatch = 0.0
     priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _zero1_measured(model, inputs, overlap)
-    if priced and layout.n > 1:
+    if priced and layout.n > 1 and not own["step_s"]:  # the one-rank runs hold the DTensors' dispatch
         dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
-    if parts is None or not (extra or dispatch):
+    if parts is None or not (extra or dispatch or own["step_s"]):
         return parts
-    step = parts["step_s"] + extra + dispatch
-    return _parts(step, parts["compute_s"], parts["optimizer_s"] + dispatch, parts["bubble_s"],
-                  parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
+    step = parts["step_s"] + extra + dispatch + own["step_s"]
+    return _parts(step, parts["compute_s"] + own["compute_s"], parts["optimizer_s"] + dispatch + own["optimizer_s"],
+                  parts["bubble_s"], parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
 
 
 def _zero1_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:

@@ -56,7 +56,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 18  # 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
+PROFILE_VERSION = 19  # 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
+# 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
 # 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
 # with FSDP2); 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
 # does (was "replicas"); 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);

@@ -197,3 +197,84 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
         progress("sync BatchNorm micro-benchmark: CPU towers")
         per_layer = prof["towers_forward_threads"]["seconds"] / len(shapes)
         prof["tower_sync_batchnorm_s"] = measured_tower_sync_batchnorm(shapes, repeats=60, compute_s=per_layer)
+
+
+def one_rank_strategies() -> tuple[str, ...]:
+    """The registry's strategies of several processes whose step the plan prices as the one-device
+    step plus their communication and their own terms (all-reduce, ZeRO-1, FSDP: the cost models
+    ``ring``, ``sharded_optimizer``, ``sharded_parameters``): those whose own per-step work
+    :func:`loop_one_rank_overheads` measures at one rank."""
+    from ..strategies import modelled
+    from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS
+
+    return tuple(s for model in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS) for s in modelled(model))
+
+
+def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                            batch: int, steps: int, strategies: tuple[str, ...] | None = None, repeats: int = 1
+                            ) -> dict[str, dict[str, float]]:
+    """{strategy: {"step_s", "compute_s", "optimizer_s"}}: seconds per step that each strategy's own
+    work adds to ``paratrain train``'s one-device step (``single``) when it runs one rank
+    (``--nproc 1``) of batch ``batch`` on the profile's device: the whole step (``step_s``, at least
+    0), and of it the forward + backward + data (``compute_s``) and the optimizer (``optimizer_s``),
+    each clamped to [0, ``step_s``]. Each round runs ``single`` and then every strategy
+    (``strategies``, default :func:`one_rank_strategies`), ``repeats`` rounds; each quantity is the
+    median over the rounds, minus ``single``'s.
+
+    What it holds: DDP's reducer (its autograd hooks, the copies into the buckets and the bucket's
+    collective over one rank), ZeRO-1's DTensor wrap, sharded step and gather, FSDP2's hooks, its
+    copies into and out of the collectives' buffers and its DTensor guard: the work a rank does around
+    its compute whatever the link. On a GPU of small kernels that work is launch- and Python-bound and
+    a large share of the step: on an H200, gpt_wt2 in bf16 stepped in 5.8 ms alone and 8.0, 11.7 and
+    14.5 ms as one rank of allreduce, zero1 and fsdp over NCCL (benchmarks/RESULTS.md), where the
+    plan had priced 0, 2.7 and 3.5 ms for it. The collectives between ranks are priced apart, by the
+    link; at one rank they move nothing. A strategy whose run fails is left out, with a line (the
+    plan then prices it without this term)."""
+    import tempfile
+
+    from ..strategies import REFERENCE
+    from .report import run_record
+    from .runner import run_cmd
+    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .validate import workload_from_record
+
+    strategies = strategies or one_rank_strategies()
+    spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE, *strategies), nprocs=(1,),
+                     scaling=("weak",), steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
+                     overrides=(*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}"))
+    seen: dict[str, list[tuple[float, float, float]]] = {}
+    left_out: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-one-rank-") as tmp:
+        for r in range(repeats):
+            for strategy in (REFERENCE, *strategies):
+                if strategy in left_out:
+                    continue
+                plan = RunPlan(strategy=strategy, n=1, global_batch=batch, repeat=r)
+                run_dir, log = Path(tmp) / plan.name, Path(tmp) / f"{plan.name}.log"
+                rc, _ = run_cmd(train_command(spec, plan, run_dir), log, spec.timeout_s, dict(os.environ))
+                rec = run_record(read_outcome(plan, rc, run_dir))
+                if not rec["ok"]:
+                    if strategy == REFERENCE:
+                        from ..errors import UsageError
+
+                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): "
+                                         f"{log.read_text().strip()[-300:] if log.exists() else 'no output'}")
+                    said = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+                    left_out[strategy] = f"its run failed (exit {rc}): {(said or ['no output'])[0][:200]}"
+                    continue
+                w = workload_from_record(rec, [0], rec["units_per_step"])
+                seen.setdefault(strategy, []).append((rec["train_step_ms"] / 1000,
+                                                      w.data_s + w.forward_s + w.backward_s, w.optimizer_s))
+    for strategy, why in left_out.items():
+        print(f"[plan] {strategy} at one rank: left out ({why}); the plan prices it without its own step's work",
+              flush=True)
+    base = [statistics.median(v[i] for v in seen[REFERENCE]) for i in range(3)]
+    out = {}
+    for strategy in strategies:
+        if strategy in left_out:
+            continue
+        step, compute, optimizer = (statistics.median(v[i] for v in seen[strategy]) - base[i] for i in range(3))
+        step = max(0.0, step)
+        out[strategy] = {"step_s": step, "compute_s": min(step, max(0.0, compute)),
+                         "optimizer_s": min(step, max(0.0, optimizer))}
+    return out
