@@ -18,7 +18,7 @@ for task in ${TASKS:-digits_cnn ptb_small gpt_wt2}; do
     [ $s = single ] && [ "${DEV#cpu}" != "$DEV" ] && extra=(--set 'dist.device="cpu"')
     timeout -k 5 "${LIMIT:-90}" $PY -m paratrain.cli train "configs/$task.toml" --strategy $s "${extra[@]}" \
       --run-dir "$W/$task-$s" --set "train.max_steps=${STEPS:-20}" --set train.checkpoint_every=0 \
-      --set train.timing_warmup_steps=5 --set model.dropout=0.0 > "$W/$task-$s.log" 2>&1
+      --set train.timing_warmup_steps=5 --set train.log_every=5 --set model.dropout=0.0 > "$W/$task-$s.log" 2>&1
     echo "=== $task $s: exit $?"
     grep -iE "error|warn|Traceback|tower " "$W/$task-$s.log" | head -6 | cut -c1-300
   done

@@ -5,6 +5,7 @@ sync BatchNorm and names BatchNorm without it; a missing scikit-learn is one lin
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -171,3 +172,16 @@ def test_digits_without_scikit_learn_is_one_line_naming_the_extra(tmp_path):
                         "--run-dir", "x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert 'pip install "paratrain[digits]"' in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_run_too_short_to_time_reports_no_breakdown_rather_than_zeros(user):
+    """3 steps inside the 5 warm-up steps: no interval is timed, and the summary says so with NaN (it
+    said step_ms 0.00 and compute_ms 0.00, as if the steps had cost nothing)."""
+    tmp, _ = user
+    got = paratrain("train", "user.toml", "--run-dir", "short", "--set", "train.max_steps=3", "--set",
+                    "train.timing_warmup_steps=5", cwd=tmp)
+    assert got.returncode == 0, got.stderr[-2000:]
+    summary = records(tmp / "short")[-1]
+    assert summary["kind"] == "summary" and summary["steps"] == 3 and summary["timed_steps"] == 0
+    for key in ("step_ms", "compute_ms", "data_ms", "comm_ms", "optimizer_ms", "other_ms", "train_step_ms"):
+        assert math.isnan(summary[key]), (key, summary[key])

@@ -131,7 +131,10 @@ class Bookkeeper:
         write_rank_timing(self.run_dir, env.rank, {"rank": env.rank, "world_size": env.world_size,
                                                    "strategy": extra.get("strategy"),
                                                    "warmup_steps": t.timing_warmup_steps, **timing})
-        summary.update({k: round(v, 3) for k, v in breakdown(timing).items()})
+        parts = breakdown(timing)
+        if not timing["measured_steps"]:  # no interval wholly after the warm-up: no breakdown (not zeros)
+            parts = dict.fromkeys(parts, math.nan)
+        summary.update({k: round(v, 3) for k, v in parts.items()})
         summary["timed_steps"] = timing["measured_steps"]
         # wall time per measured step by the throughput clock (logging included): what the breakdown must add up to
         summary["train_step_ms"] = (1000.0 * self._measured_time_s / timing["measured_steps"]
