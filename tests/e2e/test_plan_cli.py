@@ -65,7 +65,8 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
 def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeypatch):
     """The profile's CPU-only measurements (the meetings of a blocking collective, what FSDP2 adds to
     each unit, memory copies) price fsdp and zero1 on this machine's cores, and no cluster's: there the
-    collectives run on their own streams and links; so does the parameter server's measured exchange.
+    collectives run on their own streams and links. The parameter server's measured exchange sets its
+    link here, and on a cluster bounds it: its messages go through the hosts' RPC there too.
     fsdp's unit paths come with the 2-process meeting table they were measured with, at every N."""
     tmp, r = planned
     assert r.returncode == 0
@@ -124,14 +125,15 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     uncopied = {k: v for k, v in older.items() if k != "memory_copy"}
     assert (predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
             > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
-    # the parameter server's measured exchange sets its link here, and no cluster's
+    # the parameter server's measured exchange sets its link here, and on a cluster it is the floor under
+    # the preset's (CPU tensors over RPC, whatever the devices' interconnect; plan_model.slower)
     assert prof["ps_round_trip_s"] > 0
     unmeasured = {k: v for k, v in prof.items() if k != "ps_round_trip_s"}
     for strategy in ("ps-async", "ps-sync"):
         lay = Layout(strategy, 2, {"num_ps": 1}, strategy)
         rows = [predict_layout(lay, p, cfg, link, on_this_machine=mine, global_batch=None)["step_s"]
                 for link, mine in ((here, True), (PRESETS["ib400"], False)) for p in (prof, unmeasured)]
-        assert rows[0] != rows[1] and rows[2] == rows[3], (strategy, rows)
+        assert rows[0] != rows[1] and rows[2] > rows[3], (strategy, rows)
 
 
 def test_replanning_reads_the_cached_profile(planned, tiny_data):
