@@ -199,3 +199,32 @@ def test_bad_precision_settings_are_refused():
         from_dict({**cfg("fp16"), "dist": {"strategy": "ps-sync", "nproc": 1, "num_ps": 1}})
     with pytest.raises(UsageError, match="precision"):
         from_dict(cfg("fp8"))
+
+
+class _NoTrainingKernel(torch.autograd.Function):
+    """An RNN kernel with a forward and no backward, as oneDNN's fp16 LSTM on a Xeon with AVX512-FP16
+    (2026-11-27): it ran under no_grad and failed in training."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("could not create a primitive descriptor for the LSTM backward")
+
+
+class _InferenceOnlyLSTM(nn.LSTM):
+    def forward(self, x, hx=None):
+        out, h = super().forward(x, hx)
+        return _NoTrainingKernel.apply(out), h
+
+
+def test_the_low_precision_probe_trains_the_layer_not_only_runs_its_forward(monkeypatch):
+    from paratrain.strategies import precision
+
+    assert rnn_runs_in(nn.LSTM(3, 4), torch.bfloat16) in (True, False)  # the real kernel: either, no exception
+    monkeypatch.setitem(precision._RNN_LAYERS, "LSTM", _InferenceOnlyLSTM)
+    with torch.no_grad():  # whatever the caller's grad mode: the probe trains
+        assert not rnn_runs_in(nn.LSTM(3, 4), torch.bfloat16)
+    assert rnn_runs_in(nn.Linear(3, 4), torch.bfloat16)  # no recurrent layer: nothing to probe

@@ -124,14 +124,19 @@ _RNN_LAYERS = {"LSTM": torch.nn.LSTM, "GRU": torch.nn.GRU, "RNN_TANH": torch.nn.
 
 def rnn_runs_in(model: torch.nn.Module, dtype: torch.dtype) -> bool:
     """Whether the CPU runs every kind of recurrent layer in ``model`` (its ``nn.RNNBase`` modules'
-    ``mode``: LSTM, GRU, RNN with tanh or ReLU) under ``torch.autocast("cpu", dtype)``: a 2-unit layer
-    of each kind tried once. True for a model without one. The random generator's state is kept
-    (``fork_rng``)."""
+    ``mode``: LSTM, GRU, RNN with tanh or ReLU) under ``torch.autocast("cpu", dtype)`` for training: a
+    2-unit layer of each kind, one forward and backward. Training, not inference: on a Xeon with
+    AVX512-FP16 and AMX (2026-11-27) oneDNN ran an fp16 LSTM's forward under ``no_grad`` but had no
+    fp16 primitive for its training forward. True for a model without one. The random generator's
+    state is kept (``fork_rng``)."""
     modes = {m.mode for m in model.modules() if isinstance(m, torch.nn.RNNBase)}
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
         for mode in sorted(modes):
+            layer = _RNN_LAYERS.get(mode, torch.nn.LSTM)(2, 2)
             try:
-                _RNN_LAYERS.get(mode, torch.nn.LSTM)(2, 2)(torch.zeros(1, 1, 2))
+                with torch.autocast("cpu", dtype=dtype):
+                    out, _ = layer(torch.zeros(1, 1, 2))
+                out.float().sum().backward()
             except RuntimeError:
                 return False
     return True
