@@ -34,7 +34,7 @@ plan_validate() {  # plan_validate NAME CONFIG [--set ...]: profile on the GPU, 
   local name=$1 cfg=$2 again=(--reprofile)
   shift 2
   [ "${REPROFILE:-1}" = 0 ] && again=()
-  run "$name" "${LIMIT:-300}" $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name" "${again[@]}" \
+  run "$name" "${LIMIT:-300}" $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name" ${again[@]+"${again[@]}"} \
     --validate --validate-nproc 1 --validate-repeats "${REPEATS:-3}" --timed-seconds "${TIMED:-2}" "$@"
 }
 
@@ -54,7 +54,7 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
         [ "$name" = gpt_wt2_bf16 ] && extra=(--set train.precision=bf16)
         mkdir -p "$WORK/$name-nvlink" && cp "$WORK/$name/profile.json" "$WORK/$name-nvlink/"
         TAIL=40 run "$name-nvlink" 60 $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name-nvlink" \
-          --interconnect nvlink --nproc 1,2,4,8 "${extra[@]}"
+          --interconnect nvlink --nproc 1,2,4,8 ${extra[@]+"${extra[@]}"}
       done ;;
     nccl)  # every data-parallel strategy through NCCL at world_size 1, a few steps each
       for strategy in allreduce fsdp zero1; do
@@ -71,7 +71,7 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
     towers_tf32)  # do the CUDA towers' 1e-4 differences from one device come from TF32? (cuDNN's default)
       for tf32 in 0 1; do
         env_=(); [ $tf32 = 0 ] && env_=(NVIDIA_TF32_OVERRIDE=0)
-        run "towers-tf32-$tf32" 240 env "${env_[@]}" TASKS="${TOWER_TASKS:-digits_cnn ptb_small}" \
+        run "towers-tf32-$tf32" 240 env ${env_[@]+"${env_[@]}"} TASKS="${TOWER_TASKS:-digits_cnn ptb_small}" \
           W="$WORK/towers-tf32-$tf32" PYTHON="$PY" bash benchmarks/gpu_towers_check.sh
       done ;;
     pack)  # the small files (profiles, plans, validations, logs) in one archive: run folders hold MBs

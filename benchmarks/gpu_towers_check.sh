@@ -16,7 +16,7 @@ for task in ${TASKS:-digits_cnn ptb_small gpt_wt2}; do
     extra=()
     [ $s = replicate ] && extra=(--devices "$DEV")
     [ $s = single ] && [ "${DEV#cpu}" != "$DEV" ] && extra=(--set 'dist.device="cpu"')
-    timeout -k 5 "${LIMIT:-90}" $PY -m paratrain.cli train "configs/$task.toml" --strategy $s "${extra[@]}" \
+    timeout -k 5 "${LIMIT:-90}" $PY -m paratrain.cli train "configs/$task.toml" --strategy $s ${extra[@]+"${extra[@]}"} \
       --run-dir "$W/$task-$s" --set "train.max_steps=${STEPS:-20}" --set train.checkpoint_every=0 \
       --set train.timing_warmup_steps=5 --set train.log_every=5 --set model.dropout=0.0 > "$W/$task-$s.log" 2>&1
     echo "=== $task $s: exit $?"

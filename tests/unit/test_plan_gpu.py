@@ -5,6 +5,7 @@ older torch a GPU image may carry (2.11: ``all_gather_into_tensor``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -123,6 +124,11 @@ def test_a_gpu_profile_adds_each_strategys_own_work_at_one_rank_to_its_step_and_
     one = [step_parts(_Cls(RING), Layout("x", 1), _W, link, Config(), x)
            for x in (_INPUTS, {**_INPUTS, "one_rank_s": own})]
     assert one[0] == one[1]  # one device: a single run, no strategy's work
+    # measured at nothing (fsdp faster than single in its runs): still measured, the dispatch stays out
+    zero = {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
+    a, b = [step_parts(_Cls(SHARDED_PARAMETERS), Layout("x", 2), _W, link, Config(), x)
+            for x in (_INPUTS, {**_INPUTS, "one_rank_s": zero})]
+    assert b["step_s"] == pytest.approx(a["step_s"] - 0.0025, abs=1e-12)
 
 
 def test_the_plan_takes_the_one_rank_term_of_the_layouts_own_strategy(monkeypatch):
@@ -154,6 +160,7 @@ def test_the_plan_takes_the_one_rank_term_of_the_layouts_own_strategy(monkeypatc
                         on_this_machine=False, global_batch=None)
     rpc = links[-1]["rpc"]
     assert (rpc.alpha_s, rpc.beta_s_per_byte) == pytest.approx((5e-4, 0.079 / 80e6), rel=1e-9)
+    assert rpc.gamma_s_per_byte == PRESETS["nvlink"].gamma_s_per_byte > 0  # the preset's, term by term
     assert set(links[-1]) == {"rpc"}  # the collectives keep the preset's link
 
 
@@ -166,9 +173,10 @@ def _gpu_profile() -> dict:
 
 def test_loop_one_rank_overheads_is_each_strategys_one_rank_step_less_singles(monkeypatch, capsys):
     """profile_runs.loop_one_rank_overheads with the runs stubbed: the commands (single and each
-    strategy at --nproc 1, the recipe's batch, round after round) and the arithmetic (the median of
-    each part less single's; the step at least 0, its parts within [0, step]); a failing strategy is
-    left out with a line, a failing single run ends the profile with one line."""
+    strategy at --nproc 1, the recipe's batch, round after round) and the arithmetic (the round with
+    the median step, less single's; the step at least 0, the compute within [0, step], the optimizer
+    within [0, step - compute]); a failing strategy, or one that timed no step, is left out with a
+    line, a failing single run ends the profile with one line."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -210,9 +218,20 @@ def test_loop_one_rank_overheads_is_each_strategys_one_rank_step_less_singles(mo
     assert got["fsdp"] == {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}  # faster than single: no term
     assert [strategy(c) for c in commands] == ["single", "allreduce", "zero1", "fsdp"] * 3  # rounds, in turn
     assert all("dist.nproc=1" in c and "train.batch_size=32" in c and "train.max_steps=40" in c for c in commands)
+    # parts that add up to more than the step: the optimizer's is what the step leaves after the compute
+    runs["allreduce"][0] = (0.0083, 0.0064, 0.0019)  # round 0 alone: single's (7.8, 6.0, 1.6) ms
+    commands.clear()
+    got = loop_one_rank_overheads(recipe, None, (), None, 32, 40, strategies=("allreduce",))
+    assert got["allreduce"] == pytest.approx({"step_s": 0.0005, "compute_s": 0.0004, "optimizer_s": 0.0001},
+                                             abs=1e-12)
+    # a run that timed no step is left out, not priced at 0
+    runs["zero1"][0] = (math.nan, 0.0083, 0.0061)
+    commands.clear()
+    assert set(loop_one_rank_overheads(recipe, None, (), None, 32, 40)) == {"allreduce", "fsdp"}
+    assert "zero1 at one rank: left out (its run failed (exit 0): no step was timed" in capsys.readouterr().out
     failing.add("fsdp")
     commands.clear()
-    assert set(loop_one_rank_overheads(recipe, None, (), None, 32, 40)) == {"allreduce", "zero1"}
+    assert set(loop_one_rank_overheads(recipe, None, (), None, 32, 40)) == {"allreduce"}
     assert "fsdp at one rank: left out (its run failed" in capsys.readouterr().out
     failing.add("single")
     commands.clear()

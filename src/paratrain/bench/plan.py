@@ -11,7 +11,8 @@ different model per step). A layout the recipe refuses (the strategy's own confi
 with the reason (:func:`refusal`) and not predicted.
 
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
-batch: each replica gets B / replicas, and compute and activations scale linearly with it.
+batch: each replica gets B / replicas, and compute and activations scale linearly with it (a GPU's
+one-rank term, the strategies' host work, does not).
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
 cores (:func:`~.validate.layout_cpu_share`: parameter servers take threads, not compute time); presets put
 each device on its own like the profiled one.
@@ -142,7 +143,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2 (a GPU: 1 and 0)
+    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2 (a GPU: the
+    # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -314,8 +316,9 @@ def unpriced(model: str | None, prof: dict) -> str:
     fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
     and launches every tower from the one process' threads each step (host work under the GIL),
     which :func:`~.costmodel_sharded.predict_towers` does not price off a CPU. Two towers on one
-    H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, where
-    the formula gives 1.0x (benchmarks/RESULTS.md); what two GPUs would take is not measured."""
+    H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, of
+    which sharing the one GPU explains at most 2x; the formula gives 1.0x for two GPUs
+    (benchmarks/RESULTS.md). What two GPUs take is not measured."""
     if model == TOWERS and prof["device"] != "cpu":
         return "towers on GPUs: DataParallel's host work is not priced"
     return ""

@@ -42,7 +42,9 @@ step gains :func:`straggle_s`, the expected maximum of n normal local times over
 the spread of the one-device step measured by the profile. ZeRO-1 and FSDP step the optimizer on
 DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
 measured on this machine (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
-(``sharded_norm_s``, measured here).
+(``sharded_norm_s``, measured here). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
+add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
+and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place.
 
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
 servers' update (:func:`ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
@@ -289,7 +291,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
     :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages (on
-    this machine, :func:`ps_message_link` of its measured exchange);
+    this machine, :func:`ps_message_link` of its measured exchange; on a preset, :func:`slower` of the
+    preset and that exchange);
     ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay
@@ -318,12 +321,12 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
-    own = own or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
     dispatch = 0.0
     priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _zero1_measured(model, inputs, overlap)
-    if priced and layout.n > 1 and not own["step_s"]:  # the one-rank runs hold the DTensors' dispatch
+    if priced and layout.n > 1 and own is None:  # the one-rank runs hold the DTensors' dispatch (also at 0)
         dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
+    own = own or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
     if parts is None or not (extra or dispatch or own["step_s"]):
         return parts
     step = parts["step_s"] + extra + dispatch + own["step_s"]

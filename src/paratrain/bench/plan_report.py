@@ -164,7 +164,7 @@ def markdown(result: dict) -> str:
         if r["reason"]:
             note.append(r["reason"])
         if r.get("unpriced"):
-            note.append(f"not recommended: {r['unpriced']}")
+            note.append(f"unpriced: {r['unpriced']}")
         err = "-" if r["measured_error"] is None else f"{100 * r['measured_error']:.0f}%"
         lines.append(f"| {i} | {r['label']} | {r['n']} | {_f(1000 * r['step_s'])} | {_f(1000 * r['compute_s'])} | "
                      f"{_f(1000 * r['comm_s'])} | {_f(1000 * r['bubble_s'])} | {_f(1000 * r['optimizer_s'])} | "

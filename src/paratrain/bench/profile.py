@@ -26,7 +26,9 @@ whole and halved), what a blocking collective costs two processes reaching it fr
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
 two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's optimizer step adds to allreduce's between two processes (``zero1_step_s``,
-:func:`~.microbench_sharded.measured_zero1_step`).
+:func:`~.microbench_sharded.measured_zero1_step`). On a GPU, ``paratrain plan`` adds what allreduce,
+zero1 and fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
+:func:`~.profile_runs.loop_one_rank_overheads`), which prices them there in place of the dispatch terms.
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer

@@ -1,15 +1,42 @@
 """The training loop's own step for ``paratrain plan``'s profile: ``single`` runs of ``paratrain train``
-through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`), and, for a recipe
+through the bench sweep, at each thread count the plan needs (:func:`loop_workloads`); for a recipe
 with ``model.sync_batchnorm`` on a CPU, what synchronised BatchNorm adds to the loop's two-replica steps
 and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many replicas
 (:func:`loop_sync_batchnorm`), with the layers timed apart for what it leaves out
-(:func:`sync_batchnorm_fallbacks`). The rest of the profile is measured in process (:mod:`.profile`)."""
+(:func:`sync_batchnorm_fallbacks`); on a GPU, what each strategy's own work adds to the step as one rank
+(:func:`loop_one_rank_overheads`). Each run goes through :func:`_loop_run`. The rest of the profile is
+measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
 import os
 import statistics
 from pathlib import Path
 from typing import Any, Callable
+
+
+def _loop_spec(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+               strategies: tuple[str, ...], nprocs: tuple[int, ...], scaling: str, steps: int):
+    """The bench sweep's spec of the profile's training runs: ``steps`` steps, a third of them warm-up,
+    no checkpoints, about six log intervals (each timed interval wholly after the warm-up)."""
+    from .sweep import BenchSpec
+
+    return BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=nprocs, scaling=(scaling,),
+                     steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
+                     overrides=(*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}"))
+
+
+def _loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
+    """One ``paratrain train`` run of the profile (``spec``, ``plan``: the bench sweep's) into ``run_dir``,
+    its log beside it: (its record, :func:`~.report.run_record`; its exit code; its log's last line,
+    at most 200 characters, for a failure's line)."""
+    from .report import run_record
+    from .runner import run_cmd
+    from .sweep import read_outcome, train_command
+
+    log = run_dir.with_name(f"{run_dir.name}.log")
+    rc, _ = run_cmd(train_command(spec, plan, run_dir), log, spec.timeout_s, dict(os.environ))
+    said = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    return run_record(read_outcome(plan, rc, run_dir)), rc, (said or ["no output"])[0][:200]
 
 
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
@@ -31,15 +58,10 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
 
     from ..errors import UsageError
     from ..strategies import REFERENCE
-    from .report import run_record
-    from .runner import run_cmd
-    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .sweep import RunPlan
     from .validate import workload_from_record
 
-    spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE,), nprocs=(1,), scaling=("weak",),
-                     steps=steps, warmup_steps=max(1, steps // 3),
-                     overrides=(*overrides, "train.checkpoint_every=0",
-                                f"train.log_every={max(1, steps // 6)}"), data_dir=data_dir)
+    spec = _loop_spec(config, task_entry, overrides, data_dir, (REFERENCE,), (1,), "weak", steps)
     rounds: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
         for r in range(repeats):
@@ -48,20 +70,12 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
                 plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=t, repeat=r * copies + c)
                          for c in range(copies)]
 
-                def run(plan: RunPlan):
-                    run_dir = Path(tmp) / plan.name
-                    rc, _ = run_cmd(train_command(spec, plan, run_dir), Path(tmp) / f"{plan.name}.log",
-                                    spec.timeout_s, dict(os.environ))
-                    return plan, rc, read_outcome(plan, rc, run_dir)
-
                 with ThreadPoolExecutor(copies) as pool:
-                    done = list(pool.map(run, plans))
+                    done = list(pool.map(lambda plan: _loop_run(spec, plan, Path(tmp) / plan.name), plans))
                 parts = []
-                for plan, rc, outcome in done:
-                    rec = run_record(outcome)
+                for rec, rc, said in done:
                     if not rec["ok"]:
-                        log = (Path(tmp) / f"{plan.name}.log").read_text()[-400:]
-                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {log.strip()[-300:]}")
+                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {said}")
                     w = workload_from_record(rec, [0], rec["units_per_step"])
                     parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
                                   "optimizer_s": w.optimizer_s,
@@ -119,19 +133,14 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     does not allow (a batch that does not split into its micro-batches), is left out, with a
     line: the plan then prices it with the micro-benchmark's value (at 2 replicas), or from 2
     replicas and the ring (at more)."""
-    import statistics
     import tempfile
 
-    from .report import run_record
-    from .runner import run_cmd
-    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .sweep import RunPlan
     from .validate import workload_from_record
 
     strategies = strategies or sync_batchnorm_strategies()
-    common = (*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}")
-    specs = {on: BenchSpec(config=config, task=task_entry, strategies=strategies, nprocs=(replicas,),
-                           scaling=("strong",), steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
-                           overrides=(*common, f"model.sync_batchnorm={'true' if on else 'false'}"))
+    specs = {on: _loop_spec(config, task_entry, (*overrides, f"model.sync_batchnorm={'true' if on else 'false'}"),
+                            data_dir, strategies, (replicas,), "strong", steps)
              for on in (True, False)}
     seen: dict[tuple[str, bool], list[float]] = {}
     left_out: dict[str, str] = {}
@@ -146,15 +155,9 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
                     if strategy in left_out:
                         continue
                     plan = RunPlan(strategy=strategy, n=replicas, global_batch=global_batch, repeat=r)
-                    run_dir = Path(tmp) / f"{plan.name}-{'on' if on else 'off'}"
-                    log = Path(tmp) / f"{run_dir.name}.log"
-                    rc, _ = run_cmd(train_command(specs[on], plan, run_dir), log, specs[on].timeout_s,
-                                    dict(os.environ))
-                    rec = run_record(read_outcome(plan, rc, run_dir))
+                    rec, rc, said = _loop_run(specs[on], plan, Path(tmp) / f"{plan.name}-{'on' if on else 'off'}")
                     if not rec["ok"]:
-                        said = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-                        left_out[strategy] = f"its run with the key {'on' if on else 'off'} failed (exit {rc}): " \
-                                             f"{(said or ['no output'])[0][:200]}"
+                        left_out[strategy] = f"its run with the key {'on' if on else 'off'} failed (exit {rc}): {said}"
                         continue
                     w = workload_from_record(rec, [0], rec["units_per_step"])
                     seen.setdefault((strategy, on), []).append(w.data_s + w.forward_s + w.backward_s)
@@ -215,33 +218,38 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
                             ) -> dict[str, dict[str, float]]:
     """{strategy: {"step_s", "compute_s", "optimizer_s"}}: seconds per step that each strategy's own
     work adds to ``paratrain train``'s one-device step (``single``) when it runs one rank
-    (``--nproc 1``) of batch ``batch`` on the profile's device: the whole step (``step_s``, at least
-    0), and of it the forward + backward + data (``compute_s``) and the optimizer (``optimizer_s``),
-    each clamped to [0, ``step_s``]. Each round runs ``single`` and then every strategy
-    (``strategies``, default :func:`one_rank_strategies`), ``repeats`` rounds; each quantity is the
-    median over the rounds, minus ``single``'s.
+    (``--nproc 1``) of batch ``batch`` on the profile's device. Each round runs ``single`` and then every
+    strategy (``strategies``, default :func:`one_rank_strategies`), ``repeats`` rounds. Of each strategy,
+    and of ``single``, the round with the median step is kept (its parts add up with it). The answer is
+    that round's whole step less ``single``'s (``step_s``, at least 0), and of it the forward +
+    backward + data (``compute_s``, within [0, ``step_s``]) and the optimizer (``optimizer_s``, within
+    [0, ``step_s`` - ``compute_s``]); the rest is exposed at one rank.
 
     What it holds: DDP's reducer (its autograd hooks, the copies into the buckets and the bucket's
     collective over one rank), ZeRO-1's DTensor wrap, sharded step and gather, FSDP2's hooks, its
     copies into and out of the collectives' buffers and its DTensor guard: the work a rank does around
     its compute whatever the link. On a GPU of small kernels that work is launch- and Python-bound and
-    a large share of the step: on an H200, gpt_wt2 in bf16 stepped in 5.8 ms alone and 8.0, 11.7 and
-    14.5 ms as one rank of allreduce, zero1 and fsdp over NCCL (benchmarks/RESULTS.md), where the
-    plan had priced 0, 2.7 and 3.5 ms for it. The collectives between ranks are priced apart, by the
-    link; at one rank they move nothing. A strategy whose run fails is left out, with a line (the
-    plan then prices it without this term)."""
+    a large share of the step. On an H200, gpt_wt2 in bf16 stepped in 7.8 ms alone, and allreduce,
+    zero1 and fsdp added 0.5, 6.9 and 13.6 ms as one rank over NCCL (benchmarks/RESULTS.md), where the
+    plan had priced 0, 2.2 and 2.7 ms (the DTensor dispatch micro-benchmarks). The collectives between
+    ranks are priced apart, by the link; at one rank they move nothing.
+
+    Measured with the recipe's keys at its batch; the plan applies it unchanged to the strategy's
+    variants (ZeRO-2, a compression hook, activation checkpointing) and to other batches
+    (``--global-batch``): host work scales with the kernels and tensors, not with the batch, but those
+    variants were not measured. A strategy whose run fails or times no step is left out, with a line
+    (the plan then prices it without this term); a failing ``single`` ends the profile with one line
+    (UsageError)."""
+    import math
     import tempfile
 
+    from ..errors import UsageError
     from ..strategies import REFERENCE
-    from .report import run_record
-    from .runner import run_cmd
-    from .sweep import BenchSpec, RunPlan, read_outcome, train_command
+    from .sweep import RunPlan
     from .validate import workload_from_record
 
     strategies = strategies or one_rank_strategies()
-    spec = BenchSpec(config=config, task=task_entry, strategies=(REFERENCE, *strategies), nprocs=(1,),
-                     scaling=("weak",), steps=steps, warmup_steps=max(1, steps // 3), data_dir=data_dir,
-                     overrides=(*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}"))
+    spec = _loop_spec(config, task_entry, overrides, data_dir, (REFERENCE, *strategies), (1,), "weak", steps)
     seen: dict[str, list[tuple[float, float, float]]] = {}
     left_out: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-one-rank-") as tmp:
@@ -250,17 +258,13 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
                 if strategy in left_out:
                     continue
                 plan = RunPlan(strategy=strategy, n=1, global_batch=batch, repeat=r)
-                run_dir, log = Path(tmp) / plan.name, Path(tmp) / f"{plan.name}.log"
-                rc, _ = run_cmd(train_command(spec, plan, run_dir), log, spec.timeout_s, dict(os.environ))
-                rec = run_record(read_outcome(plan, rc, run_dir))
+                rec, rc, said = _loop_run(spec, plan, Path(tmp) / plan.name)
+                if rec["ok"] and not math.isfinite(rec["train_step_ms"]):
+                    rec, rc, said = {**rec, "ok": False}, rc, "no step was timed (too few steps)"
                 if not rec["ok"]:
                     if strategy == REFERENCE:
-                        from ..errors import UsageError
-
-                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): "
-                                         f"{log.read_text().strip()[-300:] if log.exists() else 'no output'}")
-                    said = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-                    left_out[strategy] = f"its run failed (exit {rc}): {(said or ['no output'])[0][:200]}"
+                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {said}")
+                    left_out[strategy] = f"its run failed (exit {rc}): {said}"
                     continue
                 w = workload_from_record(rec, [0], rec["units_per_step"])
                 seen.setdefault(strategy, []).append((rec["train_step_ms"] / 1000,
@@ -268,13 +272,17 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
     for strategy, why in left_out.items():
         print(f"[plan] {strategy} at one rank: left out ({why}); the plan prices it without its own step's work",
               flush=True)
-    base = [statistics.median(v[i] for v in seen[REFERENCE]) for i in range(3)]
+
+    def median_round(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+        return sorted(runs)[(len(runs) - 1) // 2]  # the round with the median step (its parts add up with it)
+
+    base = median_round(seen[REFERENCE])
     out = {}
     for strategy in strategies:
         if strategy in left_out:
             continue
-        step, compute, optimizer = (statistics.median(v[i] for v in seen[strategy]) - base[i] for i in range(3))
+        step, compute, optimizer = (x - b for x, b in zip(median_round(seen[strategy]), base))
         step = max(0.0, step)
-        out[strategy] = {"step_s": step, "compute_s": min(step, max(0.0, compute)),
-                         "optimizer_s": min(step, max(0.0, optimizer))}
+        compute = min(step, max(0.0, compute))
+        out[strategy] = {"step_s": step, "compute_s": compute, "optimizer_s": min(step - compute, max(0.0, optimizer))}
     return out
