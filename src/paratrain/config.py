@@ -125,6 +125,8 @@ class DistConfig:
     rdzv_timeout_s: int = 120  # seconds every node waits for the others to arrive
     max_restarts: int = 0
     bucket_mb: float = 25.0  # allreduce, zero1: DDP gradient bucket size in MiB
+    broadcast_buffers: bool = True  # allreduce, zero1: DDP sends rank 0's buffers (BatchNorm statistics) every
+    # forward; false: each rank keeps its own (model.sync_batchnorm keeps them equal and needs no broadcast)
     comm_hook: str = "none"  # allreduce, zero1: none | fp16 | bf16 | powersgd (DDP communication hooks)
     matrix_approximation_rank: int = 1  # powersgd: rank r of the factors P (n x r), Q (m x r)
     start_powerSGD_iter: int = 1000  # powersgd: plain all-reduce steps before compression starts (>= 2)

@@ -265,3 +265,29 @@ def test_a_parameter_servers_messages_on_a_preset_are_no_faster_than_the_exchang
     got = slower(a, b)
     assert (got.alpha_s, got.beta_s_per_byte, got.gamma_s_per_byte) == (4.6e-4, 5e-10, 1e-12)
     assert slower(b, a) == dataclasses.replace(got, name="slower of measured-ps, nvlink")
+
+
+def test_dist_broadcast_buffers_reaches_ddp_and_sync_batchnorm_turns_it_off_itself():
+    """``dist.broadcast_buffers`` (allreduce, zero1) is DDP's per-forward broadcast of rank 0's buffers:
+    on by default, off when set false; the profile's sync BatchNorm key-off runs set it false
+    (profile_runs.loop_sync_batchnorm) to compare like with like."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from paratrain.config import DistConfig
+    from paratrain.env import DistEnv
+    from paratrain.strategies import STRATEGIES
+
+    assert DistConfig().broadcast_buffers is True
+    assert "broadcast_buffers" in STRATEGIES["allreduce"].dist_keys and "broadcast_buffers" in STRATEGIES[
+        "zero1"].dist_keys
+    got = {}
+    for value in (True, False):
+        strategy = STRATEGIES["allreduce"](DistEnv(), bucket_mb=25.0, broadcast_buffers=value)
+        try:
+            ddp = strategy._wrap(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 0)
+            got[value] = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert got == {True: True, False: False}

@@ -924,6 +924,10 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
     replicate = [c for c in commands if c[c.index("--strategy") + 1] == "replicate"]
     assert all('dist.devices="cpu:0,cpu:1"' in c for c in replicate)  # two towers
     assert all("dist.nproc=2" in c for c in commands if c not in replicate)  # two processes
+    # DDP's key-off runs leave out its per-forward buffer broadcast, as its key-on runs do; towers have none
+    for c in commands:
+        off = "model.sync_batchnorm=false" in c and c not in replicate
+        assert ("dist.broadcast_buffers=false" in c) == off, c
     # a key that costs nothing measured below zero: 0, not a negative term
     compute[("replicate", True)] = [0.015, 0.015, 0.015]
     commands.clear()

@@ -58,7 +58,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 19  # 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
+PROFILE_VERSION = 20  # 20: the loop's sync BatchNorm key-off runs of DDP without its buffer broadcast;
+# 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
 # 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
 # 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
 # with FSDP2); 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed

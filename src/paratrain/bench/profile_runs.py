@@ -117,7 +117,10 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     ``batch`` each (the recipe's batch per replica, as the plan's rows and ``--validate`` run them:
     at half of it, digits_cnn's two processes paid 4 ms a step less)}: each strategy run with the key on
     and off, ``repeats`` rounds (on and off side by side in each), the median of each minus the
-    other, at least 0. More replicas than cores (:data:`OVERSUBSCRIBED`) price the processes taking
+    other, at least 0. DDP's key-off runs leave out its broadcast of rank 0's buffers every forward
+    (``dist.broadcast_buffers = false``), as its key-on runs do: otherwise the term is sync BatchNorm
+    less that broadcast, which cost digits_cnn's rank 0 1.5-2 ms a step on a 2-vCPU Xeon (2026-11-27).
+    More replicas than cores (:data:`OVERSUBSCRIBED`) price the processes taking
     turns on the cores: each meeting then waits for every process' compute before it, and gloo's
     ring hands the sums from process to process, each woken in turn.
 
@@ -138,10 +141,18 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     from .sweep import RunPlan
     from .validate import workload_from_record
 
+    from ..strategies import STRATEGIES
+
     strategies = strategies or sync_batchnorm_strategies()
-    specs = {on: _loop_spec(config, task_entry, (*overrides, f"model.sync_batchnorm={'true' if on else 'false'}"),
-                            data_dir, strategies, (replicas,), "strong", steps)
-             for on in (True, False)}
+
+    def spec(strategy: str, on: bool):
+        keys = [f"model.sync_batchnorm={'true' if on else 'false'}"]
+        if not on and "broadcast_buffers" in STRATEGIES[strategy].dist_keys:
+            keys.append("dist.broadcast_buffers=false")  # as with the key on: DDP sends no buffers
+        return _loop_spec(config, task_entry, (*overrides, *keys), data_dir, strategies, (replicas,), "strong",
+                          steps)
+
+    specs = {(s, on): spec(s, on) for s in strategies for on in (True, False)}
     seen: dict[tuple[str, bool], list[float]] = {}
     left_out: dict[str, str] = {}
     if batch % accumulation:
@@ -155,7 +166,8 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
                     if strategy in left_out:
                         continue
                     plan = RunPlan(strategy=strategy, n=replicas, global_batch=global_batch, repeat=r)
-                    rec, rc, said = _loop_run(specs[on], plan, Path(tmp) / f"{plan.name}-{'on' if on else 'off'}")
+                    rec, rc, said = _loop_run(specs[strategy, on], plan,
+                                              Path(tmp) / f"{plan.name}-{'on' if on else 'off'}")
                     if not rec["ok"]:
                         left_out[strategy] = f"its run with the key {'on' if on else 'off'} failed (exit {rc}): {said}"
                         continue

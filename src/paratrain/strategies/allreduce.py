@@ -27,17 +27,19 @@ _DDP_ARGS = inspect.signature(DDP.__init__).parameters
 
 
 class AllReduce(NoSyncMixin, Strategy):
-    """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25), ``comm_hook``,
+    """Options: ``bucket_mb`` (DDP bucket cap in MiB, default 25), ``broadcast_buffers`` (DDP sends rank
+    0's buffers every forward, default true; off with ``model.sync_batchnorm``), ``comm_hook``,
     ``matrix_approximation_rank``, ``start_powerSGD_iter`` (gradient compression: :mod:`.comm_hooks`)."""
 
     name = "allreduce"
-    dist_keys = ("bucket_mb",) + HOOK_KEYS
+    dist_keys = ("bucket_mb", "broadcast_buffers") + HOOK_KEYS
     cost_model = "ring"  # bucketed ring all-reduce overlapped with backward
     hook: CommHook | None = None  # the communication hook registered on DDP (None: DDP's built-in all-reduce)
 
     @classmethod
     def options(cls, cfg) -> dict[str, Any]:
-        return {"bucket_mb": cfg.dist.bucket_mb, **{k: getattr(cfg.dist, k) for k in HOOK_KEYS}}
+        return {"bucket_mb": cfg.dist.bucket_mb, "broadcast_buffers": cfg.dist.broadcast_buffers,
+                **{k: getattr(cfg.dist, k) for k in HOOK_KEYS}}
 
     def _ensure_group(self) -> None:
         """The default process group: the launcher's, or for one process a gloo group of its own."""
@@ -54,8 +56,9 @@ class AllReduce(NoSyncMixin, Strategy):
         # replicas of sync BatchNorm layers already agree on their buffers: no broadcast every forward
         # (torch 2.13 renamed broadcast_buffers to forward_sync_buffers; init still syncs them)
         key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        sync = self.options.get("broadcast_buffers", True) and not self._bn_group_made
         ddp = DDP(module, device_ids=ids, bucket_cap_mb=self.options.get("bucket_mb", 25.0),
-                  gradient_as_bucket_view=True, **{key: not self._bn_group_made})
+                  gradient_as_bucket_view=True, **{key: sync})
         name = self.options.get("comm_hook", "none")
         if self.timing or name != "none":
             self.hook = CommHook(name, matrix_approximation_rank=self.options.get("matrix_approximation_rank", 1),
