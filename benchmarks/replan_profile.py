@@ -27,14 +27,14 @@ def main() -> int:
     for key in own.drop:
         prof.pop(key, None)
     from paratrain import cli
-    from paratrain.bench import plan
+    from paratrain.bench import plan_profile
 
     from paratrain.bench.profile import PROFILE_VERSION
 
     if prof.get("version") != PROFILE_VERSION:
         print(f"[replan] {own.profile} is profile version {prof.get('version')}, this paratrain's is "
               f"{PROFILE_VERSION}: the terms added since are missing from it", file=sys.stderr)
-    plan.load_profile = lambda args, cfg, task, out: (prof, True)
+    plan_profile.load_profile = lambda args, cfg, task, out: (prof, True)
     rest = argv[split + 1:]
     if not any(a == "--interconnect" or a.startswith("--interconnect=") for a in rest) or "--validate" in rest:
         sys.exit("give a preset --interconnect (the profile's own links are another machine's), and no --validate")

@@ -126,7 +126,7 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     assert (predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
             > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
     # the parameter server's measured exchange sets its link here, and on a cluster it is the floor under
-    # the preset's (CPU tensors over RPC, whatever the devices' interconnect; plan_model.slower)
+    # the preset's (CPU tensors over RPC, whatever the devices' interconnect; plan_ps.slower)
     assert prof["ps_round_trip_s"] > 0
     unmeasured = {k: v for k, v in prof.items() if k != "ps_round_trip_s"}
     for strategy in ("ps-async", "ps-sync"):

@@ -258,7 +258,7 @@ def test_towers_on_a_gpu_are_listed_but_recommended_only_where_nothing_priced_fi
 
 def test_a_parameter_servers_messages_on_a_preset_are_no_faster_than_the_exchange_measured_on_the_host():
     from paratrain.bench.costmodel import Link
-    from paratrain.bench.plan_model import slower
+    from paratrain.bench.plan_ps import slower
 
     a = Link(name="nvlink", alpha_s=5e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=1e-12)
     b = Link(name="measured-ps", alpha_s=4.6e-4, beta_s_per_byte=5e-10, gamma_s_per_byte=0.0)

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
-from paratrain.bench.plan_model import (PS, Layout, MemoryInputs, expected_max_normal, memory_per_device, ps_async_rate,
-                                       step_parts, straggle_s)
+from paratrain.bench.plan_model import (PS, Layout, MemoryInputs, expected_max_normal, memory_per_device, step_parts,
+                                       straggle_s)
+from paratrain.bench.plan_ps import ps_async_rate
 from paratrain.config import Config
 from paratrain.errors import UsageError
 from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
@@ -108,7 +109,7 @@ def test_ps_async_rate_adds_the_servers_update_to_both_bounds():
 
 
 def test_ps_message_link_reproduces_the_measured_exchange():
-    from paratrain.bench.plan_model import ps_message_link
+    from paratrain.bench.plan_ps import ps_message_link
 
     echo = Link(name="rpc", alpha_s=1e-4, beta_s_per_byte=2e-10, gamma_s_per_byte=0.0)
     # 40 MB each way; the exchange took 0.1 s of which the update 0.01: beta = (0.1 - 0.01 - 2e-4) / 80 MB
@@ -127,7 +128,7 @@ def test_ps_message_link_reproduces_the_measured_exchange():
 
 
 def test_ps_update_seconds_are_linear_in_the_workers_and_split_over_the_servers():
-    from paratrain.bench.plan_model import ps_update_s
+    from paratrain.bench.plan_ps import ps_update_s
 
     got = {"sync_1": 0.006, "sync_2": 0.008, "async": 0.0025}
     assert ps_update_s(got, 2, 1) == pytest.approx(0.008)
@@ -826,7 +827,7 @@ def test_validation_runs_track_memory_on_a_warm_up_step_after_the_first(steps):
 
 
 def test_runs_of_short_steps_are_long_enough_to_time():
-    from paratrain.bench.plan import run_steps
+    from paratrain.bench.plan_profile import run_steps
 
     # a third is warm-up: 2 s timed at 5 ms a step needs 1.5 x 2 / 0.005 = 600 steps
     assert run_steps(30, 0.005) == 600
@@ -994,7 +995,7 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
 @pytest.mark.parametrize("cores", [2, 4])
 def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_fewer_cores(monkeypatch, tmp_path,
                                                                                            cores):
-    """plan.load_profile with the measurements stubbed (a BatchNorm recipe on a CPU): the loop's sync
+    """plan_profile.load_profile with the measurements stubbed (a BatchNorm recipe on a CPU): the loop's sync
     BatchNorm at 2 replicas for both strategies; on fewer than 4 cores the processes' again at 4, with
     half the steps (its step is about 4 / 2 times as long), kept as loop_sync_batchnorm_oversubscribed;
     not when the 2-replica run of the processes' strategy failed (a line needs both ends); then the
@@ -1002,7 +1003,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     import argparse
     from pathlib import Path
 
-    from paratrain.bench import plan, profile, profile_runs
+    from paratrain.bench import plan_profile, profile, profile_runs
     from paratrain.config import load
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
@@ -1028,18 +1029,18 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
                               task=None, overrides=[], data_dir=None)
     failing = ()
-    prof, cached = plan.load_profile(args, cfg, None, tmp_path / "a")
-    steps = plan.run_steps(6, 0.01, 2.0)  # 300 at a 10 ms step
+    prof, cached = plan_profile.load_profile(args, cfg, None, tmp_path / "a")
+    steps = plan_profile.run_steps(6, 0.01, 2.0)  # 300 at a 10 ms step
     assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
     if cores < 4:
-        assert loops == [(2, steps, None), (4, plan.run_steps(6, 0.02, 2.0), (processes,))]
+        assert loops == [(2, steps, None), (4, plan_profile.run_steps(6, 0.02, 2.0), (processes,))]
         assert prof["loop_sync_batchnorm_oversubscribed"] == {"processes": 4, "seconds": 0.085}
     else:
         assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{processes: 0.03, towers: 0.01}]
     loops.clear(), fallbacks.clear()
     failing = (processes,)  # its 2-replica run failed: no 4-replica run, the micro-benchmark for it
-    prof, _ = plan.load_profile(args, cfg, None, tmp_path / "b")
+    prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path / "b")
     assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{towers: 0.01}]
 

@@ -47,7 +47,7 @@ add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTens
 and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place.
 
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
-servers' update (:func:`ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
+servers' update (:func:`~.plan_ps.ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
 copy of the answer, measured on this machine's CPU, where a server keeps its shard).
 
 Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
@@ -55,6 +55,7 @@ rate is the smaller of the workers' (n / (local + push + pull + update)) and the
 each receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma) + update`` seconds);
 the staleness of an update is about n - 1 versions (each of the other workers pushes once while
 one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et al. 2013, SSP).
+The parameter server's formulas and links are :mod:`.plan_ps`.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
+from .plan_ps import ps_async_rate, ps_update_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
@@ -174,57 +176,6 @@ class Layout:
     label: str = ""
 
 
-def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True) -> float:
-    """Seconds one of k servers spends on an update of its 1/k of the parameters, from the profile's
-    measurement of one server holding them all (``ps_update_s``,
-    :func:`~.microbench_rpc.measured_ps_update`). Synchronous, n workers: the mean of n gradients is
-    one copy and n - 1 additions, so the time is linear in n through the one- and two-worker
-    measurements, ``sync_1 + (n - 1)(sync_2 - sync_1)``; asynchronous: ``async`` per update. Both
-    over k (each server updates 1/k of the bytes). 0 without a measurement. The servers keep their
-    parameters on the CPU, so on a cluster this is this machine's CPU time too (an assumption)."""
-    if not measured:
-        return 0.0
-    if not synchronous:
-        return measured["async"] / k
-    one, two = measured["sync_1"], measured["sync_2"]
-    return (one + (n - 1) * max(0.0, two - one)) / k  # a second gradient never makes it cheaper (noise)
-
-
-def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: float) -> Link:
-    """The parameter server's link as its exchange measures it: one ``ps-async`` worker's push of
-    ``nbytes`` of gradient, the server's update and its answer of ``nbytes`` of parameters took
-    ``round_trip_s`` (:func:`~.microbench_rpc.measured_ps_round_trip`), of which ``update_s`` is the
-    update (:func:`ps_update_s`); so with the echo's latency ``rpc.alpha_s`` (:func:`~.microbench_rpc.measured_rpc`),
-    ``round_trip = 2 (alpha + nbytes beta) + update`` gives ``beta = (round_trip - update - 2 alpha) /
-    (2 nbytes)`` (>= 0), and :func:`~.costmodel.ps_step_s` of one worker and one server is the measured round
-    trip. The beta holds what the echo of one tensor leaves out: the many tensors of a model, the
-    server's and the worker's copies and their fresh buffers. Raises UsageError for ``nbytes <= 0``."""
-    if not nbytes > 0:
-        raise UsageError(f"ps_message_link needs the exchanged bytes > 0, got {nbytes}")
-    beta = max(0.0, (round_trip_s - update_s - 2 * rpc.alpha_s) / (2 * nbytes))
-    return Link(name="measured-ps", alpha_s=rpc.alpha_s, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
-
-
-def slower(a: Link, b: Link) -> Link:
-    """The link no faster than either: each of alpha, beta and gamma the larger of ``a``'s and
-    ``b``'s (a parameter server's messages on a cluster: the cluster's network, and at best the RPC
-    exchange measured on one host, :func:`ps_message_link`)."""
-    return Link(name=f"slower of {a.name}, {b.name}", alpha_s=max(a.alpha_s, b.alpha_s),
-                beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte),
-                gamma_s_per_byte=max(a.gamma_s_per_byte, b.gamma_s_per_byte))
-
-
-def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
-    """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
-    workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
-    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server."""
-    nbytes = sum(w.param_bytes)
-    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s
-    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
-    rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
-    return rate, worker_step
-
-
 @functools.lru_cache(maxsize=None)
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normal variables]: 0 for n = 1, 1/sqrt(pi) = 0.5642 for 2,
@@ -291,8 +242,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). ``overlap``, ``links``:
     :func:`~.strategy_model.predict_model`'s; ``links["rpc"]``: the parameter server's messages (on
-    this machine, :func:`ps_message_link` of its measured exchange; on a preset, :func:`slower` of the
-    preset and that exchange);
+    this machine, :func:`~.plan_ps.ps_message_link` of its measured exchange; on a preset,
+    :func:`~.plan_ps.slower` of the preset and that exchange);
     ``inputs["sync_batchnorm_s"]``: seconds per step of synchronised BatchNorm between the processes
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay

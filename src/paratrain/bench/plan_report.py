@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import UsageError
 from . import plan as pl
+from . import plan_profile
 from .costmodel import PRESETS, Link
 from .plan_validate import GPU_LINK, on_gpu
 
@@ -35,7 +36,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.nproc:  # bad input says so before the profile's minutes
         _gpu_nproc(ns, resolve(cfg.dist.device).type == "cuda", preset, args.nproc)
-    prof, cached = pl.load_profile(args, cfg, task, out)
+    prof, cached = plan_profile.load_profile(args, cfg, task, out)
     print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
           + (" (--reprofile measures again)" if cached else ""), flush=True)
     ns = _gpu_nproc(ns, on_gpu(prof), preset, args.nproc)

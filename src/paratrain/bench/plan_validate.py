@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import plan as pl
+from .plan_profile import run_steps
 
 
 def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str]
@@ -69,7 +70,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
         specs, counts, preds = [], [], []
         for lay, n in runs:
             preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
-            steps = pl.run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
+            steps = run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
             overrides = (*device_sets, *args.overrides, *base,
                          *(f"dist.{k}={json.dumps(v)}" for k, v in lay.overrides.items()))

@@ -16,7 +16,7 @@ own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.me
 RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
 server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`) and a
 ``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
-:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_model.ps_message_link`), what the
+:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory

@@ -138,10 +138,9 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     replicas and the ring (at more)."""
     import tempfile
 
+    from ..strategies import STRATEGIES
     from .sweep import RunPlan
     from .validate import workload_from_record
-
-    from ..strategies import STRATEGIES
 
     strategies = strategies or sync_batchnorm_strategies()
 
@@ -271,12 +270,11 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
                     continue
                 plan = RunPlan(strategy=strategy, n=1, global_batch=batch, repeat=r)
                 rec, rc, said = _loop_run(spec, plan, Path(tmp) / plan.name)
-                if rec["ok"] and not math.isfinite(rec["train_step_ms"]):
-                    rec, rc, said = {**rec, "ok": False}, rc, "no step was timed (too few steps)"
-                if not rec["ok"]:
+                if not (rec["ok"] and math.isfinite(rec["train_step_ms"])):
+                    why = said if not rec["ok"] else "no step was timed (too few steps)"
                     if strategy == REFERENCE:
-                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {said}")
-                    left_out[strategy] = f"its run failed (exit {rc}): {said}"
+                        raise UsageError(f"the one-device run for the profile failed (exit {rc}): {why}")
+                    left_out[strategy] = f"its run failed (exit {rc}): {why}"
                     continue
                 w = workload_from_record(rec, [0], rec["units_per_step"])
                 seen.setdefault(strategy, []).append((rec["train_step_ms"] / 1000,

@@ -1,0 +1,85 @@
+"""``paratrain plan``'s profile: the one cached in ``--out`` or a new one, measured with a progress
+bar (:func:`load_profile`): the in-process profile (:mod:`.profile`), the training loop's own runs
+(:mod:`.profile_runs`: the one-device step, a GPU's one-rank runs of each strategy, sync BatchNorm
+in the loop), and the layers' micro-benchmarks for what the loop leaves out; and how many steps a
+run of the profile or of ``--validate`` takes (:func:`run_steps`)."""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from pathlib import Path
+
+
+TIMED_S = 2.0
+"""The least seconds of timed steps in a run of the profile or of ``--validate`` (:func:`run_steps`)."""
+
+
+def run_steps(least: int, step_s: float, timed_s: float = TIMED_S, most: int = 2000) -> int:
+    """Steps of a run whose timed two thirds (a third is warm-up) last about ``timed_s`` at ``step_s``
+    seconds a step (an estimate: the profile's or the prediction's), at least ``least``, at most
+    ``most``: a 5 ms step timed over 20 steps is a 0.1 s window, which one scheduler hiccup moves by
+    a third."""
+    if not (step_s > 0 and timed_s > 0):
+        return least
+    return max(least, min(most, math.ceil(1.5 * timed_s / step_s)))
+
+
+def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, bool]:
+    """The cached profile in ``out`` or a new one (with a progress bar)."""
+    from tqdm import tqdm
+
+    from ..consistency import config_text
+    from ..env import available_cores
+    from .profile import profile_model
+    from .profile_cache import cached_profile, profile_key
+    from .profile_runs import (OVERSUBSCRIBED, loop_one_rank_overheads, loop_sync_batchnorm, loop_workloads,
+                               sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+
+    path = out / "profile.json"
+    key = profile_key(config_text(cfg), available_cores())
+    if args.reprofile and path.exists():
+        path.unlink()
+    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2 (a GPU: the
+    # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
+
+    def measure() -> dict:
+        with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
+            def progress(what: str) -> None:
+                bar.set_postfix_str(what)
+                bar.update(min(1, phases - bar.n))
+
+            prof = profile_model(task, cfg, progress=progress)
+            progress("the training loop's step: one-device runs")
+            threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
+            guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+            steps = run_steps(args.profile_steps, guess, args.timed_seconds)
+            prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
+                                               cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
+                                               repeats=args.profile_repeats)
+            if prof["device"] != "cpu":  # a GPU: each strategy's own work around its compute, at one rank
+                progress("each strategy's own step: one-rank runs")
+                prof["loop_one_rank_s"] = loop_one_rank_overheads(
+                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                    repeats=args.profile_repeats)
+            if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
+                over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
+                progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
+                loop = functools.partial(loop_sync_batchnorm, args.config, args.task, tuple(args.overrides),
+                                         args.data_dir, cfg.train.batch_size, steps=steps,
+                                         repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                prof["loop_sync_batchnorm_s"] = loop()
+                processes, _ = sync_batchnorm_strategies()
+                if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
+                    # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
+                    fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)
+                    over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
+                    if processes in over:
+                        prof["loop_sync_batchnorm_oversubscribed"] = {"processes": OVERSUBSCRIBED,
+                                                                      "seconds": over[processes]}
+            # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
+            sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
+            bar.update(phases - bar.n)
+            return prof
+
+    return cached_profile(path, key, measure)

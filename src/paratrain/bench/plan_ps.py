@@ -1,0 +1,58 @@
+"""The parameter server's part of ``paratrain plan``'s model (:mod:`.plan_model`): the servers' update
+(:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`) and the
+rate of asynchronous workers (:func:`ps_async_rate`). Units: seconds, bytes."""
+from __future__ import annotations
+
+from ..errors import UsageError
+from .costmodel import Link, Workload, ps_step_s
+
+
+def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True) -> float:
+    """Seconds one of k servers spends on an update of its 1/k of the parameters, from the profile's
+    measurement of one server holding them all (``ps_update_s``,
+    :func:`~.microbench_rpc.measured_ps_update`). Synchronous, n workers: the mean of n gradients is
+    one copy and n - 1 additions, so the time is linear in n through the one- and two-worker
+    measurements, ``sync_1 + (n - 1)(sync_2 - sync_1)``; asynchronous: ``async`` per update. Both
+    over k (each server updates 1/k of the bytes). 0 without a measurement. The servers keep their
+    parameters on the CPU, so on a cluster this is this machine's CPU time too (an assumption)."""
+    if not measured:
+        return 0.0
+    if not synchronous:
+        return measured["async"] / k
+    one, two = measured["sync_1"], measured["sync_2"]
+    return (one + (n - 1) * max(0.0, two - one)) / k  # a second gradient never makes it cheaper (noise)
+
+
+def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: float) -> Link:
+    """The parameter server's link as its exchange measures it: one ``ps-async`` worker's push of
+    ``nbytes`` of gradient, the server's update and its answer of ``nbytes`` of parameters took
+    ``round_trip_s`` (:func:`~.microbench_rpc.measured_ps_round_trip`), of which ``update_s`` is the
+    update (:func:`ps_update_s`); so with the echo's latency ``rpc.alpha_s`` (:func:`~.microbench_rpc.measured_rpc`),
+    ``round_trip = 2 (alpha + nbytes beta) + update`` gives ``beta = (round_trip - update - 2 alpha) /
+    (2 nbytes)`` (>= 0), and :func:`~.costmodel.ps_step_s` of one worker and one server is the measured round
+    trip. The beta holds what the echo of one tensor leaves out: the many tensors of a model, the
+    server's and the worker's copies and their fresh buffers. Raises UsageError for ``nbytes <= 0``."""
+    if not nbytes > 0:
+        raise UsageError(f"ps_message_link needs the exchanged bytes > 0, got {nbytes}")
+    beta = max(0.0, (round_trip_s - update_s - 2 * rpc.alpha_s) / (2 * nbytes))
+    return Link(name="measured-ps", alpha_s=rpc.alpha_s, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+
+def slower(a: Link, b: Link) -> Link:
+    """The link no faster than either: each of alpha, beta and gamma the larger of ``a``'s and
+    ``b``'s (a parameter server's messages on a cluster: the cluster's network, and at best the RPC
+    exchange measured on one host, :func:`ps_message_link`)."""
+    return Link(name=f"slower of {a.name}, {b.name}", alpha_s=max(a.alpha_s, b.alpha_s),
+                beta_s_per_byte=max(a.beta_s_per_byte, b.beta_s_per_byte),
+                gamma_s_per_byte=max(a.gamma_s_per_byte, b.gamma_s_per_byte))
+
+
+def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
+    """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
+    workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
+    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server."""
+    nbytes = sum(w.param_bytes)
+    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s
+    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
+    rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
+    return rate, worker_step
