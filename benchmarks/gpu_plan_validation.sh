@@ -52,9 +52,8 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
         cfg=${name%_bf16}
         extra=()
         [ "$name" = gpt_wt2_bf16 ] && extra=(--set train.precision=bf16)
-        mkdir -p "$WORK/$name-nvlink" && cp "$WORK/$name/profile.json" "$WORK/$name-nvlink/"
         TAIL=40 run "$name-nvlink" 60 $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name-nvlink" \
-          --interconnect nvlink --nproc 1,2,4,8 ${extra[@]+"${extra[@]}"}
+          --profile "$WORK/$name/profile.json" --interconnect nvlink --nproc 1,2,4,8 ${extra[@]+"${extra[@]}"}
       done ;;
     nccl)  # every data-parallel strategy through NCCL at world_size 1, a few steps each
       for strategy in allreduce fsdp zero1; do

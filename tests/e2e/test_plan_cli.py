@@ -180,6 +180,9 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--rescore", "--out", "never-validated"), "--rescore: no never-validated/validation.json; run paratrain plan"),
     (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
     (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
+    (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
+    (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),
+    (("--profile", "p/profile.json", "--set", "train.batch_size=16"), "was measured for another recipe (-batch_size = 8;"),
 ])
 def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
     tmp, _ = planned
@@ -261,3 +264,31 @@ def test_a_gpus_profile_read_on_a_cpu_plans_n_1_with_the_measured_link_and_prese
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "the profile is of a GPU (cuda:0) and this machine has none" in lines[0], r.stderr
     assert (tmp / "g" / "plan.json").read_bytes() == before and not (tmp / "g" / "validation.json").exists()
+
+
+def test_a_profile_measured_on_another_machine_plans_here_as_it_would_there(planned, tiny_data):
+    """``--profile FILE``: the profile of another host (its cache key is not this machine's, so
+    ``--out`` would measure again) is read, nothing is measured or written beside the plan, and the
+    plan is the one its own machine makes from it; the measured errors are those of FILE's folder."""
+    tmp, first = planned
+    assert first.returncode == 0
+    prof = json.loads((tmp / "p" / "profile.json").read_text())
+    (tmp / "there").mkdir()
+    (tmp / "there" / "profile.json").write_text(json.dumps({**prof, "host": "gpu-box-7", "key": "another machine"}))
+    (tmp / "there" / "validation.json").write_text(json.dumps({"rows": [
+        {"strategy": "allreduce", "n": 2, "step_error": -0.07, "memory_error": 0.01}]}))
+    args = ("--interconnect", "ib400", "--nproc", "1,2,4", "--data-dir", tiny_data)
+    r = paratrain("plan", "gpt.toml", *args, "--profile", "there/profile.json", "--out", "q", cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "profile: read from there/profile.json" in r.stdout and "profiling" not in r.stderr
+    assert sorted(p.name for p in (tmp / "q").iterdir()) == ["memory.png", "plan.json", "plan.md",
+                                                             "throughput.png"]
+    plan = json.loads((tmp / "q" / "plan.json").read_text())
+    assert plan["profiled_on"]["host"] == "gpu-box-7" and "from there/profile.json" in (tmp / "q" / "plan.md").read_text()
+    errors = {(row["strategy"], row["n"]): row["measured_error"] for row in plan["rows"]}
+    assert errors[("allreduce", 2)] == pytest.approx(0.07) and errors[("zero1", 2)] is None
+    here = paratrain("plan", "gpt.toml", *args, "--out", "p", cwd=tmp, timeout=300)  # the same profile, cached
+    assert here.returncode == 0, here.stderr[-2000:]
+    same = json.loads((tmp / "p" / "plan.json").read_text())
+    key = ("label", "n", "step_s", "compute_s", "comm_s", "optimizer_s", "units_per_s", "feasible")
+    assert [[row[k] for k in key] for row in plan["rows"]] == [[row[k] for k in key] for row in same["rows"]]

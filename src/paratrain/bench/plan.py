@@ -13,6 +13,8 @@ with the reason (:func:`refusal`) and not predicted.
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
 batch: each replica gets B / replicas, and compute and activations scale linearly with it (a GPU's
 one-rank term, the strategies' host work, does not).
+``--profile FILE`` plans from a profile measured on another machine (checked against the recipe:
+:func:`~.plan_profile.read_profile`) instead of measuring here.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
 cores (:func:`~.validate.layout_cpu_share`: parameter servers take threads, not compute time); presets put
 each device on its own like the profiled one.
@@ -61,6 +63,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--out", type=Path, help="folder for profile.json (the cache), plan.json, plan.md, plots "
                    "(default runs/plan-<config name>)")
     p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches")
+    p.add_argument("--profile", type=Path, metavar="FILE",
+                   help="plan from FILE, the profile.json of `paratrain plan --out DIR` on another machine (e.g. a "
+                        "GPU), instead of profiling here: it must be this CONFIG's (same --set) and a version this "
+                        "paratrain reads; nothing is measured; --interconnect measured means FILE's machine's links, "
+                        "and the measured errors are those of FILE's folder's validation.json")
     p.add_argument("--profile-steps", type=int, default=30,
                    help="least steps of each one-device run of the profile (default 30; a third is warm-up; see "
                         "--timed-seconds)")
@@ -99,6 +106,9 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
                          f"1 or more runs of 6 or more steps")
     if not args.timed_seconds >= 0:
         raise UsageError(f"--timed-seconds {args.timed_seconds}: give seconds >= 0 (0: the step counts as given)")
+    if args.profile is not None and (args.validate or args.rescore or args.reprofile):
+        raise UsageError("--profile plans from a profile measured elsewhere: leave out --validate, --rescore and "
+                         "--reprofile (run those on the profile's machine)")
     if args.validate and args.rescore:
         raise UsageError("--validate measures and scores; --rescore scores the kept measurements again: give one")
     if args.objective not in OBJECTIVES:

@@ -83,3 +83,55 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             return prof
 
     return cached_profile(path, key, measure)
+
+
+def read_profile(path: Path, cfg, task) -> dict:
+    """``paratrain plan --profile PATH``: a profile measured elsewhere (e.g. on a GPU lent for
+    minutes), checked against this recipe, to plan from without measuring here.
+
+    Checked, each failure a :class:`~paratrain.errors.UsageError` naming what to change: the file is
+    a profile (JSON with a version and a device); its version holds what this paratrain measures on
+    its device (:func:`~.profile.compatible`); it is this recipe's: the config text after overrides
+    where the profile records it (``recipe``, since 2026-11-27), else the task, batch, dtype,
+    precision and every parameter's gradient bytes."""
+    import difflib
+    import json
+
+    from ..consistency import config_text
+    from ..errors import UsageError
+    from .profile import PROFILE_VERSION, compatible
+    from .validate import model_gradient_bytes
+
+    try:
+        prof = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"--profile {path}: cannot read it ({e.strerror or e.__class__.__name__}); give the "
+                         f"profile.json of a `paratrain plan --out DIR` run") from None
+    except ValueError:
+        raise UsageError(f"--profile {path} is not JSON; give the profile.json of a `paratrain plan --out DIR` "
+                         f"run") from None
+    if not isinstance(prof, dict) or "version" not in prof or "device" not in prof:
+        raise UsageError(f"--profile {path} is not a profile (no version or device); give the profile.json of a "
+                         f"`paratrain plan --out DIR` run")
+    if not compatible(prof["version"], prof["device"]):
+        raise UsageError(f"--profile {path} is profile version {prof['version']} of {prof['device']}; this paratrain "
+                         f"measures version {PROFILE_VERSION}: profile again there (paratrain plan CONFIG --out DIR "
+                         f"--reprofile)")
+    if "recipe" in prof:
+        here = config_text(cfg)
+        if prof["recipe"] != here:
+            diff = [d for d in difflib.unified_diff(prof["recipe"].splitlines(), here.splitlines(), lineterm="", n=0)
+                    if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+            raise UsageError(f"--profile {path} was measured for another recipe ({'; '.join(diff[:2])}: the "
+                             f"profile's line first); give the CONFIG and --set it was profiled with")
+        return prof
+    mine = {"task": cfg.task.entry, "batch_size": cfg.train.batch_size, "dtype": cfg.train.dtype,
+            "precision": cfg.train.precision, "param_bytes": model_gradient_bytes(task, cfg.train.dtype)}
+    for key, value in mine.items():
+        if prof.get(key) != value:
+            shown = (f"{len(value)} parameters, {sum(value)} bytes" if key == "param_bytes" else value)
+            theirs = prof.get(key)
+            theirs = (f"{len(theirs)} parameters, {sum(theirs)} bytes" if key == "param_bytes" and theirs else theirs)
+            raise UsageError(f"--profile {path} was measured for another recipe: {key} {theirs} there, {shown} "
+                             f"here; give the CONFIG and --set it was profiled with")
+    return prof

@@ -36,9 +36,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.nproc:  # bad input says so before the profile's minutes
         _gpu_nproc(ns, resolve(cfg.dist.device).type == "cuda", preset, args.nproc)
-    prof, cached = plan_profile.load_profile(args, cfg, task, out)
-    print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
-          + (" (--reprofile measures again)" if cached else ""), flush=True)
+    if args.profile is not None:  # measured elsewhere: checked against this recipe, nothing measured or written
+        prof = plan_profile.read_profile(args.profile, cfg, task)
+        print(f"[plan] profile: read from {args.profile} (version {prof['version']}, {prof['device']}"
+              f"{', ' + prof['device_name'] if prof.get('device_name') else ''}"
+              f"{', host ' + prof['host'] if prof.get('host') else ''}, {prof.get('date', '?')})", flush=True)
+    else:
+        prof, cached = plan_profile.load_profile(args, cfg, task, out)
+        print(f"[plan] profile: {'read from' if cached else 'measured, saved to'} {out / 'profile.json'}"
+              + (" (--reprofile measures again)" if cached else ""), flush=True)
     ns = _gpu_nproc(ns, on_gpu(prof), preset, args.nproc)
     counts = validation_counts(prof, args.validate_nproc) if args.validate else None  # bad input: before any file
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
@@ -70,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .plan_validate import rescore
 
         rescored = rescore(cfg, prof, out)
-    checked = pl.read_validation(out)
+    checked = pl.read_validation(out if args.profile is None else args.profile.parent)  # the profile's machine's
     for r in rows:
         v = checked.get(r["strategy"])
         r["measured_error"] = v["error"] if v else None
@@ -86,6 +92,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
                        "gamma_s_per_byte": link.gamma_s_per_byte},
               "device_memory_bytes": limit, "objective": args.objective, "global_batch": args.global_batch,
+              "profile_file": str(args.profile or out / "profile.json"),
+              "profiled_on": ({k: prof.get(k) for k in ("host", "device", "device_name", "date", "version")}
+                              if args.profile is not None else None),  # --profile: measured elsewhere
               "profile": {k: prof[k] for k in ("batch_size", "tokens_per_step", "flops_per_unit", "peak_flops",
                                                "peak_flops_source", "param_total_bytes", "optimizer_state_bytes",
                                                "activation_bytes", "device", "cores")},
@@ -136,6 +145,15 @@ def _f(x: Any, nd: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:,.{nd}f}"
 
 
+def _elsewhere(result: dict) -> str:
+    """', from FILE (its device or host, date)' for a plan from ``--profile FILE``, else ''."""
+    on = result.get("profiled_on")
+    if not on:
+        return ""
+    return (f", from {result['profile_file']} ({on.get('device_name') or on.get('host') or on.get('device')}, "
+            f"{on.get('date', '?')})")
+
+
 def markdown(result: dict) -> str:
     """The ranked table and the recommendation (also printed)."""
     unit, rows = result["unit"], result["rows"]
@@ -144,7 +162,8 @@ def markdown(result: dict) -> str:
     lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
              f"Interconnect {result['interconnect']} (alpha {result['link']['alpha_s'] * 1e6:.1f} us, "
              f"{_bw(result['link'])}); device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}; "
-             f"profiled on {p['device']} ({p['cores']} cores): {p['tokens_per_step']:g} {unit} per replica step, "
+             f"profiled on {p['device']} ({p['cores']} cores{_elsewhere(result)}): {p['tokens_per_step']:g} {unit} "
+             f"per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
              f"objective {result['objective']}.", "",
              ("Strong scaling: the global batch is fixed at " + str(result["global_batch"]) if result["global_batch"]
@@ -153,7 +172,8 @@ def markdown(result: dict) -> str:
              + ".", "",
              "Step parts in ms: compute (forward + backward + data), exposed communication, pipeline bubble, "
              "optimizer. Memory: predicted peak per device (GB). Error: this strategy's largest measured step-time "
-             "error at N <= 2 on this machine (`--validate`); extrapolated: beyond what was measured.", "",
+             f"error at N <= 2 on {'the profiled machine' if _elsewhere(result) else 'this machine'} (`--validate`); "
+             "extrapolated: beyond what was measured.", "",
              f"| rank | layout | N | step ms | compute | comm | bubble | optimizer | {unit}/s | speedup | "
              f"efficiency | MFU | memory GB | fits | error | note |", "|" + "---|" * 16]
     for i, r in enumerate(rows, 1):

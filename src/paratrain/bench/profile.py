@@ -72,6 +72,22 @@ PROFILE_VERSION = 20  # 20: the loop's sync BatchNorm key-off runs of DDP withou
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
+DEVICE_ONLY_CHANGES = {20: "cpu"}
+"""Profile versions whose change touched the profiles of one device type only (20: the loop's sync
+BatchNorm runs, which a CPU alone makes): a profile of an older version and another device type
+holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
+
+
+def compatible(version: int | None, device: str) -> bool:
+    """Whether a profile of ``version`` measured on ``device`` (e.g. ``"cuda:0"``) holds what
+    :data:`PROFILE_VERSION` measures there: the same version, or an older one where every version
+    since changed another device type's profiles only (:data:`DEVICE_ONLY_CHANGES`)."""
+    if not isinstance(version, int) or version > PROFILE_VERSION:
+        return False
+    kind = str(device).split(":")[0]
+    return all(DEVICE_ONLY_CHANGES.get(v, kind) != kind for v in range(version + 1, PROFILE_VERSION + 1))
+
+
 STAGE_COUNTS = (2, 4)
 
 
@@ -176,6 +192,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     """Measure the task's model on one device (see the module). ``task``: built for one rank
     holding the whole global batch (``build_task(..., world_size=1)``). ``progress(what)`` is told
     of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
+    import platform
+
+    from ..consistency import config_text
     from ..env import available_cores
     from ..train.optim import build_optimizer
     from .mfu import peak_flops
@@ -192,7 +211,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out: dict[str, Any] = {"version": PROFILE_VERSION, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
                            "task": cfg.task.entry, "unit": getattr(task, "unit", "samples"),
                            "batch_size": cfg.train.batch_size, "tokens_per_step": tokens, "device": str(device),
-                           "dtype": cfg.train.dtype, "precision": cfg.train.precision, "cores": available_cores()}
+                           "dtype": cfg.train.dtype, "precision": cfg.train.precision, "cores": available_cores(),
+                           # what `paratrain plan --profile` checks a profile measured elsewhere against
+                           "recipe": config_text(cfg), "host": platform.node()}
     progress("timing steps")
     threads = torch.get_num_threads()
     # in this process, at the default threads: the backward/forward ratio that splits the blocks' time
