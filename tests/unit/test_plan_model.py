@@ -642,6 +642,47 @@ def test_the_plans_workload_carries_the_measured_spread_scaled_by_the_root_of_th
     assert workload(prof, 2).local_sd_s == 0.0
 
 
+def test_ddps_buffer_broadcast_is_measured_here_or_a_binomial_tree_on_a_cluster_and_only_where_ddp_sends_them():
+    from pathlib import Path
+
+    from paratrain.bench.costmodel import PRESETS
+    from paratrain.bench.plan import buffer_broadcast_s
+    from paratrain.config import load
+    from paratrain.strategies import STRATEGIES
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    cfg = load(recipe, ["model.sync_batchnorm=false"])  # DDP then sends rank 0's BatchNorm statistics
+    ddp, zero1 = STRATEGIES["allreduce"], STRATEGIES["zero1"]
+    prof = {"batchnorm_inputs": [[64, 16, 8, 8]], "buffer_bytes": 920, "loop_buffer_broadcast_s": {"allreduce": 0.0017}}
+    ib = PRESETS["ib400"]  # alpha 10 us, 50 GB/s: 920 bytes take 18.4 ns
+    hop = 10e-6 + 920 / 50e9
+    assert buffer_broadcast_s(prof, cfg, ddp, 2, ib, on_this_machine=False) == pytest.approx(hop)
+    assert buffer_broadcast_s(prof, cfg, ddp, 8, ib, on_this_machine=False) == pytest.approx(3 * hop)  # log2 8 hops
+    assert buffer_broadcast_s(prof, cfg, zero1, 5, ib, on_this_machine=False) == pytest.approx(3 * hop)  # ceil
+    here = Link(name="gloo", alpha_s=1.5e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    assert buffer_broadcast_s(prof, cfg, ddp, 2, here, on_this_machine=True) == 0.0017  # the loop's measurement
+    assert buffer_broadcast_s(prof, cfg, ddp, 4, here, on_this_machine=True) == pytest.approx(
+        0.0017 + 1.5e-4 + 920e-9)  # plus the tree's second hop
+    unmeasured = {k: v for k, v in prof.items() if k != "loop_buffer_broadcast_s"}
+    assert buffer_broadcast_s(unmeasured, cfg, ddp, 2, here, on_this_machine=True) == pytest.approx(1.5e-4 + 920e-9)
+    # nothing where DDP sends nothing: one process, sync BatchNorm (paratrain turns it off), the key off,
+    # no buffers, and strategies without DDP's key
+    assert buffer_broadcast_s(prof, cfg, ddp, 1, ib, on_this_machine=False) == 0.0
+    assert buffer_broadcast_s(prof, load(recipe, []), ddp, 2, ib, on_this_machine=False) == 0.0
+    no_key = load(recipe, ["model.sync_batchnorm=false", "dist.broadcast_buffers=false"])
+    assert buffer_broadcast_s(prof, no_key, ddp, 2, ib, on_this_machine=False) == 0.0
+    assert buffer_broadcast_s({**prof, "buffer_bytes": 0}, cfg, ddp, 2, ib, on_this_machine=False) == 0.0
+    for name in ("fsdp", "ps-sync", "replicate", "pipeline"):
+        assert buffer_broadcast_s(prof, cfg, STRATEGIES[name], 2, ib, on_this_machine=False) == 0.0, name
+    # buffers that are no BatchNorm's: sync BatchNorm does not turn the broadcast off
+    assert buffer_broadcast_s({**prof, "batchnorm_inputs": []}, load(recipe, []), ddp, 2, ib,
+                              on_this_machine=False) == pytest.approx(hop)
+    # the plan adds it to the step of the processes that meet, as exposed communication
+    a = step_parts(ddp, Layout("allreduce", 2, {}), W, ib, Config(), INPUTS)
+    b = step_parts(ddp, Layout("allreduce", 2, {}), W, ib, Config(), {**INPUTS, "buffer_broadcast_s": 0.0017})
+    assert (b["step_s"], b["comm_s"]) == pytest.approx((a["step_s"] + 0.0017, a["comm_s"] + 0.0017), abs=1e-15)
+
+
 def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minus_one_here_only():
     from pathlib import Path
 
@@ -905,11 +946,15 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
         commands.append(cmd)
         return 0, None
 
+    def variant(cmd):  # (strategy, key on; None: off with DDP's buffer broadcast on)
+        strategy = cmd[cmd.index("--strategy") + 1]
+        on = "model.sync_batchnorm=true" in cmd
+        sends = strategy == "allreduce" and not on and "dist.broadcast_buffers=false" not in cmd
+        return strategy, (None if sends else on)
+
     def workload(rec, ranks, units):
-        cmd = rec["cmd"]
-        key = (cmd[cmd.index("--strategy") + 1], "model.sync_batchnorm=true" in cmd)
-        got = compute[key][sum(1 for c in commands[:rec["i"] + 1] if c[c.index("--strategy") + 1] == key[0]
-                               and ("model.sync_batchnorm=true" in c) == key[1]) - 1]
+        key = variant(rec["cmd"])
+        got = compute[key][sum(1 for c in commands[:rec["i"] + 1] if variant(c) == key) - 1]
         return SimpleNamespace(data_s=0.001, forward_s=got / 2 - 0.0005, backward_s=got / 2 - 0.0005)
 
     monkeypatch.setattr(runner, "run_cmd", run_cmd)
@@ -1019,7 +1064,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
 
     monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress: {
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
-        "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
+        "buffer_bytes": 920, "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
                                        "optimizer_s": 0.002}}})
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks",
                         lambda prof, loop, progress: fallbacks.append(dict(loop)))
@@ -1032,6 +1077,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     prof, cached = plan_profile.load_profile(args, cfg, None, tmp_path / "a")
     steps = plan_profile.run_steps(6, 0.01, 2.0)  # 300 at a 10 ms step
     assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
+    assert "loop_buffer_broadcast_s" not in prof  # sync BatchNorm: DDP sends no buffers
     if cores < 4:
         assert loops == [(2, steps, None), (4, plan_profile.run_steps(6, 0.02, 2.0), (processes,))]
         assert prof["loop_sync_batchnorm_oversubscribed"] == {"processes": 4, "seconds": 0.085}
@@ -1043,6 +1089,89 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path / "b")
     assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{towers: 0.01}]
+
+
+def test_loop_buffer_broadcast_is_ddps_two_replica_step_with_the_broadcast_minus_without(monkeypatch, capsys):
+    """profile_runs.loop_buffer_broadcast with the runs stubbed: DDP at 2 replicas of the recipe's
+    batch, sync BatchNorm off, dist.broadcast_buffers true and false side by side in each round; the
+    median of rank 0's data + forward + backward with it less without, at least 0; a failed run: none."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from paratrain.bench import report, runner, sweep, validate
+    from paratrain.bench.profile_runs import loop_buffer_broadcast
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    compute = {True: [0.0061, 0.0058, 0.0065], False: [0.0041, 0.0040, 0.0044]}  # medians 6.1 and 4.1 ms
+    commands, ok = [], [True]
+
+    def sends(cmd):
+        assert ("dist.broadcast_buffers=true" in cmd) != ("dist.broadcast_buffers=false" in cmd)
+        return "dist.broadcast_buffers=true" in cmd
+
+    def run_cmd(cmd, log, timeout_s, env):
+        commands.append(cmd)
+        return 0, None
+
+    def workload(rec, ranks, units):
+        key = sends(rec["cmd"])
+        got = compute[key][sum(1 for c in commands[:rec["i"] + 1] if sends(c) == key) - 1]
+        return SimpleNamespace(data_s=0.0, forward_s=got / 2, backward_s=got / 2)
+
+    monkeypatch.setattr(runner, "run_cmd", run_cmd)
+    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: len(commands) - 1)
+    monkeypatch.setattr(report, "run_record", lambda i: {"ok": ok[0], "units_per_step": 64, "cmd": commands[i], "i": i})
+    monkeypatch.setattr(validate, "workload_from_record", workload)
+    assert loop_buffer_broadcast(recipe, None, (), None, 64, 12, repeats=3) == pytest.approx({"allreduce": 0.002})
+    assert len(commands) == 6  # 3 rounds x with, without
+    for cmd in commands:
+        assert cmd[cmd.index("--strategy") + 1] == "allreduce" and "dist.nproc=2" in cmd
+        assert "model.sync_batchnorm=false" in cmd and "train.batch_size=128" in cmd and "train.max_steps=12" in cmd
+    assert [sends(c) for c in commands[:2]] == [True, False]  # side by side in each round
+    compute[True] = [0.0039, 0.0039, 0.0039]  # no dearer with it: 0, not a negative term
+    commands.clear()
+    assert loop_buffer_broadcast(recipe, None, (), None, 64, 12, repeats=3) == {"allreduce": 0.0}
+    ok[0] = False  # a failed run: left out with a line (the plan prices the tree)
+    commands.clear()
+    assert loop_buffer_broadcast(recipe, None, (), None, 64, 12) == {}
+    assert "DDP's buffer broadcast in the loop: allreduce left out (its run with the broadcast failed" in \
+        capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sets, cores, measured", [
+    (["model.sync_batchnorm=false"], 2, True),
+    (["model.sync_batchnorm=false", "dist.broadcast_buffers=false"], 2, False),  # DDP sends none
+    (["model.sync_batchnorm=false"], 1, False),  # one core: the loop is not the step of two processes
+])
+def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(monkeypatch, tmp_path, sets, cores,
+                                                                             measured):
+    import argparse
+    from pathlib import Path
+
+    from paratrain.bench import plan_profile, profile, profile_runs
+    from paratrain.config import load
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    calls = []
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress: {
+        "device": "cpu", "cores": cores, "default_threads": cores, "batchnorm_inputs": [], "buffer_bytes": 920,
+        "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
+                                              "optimizer_s": 0.0005}}})
+    monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
+    monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", lambda *a, **k: pytest.fail("no sync BatchNorm here"))
+    monkeypatch.setattr(profile_runs, "loop_buffer_broadcast",
+                        lambda *a, **k: calls.append((a, k)) or {"allreduce": 0.0017})
+    args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=3, config=recipe,
+                              task=None, overrides=sets, data_dir=None)
+    prof, _ = plan_profile.load_profile(args, load(recipe, sets), None, tmp_path)
+    if measured:
+        assert prof["loop_buffer_broadcast_s"] == {"allreduce": 0.0017}
+        (a, k), = calls
+        assert a == (recipe, None, tuple(sets), None, 64, plan_profile.run_steps(6, 0.0045, 2.0))
+        assert k == {"repeats": 3, "accumulation": 1}
+    else:
+        assert "loop_buffer_broadcast_s" not in prof and not calls
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():

@@ -30,8 +30,8 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
-from .plan_inputs import (meetings, memory_inputs, stage_outputs, sync_batchnorm_s,  # noqa: F401 (API)
-                          tower_sync_batchnorm_s, towers_forward_s, workload)
+from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
+                          sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_model import PS, Layout, best_bucket, memory_per_device, step_parts
 from .plan_ps import ps_message_link, slower
 from .plan_profile import TIMED_S
@@ -213,6 +213,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
+              "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),

@@ -83,6 +83,42 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     return measured + ring(n) - ring(2)
 
 
+def sends_buffers(prof: dict, cfg) -> bool:
+    """Whether DDP (``allreduce``, ``zero1``) broadcasts rank 0's buffers before every forward for the
+    profiled model under recipe ``cfg``: the model has buffers, ``dist.broadcast_buffers`` is on, and
+    it does not synchronise BatchNorm layers (``model.sync_batchnorm`` over BatchNorm inputs, which
+    turns the broadcast off)."""
+    return bool(prof.get("buffer_bytes")) and bool(cfg.dist.broadcast_buffers) and not (
+        prof.get("batchnorm_inputs") and cfg.model_value("sync_batchnorm", False))
+
+
+def buffer_broadcast_s(prof: dict, cfg, cls, n: int, link: Link, on_this_machine: bool) -> float:
+    """Seconds per step that DDP's broadcast of rank 0's buffers (BatchNorm's running statistics)
+    adds to n processes of strategy class ``cls``: DDP's strategies (``broadcast_buffers`` among
+    their keys, on in the recipe) broadcast them before every forward, a blocking collective,
+    unless the model has none or synchronises BatchNorm (``model.sync_batchnorm`` with BatchNorm
+    layers: paratrain turns it off, the replicas' statistics already agree). On a cluster, a
+    binomial-tree broadcast of ``buffer_bytes``: ceil(log2 n) (alpha + bytes beta) (Thakur et al.
+    2005). On this machine, the profile's measurement in the training loop at two processes
+    (``loop_buffer_broadcast_s``: DDP with and without it, :func:`~.profile_runs.loop_buffer_broadcast`)
+    plus what the tree adds beyond two: the meeting
+    costs the ranks' skew over the step, not only the link's latency (digits_cnn's 920 bytes cost
+    rank 0 1.5-2 ms a step on a 2-vCPU Xeon, the link's alpha 0.16 ms). Where that was not measured
+    (a single core, a failed run), the tree. 0 at n = 1 and where DDP sends none (:func:`sends_buffers`)."""
+    if n < 2 or "broadcast_buffers" not in cls.dist_keys or not sends_buffers(prof, cfg):
+        return 0.0
+
+    def tree(k: int) -> float:
+        return math.ceil(math.log2(k)) * (link.alpha_s + prof["buffer_bytes"] * link.beta_s_per_byte)
+
+    from ..strategies import DEFAULT
+
+    measured = (prof.get("loop_buffer_broadcast_s") or {}).get(DEFAULT)
+    if not on_this_machine or measured is None:
+        return tree(n)
+    return measured + tree(n) - tree(2)
+
+
 def above_the_cores(prof: dict, n: int) -> bool:
     """Whether n processes here take turns on the profile's cores, so that its oversubscribed
     measurements price them: n above the cores, and above 2 (on one core, the two-process

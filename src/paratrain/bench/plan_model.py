@@ -248,7 +248,9 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     (blocking collectives inside the forward and backward: exposed communication) for all-reduce,
     ZeRO-1, FSDP and a synchronous PS; towers synchronise in their own process and pay
     ``inputs["tower_sync_batchnorm_s"]`` instead (their threads meeting inside the forward), a
-    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``. The same
+    pipeline refuses BatchNorm models, an asynchronous PS refuses ``model.sync_batchnorm``.
+    ``inputs["buffer_broadcast_s"]``: DDP's broadcast of rank 0's buffers before every forward
+    (:func:`~.plan_inputs.buffer_broadcast_s`; 0 for other strategies), exposed likewise. The same
     processes that meet every step (all but towers, pipelines and an asynchronous PS) wait for the
     slowest rank: :func:`straggle_s` of ``w.local_sd_s`` (times ``compute_scale``), as exposed
     communication. A pipeline's stages pass micro-batches along rather than all waiting at once, and
@@ -269,7 +271,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     to those parts; it holds the DTensors' dispatch, which is then not added again."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     model, meets = cls.cost_model or RING, meets_every_step(cls)
-    extra = (inputs.get("sync_batchnorm_s", 0.0) + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
+    extra = (inputs.get("sync_batchnorm_s", 0.0) + inputs.get("buffer_broadcast_s", 0.0)
+             + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
     dispatch = 0.0

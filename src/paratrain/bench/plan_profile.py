@@ -33,14 +33,16 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from ..env import available_cores
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
-    from .profile_runs import (OVERSUBSCRIBED, loop_one_rank_overheads, loop_sync_batchnorm, loop_workloads,
-                               sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+    from .plan_inputs import sends_buffers
+    from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
+                               loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 10  # the most progress() calls: the profile's 6, the loop's 2, the fallbacks' 2 (a GPU: the
+    phases = 10  # the most progress() calls: the profile's 6, the loop's 2 (sync BatchNorm's or DDP's buffer
+    # broadcast: a recipe with sync BatchNorm sends no buffers), the fallbacks' 2 (a GPU: the
     # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
 
     def measure() -> dict:
@@ -77,6 +79,11 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                     if processes in over:
                         prof["loop_sync_batchnorm_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                                       "seconds": over[processes]}
+            if prof["device"] == "cpu" and prof["cores"] > 1 and sends_buffers(prof, cfg):
+                progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
+                prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
+                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                    repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

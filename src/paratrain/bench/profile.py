@@ -58,7 +58,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 20  # 20: the loop's sync BatchNorm key-off runs of DDP without its buffer broadcast;
+PROFILE_VERSION = 21  # 21: loop_buffer_broadcast_s, DDP's buffer broadcast in the loop (CPU, BatchNorm);
+# 20: the loop's sync BatchNorm key-off runs of DDP without its buffer broadcast;
 # 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
 # 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
 # 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
@@ -72,9 +73,9 @@ PROFILE_VERSION = 20  # 20: the loop's sync BatchNorm key-off runs of DDP withou
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {20: "cpu"}
-"""Profile versions whose change touched the profiles of one device type only (20: the loop's sync
-BatchNorm runs, which a CPU alone makes): a profile of an older version and another device type
+DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu"}
+"""Profile versions whose change touched the profiles of one device type only (20, 21: the loop's
+sync BatchNorm runs, which a CPU alone makes): a profile of an older version and another device type
 holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 

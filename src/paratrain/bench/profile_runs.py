@@ -136,48 +136,86 @@ def loop_sync_batchnorm(config: str, task_entry: str | None, overrides: tuple[st
     does not allow (a batch that does not split into its micro-batches), is left out, with a
     line: the plan then prices it with the micro-benchmark's value (at 2 replicas), or from 2
     replicas and the ring (at more)."""
-    import tempfile
-
     from ..strategies import STRATEGIES
-    from .sweep import RunPlan
-    from .validate import workload_from_record
 
     strategies = strategies or sync_batchnorm_strategies()
 
-    def spec(strategy: str, on: bool):
-        keys = [f"model.sync_batchnorm={'true' if on else 'false'}"]
-        if not on and "broadcast_buffers" in STRATEGIES[strategy].dist_keys:
-            keys.append("dist.broadcast_buffers=false")  # as with the key on: DDP sends no buffers
-        return _loop_spec(config, task_entry, (*overrides, *keys), data_dir, strategies, (replicas,), "strong",
-                          steps)
+    def keys(strategy: str, on: bool) -> tuple[str, ...]:
+        sends = () if on or "broadcast_buffers" not in STRATEGIES[strategy].dist_keys else (
+            "dist.broadcast_buffers=false",)  # as with the key on: DDP sends no buffers
+        return (f"model.sync_batchnorm={'true' if on else 'false'}", *sends)
 
-    specs = {(s, on): spec(s, on) for s in strategies for on in (True, False)}
-    seen: dict[tuple[str, bool], list[float]] = {}
+    medians, left_out = _paired_runs(config, task_entry, overrides, data_dir, batch, steps,
+                                     {s: {"the key on": keys(s, True), "the key off": keys(s, False)}
+                                      for s in strategies},
+                                     repeats, accumulation, replicas)
+    for strategy, why in left_out.items():
+        print(f"[plan] sync BatchNorm in the loop at {replicas} replicas: {strategy} left out ({why}); "
+              + ("its term comes from the micro-benchmark" if replicas == 2 else
+                 "above the cores it is priced from 2 replicas and the ring"), flush=True)
+    return {s: max(0.0, medians[s, "the key on"] - medians[s, "the key off"]) for s in strategies if s not in left_out}
+
+
+def loop_buffer_broadcast(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                          batch: int, steps: int, repeats: int = 1, accumulation: int = 1) -> dict[str, float]:
+    """{strategy: seconds that DDP's broadcast of rank 0's buffers before every forward adds to rank
+    0's compute (forward + backward + data) in ``paratrain train``'s own step of 2 replicas of batch
+    ``batch`` each}, for the registry's default strategy of several processes (DDP's all-reduce;
+    zero1 wraps the same DDP): its runs with ``dist.broadcast_buffers`` true (the default) and
+    false, ``model.sync_batchnorm = false`` in both, ``repeats`` rounds side by side, the median of
+    each minus the other, at least 0. Only for a model with buffers whose recipe keeps the broadcast
+    (:func:`~.plan_inputs.buffer_broadcast_s` prices it). The meeting costs the ranks' skew over the
+    step, not only the link's latency: digits_cnn's 920 bytes of BatchNorm statistics cost rank 0
+    1.5-2 ms a step on a 2-vCPU Xeon, where gloo's alpha is 0.16 ms (2026-11-27). A failed run
+    leaves the strategy out, with a line (the plan then prices the broadcast as a binomial tree)."""
+    from ..strategies import DEFAULT
+
+    both = {DEFAULT: {"the broadcast": ("model.sync_batchnorm=false", "dist.broadcast_buffers=true"),
+                      "no broadcast": ("model.sync_batchnorm=false", "dist.broadcast_buffers=false")}}
+    medians, left_out = _paired_runs(config, task_entry, overrides, data_dir, batch, steps, both, repeats,
+                                     accumulation, 2)
+    for strategy, why in left_out.items():
+        print(f"[plan] DDP's buffer broadcast in the loop: {strategy} left out ({why}); it is priced as a "
+              f"binomial tree of the link", flush=True)
+    return {s: max(0.0, medians[s, "the broadcast"] - medians[s, "no broadcast"]) for s in both if s not in left_out}
+
+
+def _paired_runs(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None, batch: int,
+                 steps: int, variants: dict[str, dict[str, tuple[str, ...]]], repeats: int, accumulation: int,
+                 replicas: int) -> tuple[dict[tuple[str, str], float], dict[str, str]]:
+    """Each strategy of ``variants`` ({strategy: {variant's name: its --set keys}}) run at ``replicas``
+    replicas of batch ``batch`` each for each of its variants, ``repeats`` rounds (a round runs
+    every variant side by side): ({(strategy, variant): median of rank 0's data + forward +
+    backward seconds}, {strategy left out: why}). A strategy is left out when a run fails or the
+    batch does not split into ``accumulation`` micro-batches."""
+    import tempfile
+
+    from .sweep import RunPlan
+    from .validate import workload_from_record
+
+    strategies = tuple(variants)
+    specs = {(s, v): _loop_spec(config, task_entry, (*overrides, *keys), data_dir, strategies, (replicas,), "strong",
+                                steps) for s, vs in variants.items() for v, keys in vs.items()}
+    seen: dict[tuple[str, str], list[float]] = {}
     left_out: dict[str, str] = {}
     if batch % accumulation:
         left_out = {s: f"a batch of {batch} per replica does not split into {accumulation} micro-batches"
                     for s in strategies}
     global_batch = batch * replicas
-    with tempfile.TemporaryDirectory(prefix="paratrain-profile-sync-bn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-pairs-") as tmp:
         for r in range(repeats):
-            for strategy in strategies:
-                for on in (True, False):
+            for strategy, vs in variants.items():
+                for i, v in enumerate(vs):
                     if strategy in left_out:
                         continue
                     plan = RunPlan(strategy=strategy, n=replicas, global_batch=global_batch, repeat=r)
-                    rec, rc, said = _loop_run(specs[strategy, on], plan,
-                                              Path(tmp) / f"{plan.name}-{'on' if on else 'off'}")
+                    rec, rc, said = _loop_run(specs[strategy, v], plan, Path(tmp) / f"{plan.name}-{i}")
                     if not rec["ok"]:
-                        left_out[strategy] = f"its run with the key {'on' if on else 'off'} failed (exit {rc}): {said}"
+                        left_out[strategy] = f"its run with {v} failed (exit {rc}): {said}"
                         continue
                     w = workload_from_record(rec, [0], rec["units_per_step"])
-                    seen.setdefault((strategy, on), []).append(w.data_s + w.forward_s + w.backward_s)
-    for strategy, why in left_out.items():
-        print(f"[plan] sync BatchNorm in the loop at {replicas} replicas: {strategy} left out ({why}); "
-              + ("its term comes from the micro-benchmark" if replicas == 2 else
-                 "above the cores it is priced from 2 replicas and the ring"), flush=True)
-    return {s: max(0.0, statistics.median(seen[s, True]) - statistics.median(seen[s, False]))
-            for s in strategies if s not in left_out}
+                    seen.setdefault((strategy, v), []).append(w.data_s + w.forward_s + w.backward_s)
+    return {k: statistics.median(x) for k, x in seen.items()}, left_out
 
 
 def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float],
