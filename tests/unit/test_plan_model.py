@@ -586,6 +586,42 @@ def test_ranks_that_meet_every_step_wait_for_the_slowest_and_towers_pipelines_an
             assert a == b
 
 
+def test_on_shared_cores_ddp_and_a_synchronous_ps_wait_the_measured_meeting_after_the_steps_compute():
+    """This machine's CPU (no overlap) with the profile's meeting table: all-reduce, ZeRO-1 (the same
+    DDP) and a synchronous PS wait max(straggle, meeting(forward + backward + data) - alpha) once a
+    step; FSDP (its units' meetings are in its formula), towers, pipelines and an asynchronous PS do
+    not; with overlap (a cluster) or without the table, the straggle alone."""
+    from paratrain.bench.strategy_model import predict_model
+
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
+    table = {**INPUTS, "meetings": [[0.1, 0.004], [0.4, 0.006]]}  # (compute s, s): 0.3 s of compute -> 5.333 ms
+    wait = 0.004 + 0.002 * (0.3 - 0.1) / (0.4 - 0.1) - 1e-5
+    for cls, overrides in LAYOUTS[:2] + LAYOUTS[5:6]:  # all-reduce, zero1, ps-sync
+        got = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), table, overlap=False)
+        if cls.cost_model == SHARDED_OPTIMIZER:  # its own formula reads the table too (the all-gather's meeting)
+            alone = predict_model(SHARDED_OPTIMIZER, W, 2, link, Config(), table, overlap=False).step_s
+        else:
+            alone = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), INPUTS, overlap=False)["step_s"]
+        assert got["step_s"] == pytest.approx(alone + wait, abs=1e-12), cls.cost_model
+        # a spread whose straggle is larger wins: 0.01 s x 0.564 at n = 2
+        spread = Workload(**{**W.__dict__, "local_sd_s": 0.01})
+        s1 = step_parts(cls, Layout("x", 2, dict(overrides)), spread, link, Config(), table, overlap=False)
+        assert s1["step_s"] == pytest.approx(got["step_s"] - wait + 0.01 * expected_max_normal(2), abs=1e-12)
+        # a cluster overlaps and does not share the cores: the straggle alone (here 0)
+        on = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), table)
+        if cls.cost_model != SHARDED_OPTIMIZER:
+            assert on == step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), INPUTS)
+    for cls, overrides in LAYOUTS[2:5] + LAYOUTS[6:]:  # fsdp, towers, pipeline, ps-async
+        if cls.cost_model == SHARDED_PARAMETERS:
+            got = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), table, overlap=False)
+            alone = predict_model(SHARDED_PARAMETERS, W, 2, link, Config(), table, overlap=False).step_s
+            assert got["step_s"] == pytest.approx(alone, abs=1e-12)
+            continue
+        a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x, overlap=False)
+                for x in (INPUTS, table)]
+        assert a == b, cls.cost_model
+
+
 def test_zero1_and_fsdp_pay_the_dtensor_optimizers_dispatch_and_the_others_do_not():
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
     priced = {**INPUTS, "sharded_optimizer_s": 0.003}

@@ -272,7 +272,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     model, meets = cls.cost_model or RING, meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + inputs.get("buffer_broadcast_s", 0.0)
-             + straggle_s(layout.n, w.local_sd_s * compute_scale) if meets
+             + _last_rank_wait_s(model, layout.n, w, link, inputs, compute_scale, overlap) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
     dispatch = 0.0
@@ -286,6 +286,27 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     step = parts["step_s"] + extra + dispatch + own["step_s"]
     return _parts(step, parts["compute_s"] + own["compute_s"], parts["optimizer_s"] + dispatch + own["optimizer_s"],
                   parts["bubble_s"], parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
+
+
+def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], compute_scale: float,
+                      overlap: bool) -> float:
+    """What n processes that meet every step wait there for the last of them: :func:`straggle_s` of
+    the one-device step's spread; for DDP's all-reduce (``ring``, and ZeRO-1's, which wraps the same
+    DDP) on this machine's CPU (no overlap) where the profile measured what one blocking collective
+    costs ranks coming from c seconds of compute (``inputs["meetings"]``,
+    :func:`~.costmodel_sharded.meeting_seconds`), the larger of that and the meeting after the
+    step's compute (forward + backward + data) less the link's alpha, which the all-reduce's own
+    formula already counts. The meeting measures the wait for the last rank and the waking of
+    gloo's threads on cores that both processes compute on; the one-device runs' spread leaves out
+    both (on the 2-vCPU Xeon, digits_cnn's all-reduce at N = 2 waited 1-2 ms where the spread
+    predicted 0.13 ms). One meeting a step: the waits of further buckets ride on the first."""
+    wait = straggle_s(n, w.local_sd_s * compute_scale)
+    if model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings"):
+        return wait
+    from .costmodel_sharded import meeting_seconds
+
+    compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
+    return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
 
 
 def _zero1_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
