@@ -1,6 +1,7 @@
 """What one term of the plan's model changes: ``paratrain plan --profile PROFILE`` with the
 profile's KEY left out first (e.g. ``--drop loop_one_rank_s``, a GPU's one-rank runs). Without
---drop it is ``paratrain plan --profile PROFILE`` itself.
+--drop it is ``paratrain plan --profile PROFILE`` itself. (With --drop the plan records a
+temporary copy of PROFILE as its profile file.)
 
   PARATRAIN_DATA=../shared/data python benchmarks/replan_profile.py PROFILE [--drop KEY] -- CONFIG \\
       --interconnect nvlink --nproc 1,2,4,8 --out DIR [--set ...]
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +27,8 @@ def main() -> int:
     own = p.parse_args(argv[:split])
     from paratrain import cli
 
+    if not own.profile.is_file():
+        sys.exit(f"{own.profile}: no such profile; give the profile.json of a `paratrain plan --out DIR` run")
     with tempfile.TemporaryDirectory() as tmp:
         path = own.profile
         if own.drop:
@@ -33,6 +37,9 @@ def main() -> int:
                 prof.pop(key, None)
             path = Path(tmp) / "profile.json"
             path.write_text(json.dumps(prof))
+            kept = own.profile.parent / "validation.json"  # the measured errors the plan shows, as without --drop
+            if kept.is_file():
+                shutil.copy(kept, Path(tmp) / "validation.json")
         return cli.main(["plan", *argv[split + 1:], "--profile", str(path)])
 
 

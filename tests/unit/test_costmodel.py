@@ -51,12 +51,20 @@ def test_ps_bytes():
 
 
 def test_ps_time_server_bound():
-    # server phase 1 + 16*0.5 = 9 > worker phase 2*1 + 8*0.5 = 6; reduce 16*0.25 = 4
-    assert ps_step_s(8, 4, 2, TOY) == 2 * 9 + 4
+    # server phase: 4 messages handled in turn, 4*1 + 16*0.5 = 12 > worker phase 2*1 + 8*0.5 = 6;
+    # reduce 16*0.25 = 4
+    assert ps_step_s(8, 4, 2, TOY) == 2 * 12 + 4
+
+
+def test_ps_time_server_handles_its_workers_messages_in_turn():
+    # bandwidth-free: 8 workers' fixed costs at one server, one after another: 2 x 8 alpha
+    free = Link(name="latency", alpha_s=1.0, beta_s_per_byte=0.0, gamma_s_per_byte=0.0)
+    assert ps_step_s(8, 8, 1, free) == 2 * 8
+    assert ps_step_s(8, 8, 4, free) == 2 * 8  # every server hears from every worker; a worker sends 4: tie
 
 
 def test_ps_time_worker_bound():
-    # one worker, 4 shards: server phase 1 + 2*0.5 = 2 < worker phase 4*1 + 8*0.5 = 8; reduce 2*0.25
+    # one worker, 4 shards: server phase 1*1 + 2*0.5 = 2 < worker phase 4*1 + 8*0.5 = 8; reduce 2*0.25
     assert ps_step_s(8, 1, 4, TOY) == 2 * 8 + 0.5
 
 
@@ -150,9 +158,9 @@ def test_predict_ring_by_hand():
 
 
 def test_predict_ps_by_hand():
-    # 8 MiB = 2^23 bytes, 2 workers, 1 server: server phase 2^-7 + 2^24 * 2^-27 = 2^-7 + 2^-3
+    # 8 MiB = 2^23 bytes, 2 workers, 1 server: server phase 2 x 2^-7 (two messages in turn) + 2^24 * 2^-27
     p = predict(W, 2, DYADIC, algorithm="ps", num_ps=1)
-    assert p.step_s == 4.0 + 2 * (2.0 ** -7 + 2.0 ** -3)
+    assert p.step_s == 4.0 + 2 * (2 * 2.0 ** -7 + 2.0 ** -3)
     assert p.bucket_mb == 0.0
 
 

@@ -19,7 +19,7 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml"
 
 def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_another_devices():
     assert compatible(PROFILE_VERSION, "cpu") and compatible(PROFILE_VERSION, "cuda:0")
-    assert DEVICE_ONLY_CHANGES[20] == DEVICE_ONLY_CHANGES[21] == "cpu"  # the CPU's sync BatchNorm runs alone
+    assert DEVICE_ONLY_CHANGES[20] == DEVICE_ONLY_CHANGES[21] == "cpu"  # the CPU's loop runs alone
     assert compatible(19, "cuda:0") and compatible(19, "cuda")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
     assert not compatible(18, "cuda:0")  # 19 added a GPU's one-rank runs
@@ -41,27 +41,50 @@ def _write(tmp_path, prof) -> Path:
     return path
 
 
+WHOLE = {"task": "digits-cnn", "unit": "samples", "batch_size": 64, "tokens_per_step": 64, "cores": 16,
+         "workloads": {}, "links": {}, "strategy_inputs": {}, "param_total_bytes": 1, "memory_measured": {},
+         "peak_flops_source": "datasheet", "flops_per_unit": 1.0}  # what the plan reads, of the right types
+
+
 def test_a_profile_recording_its_recipe_is_read_for_that_recipe_alone(digits):
     cfg, task, tmp = digits
-    prof = {"version": PROFILE_VERSION, "device": "cuda:0", "recipe": config_text(cfg), "workloads": {"x": 1}}
+    prof = {**WHOLE, "version": PROFILE_VERSION, "device": "cuda:0", "recipe": config_text(cfg), "param_bytes": []}
     assert read_profile(_write(tmp, prof), cfg, task) == prof
     other = load(RECIPE, ["train.batch_size=128"])
     with pytest.raises(UsageError, match=r"another recipe \(-batch_size = 128; \+batch_size = 64"):
         read_profile(_write(tmp, {**prof, "recipe": config_text(other)}), cfg, task)
 
 
-def test_an_older_profile_without_its_recipe_is_checked_by_task_batch_precision_and_parameters(digits):
-    cfg, task, tmp = digits
-    mine = {"version": 19, "device": "cuda:0", "task": cfg.task.entry, "batch_size": cfg.train.batch_size,
+def test_an_older_profile_without_its_recipe_is_checked_by_task_batch_precision_parameters_and_sync_batchnorm(digits):
+    cfg, task, tmp = digits  # digits_cnn: model.sync_batchnorm = true over three BatchNorm layers
+    mine = {**WHOLE, "version": 19, "device": "cuda:0", "task": cfg.task.entry, "batch_size": cfg.train.batch_size,
             "dtype": cfg.train.dtype, "precision": cfg.train.precision,
-            "param_bytes": model_gradient_bytes(task, cfg.train.dtype)}
+            "param_bytes": model_gradient_bytes(task, cfg.train.dtype), "batchnorm_inputs": [[64, 16, 8, 8]]}
     assert read_profile(_write(tmp, mine), cfg, task) == mine
     wider = [*mine["param_bytes"][:-1], mine["param_bytes"][-1] * 2]
     for key, value, said in (("batch_size", 128, "batch_size 128 there, 64 here"),
                              ("precision", "bf16", "precision bf16 there, fp32 here"),
-                             ("param_bytes", wider, f"param_bytes {len(wider)} parameters, {sum(wider)} bytes there")):
+                             ("param_bytes", wider, f"gradients {len(wider)} parameters, {sum(wider)} bytes there"),
+                             ("batchnorm_inputs", [], "sync BatchNorm measured False there, True here")):
         with pytest.raises(UsageError, match=said):
             read_profile(_write(tmp, {**mine, key: value}), cfg, task)
+    # measured with sync BatchNorm, planned for a recipe without it (its terms would be priced where none are)
+    off = load(RECIPE, ["model.sync_batchnorm=false"])
+    with pytest.raises(UsageError, match="sync BatchNorm measured True there, False here"):
+        read_profile(_write(tmp, mine), off, task)
+
+
+@pytest.mark.parametrize("drop, said", [("links", "lacks links"), ("workloads", "lacks workloads"),
+                                        ("unit", "lacks unit")])
+def test_a_profile_missing_what_the_plan_reads_is_one_line(digits, drop, said):
+    cfg, task, tmp = digits
+    prof = {**WHOLE, "version": PROFILE_VERSION, "device": "cpu", "recipe": config_text(cfg), "param_bytes": []}
+    del prof[drop]
+    with pytest.raises(UsageError, match=said):
+        read_profile(_write(tmp, prof), cfg, task)
+    with pytest.raises(UsageError, match="lacks recipe"):
+        read_profile(_write(tmp, {**WHOLE, "version": PROFILE_VERSION, "device": "cpu", "param_bytes": [],
+                                  "recipe": 7}), cfg, task)
 
 
 @pytest.mark.parametrize("text, said", [
@@ -69,6 +92,8 @@ def test_an_older_profile_without_its_recipe_is_checked_by_task_batch_precision_
     ("{not json", "is not JSON"),
     ("[1, 2]", "is not a profile"),
     (json.dumps({"version": 19, "device": "cpu"}), "is profile version 19 of cpu; this paratrain measures version"),
+    (json.dumps({"version": PROFILE_VERSION + 1, "device": "cpu"}), "newer than this paratrain's"),
+    (json.dumps({"version": 19, "device": None}), "is not a profile"),
 ])
 def test_a_file_that_is_no_readable_profile_says_what_to_give(digits, text, said):
     cfg, task, tmp = digits

@@ -1,7 +1,8 @@
 """What ``paratrain plan`` reads from a cached profile (:mod:`.profile`) for one layout: the
 one-device step at a thread count and batch (:func:`workload`), the memory inputs, the pipeline
 stages' outputs, and the measured costs that only some layouts pay (synchronised BatchNorm between
-processes and between CPU towers, CPU towers' side-by-side forward). Pure functions of the profile."""
+processes and between CPU towers, DDP's broadcast of the buffers, CPU towers' side-by-side forward).
+Pure functions of the profile."""
 from __future__ import annotations
 
 import math
@@ -85,11 +86,12 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
 
 def sends_buffers(prof: dict, cfg) -> bool:
     """Whether DDP (``allreduce``, ``zero1``) broadcasts rank 0's buffers before every forward for the
-    profiled model under recipe ``cfg``: the model has buffers, ``dist.broadcast_buffers`` is on, and
-    it does not synchronise BatchNorm layers (``model.sync_batchnorm`` over BatchNorm inputs, which
-    turns the broadcast off)."""
-    return bool(prof.get("buffer_bytes")) and bool(cfg.dist.broadcast_buffers) and not (
-        prof.get("batchnorm_inputs") and cfg.model_value("sync_batchnorm", False))
+    profiled model under recipe ``cfg``, as :class:`~paratrain.strategies.allreduce.AllReduce` decides
+    it: the model has buffers, ``dist.broadcast_buffers`` is on, and ``model.sync_batchnorm`` is off
+    (with it, the strategy makes its statistics group and turns the broadcast off, BatchNorm layers or
+    not)."""
+    return (bool(prof.get("buffer_bytes")) and bool(cfg.dist.broadcast_buffers)
+            and not cfg.model_value("sync_batchnorm", False))
 
 
 def buffer_broadcast_s(prof: dict, cfg, cls, n: int, link: Link, on_this_machine: bool) -> float:
@@ -104,7 +106,10 @@ def buffer_broadcast_s(prof: dict, cfg, cls, n: int, link: Link, on_this_machine
     plus what the tree adds beyond two: the meeting
     costs the ranks' skew over the step, not only the link's latency (digits_cnn's 920 bytes cost
     rank 0 1.5-2 ms a step on a 2-vCPU Xeon, the link's alpha 0.16 ms). Where that was not measured
-    (a single core, a failed run), the tree. 0 at n = 1 and where DDP sends none (:func:`sends_buffers`)."""
+    (a single core, a failed run), the tree. Above the cores (n processes taking turns on them) this
+    is likely short: it is measured at two processes only, while sync BatchNorm's meetings cost three
+    times as much at 4 processes on 2 cores as at 2 (:func:`sync_batchnorm_s`). 0 at n = 1 and where
+    DDP sends none (:func:`sends_buffers`)."""
     if n < 2 or "broadcast_buffers" not in cls.dist_keys or not sends_buffers(prof, cfg):
         return 0.0
 

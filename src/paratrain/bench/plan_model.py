@@ -39,7 +39,11 @@ on a cluster, four ring all-reduces of C + 1 numbers per layer.
 
 Ranks that meet every step (all-reduce, ZeRO-1, FSDP, a synchronous PS) wait for the slowest: the
 step gains :func:`straggle_s`, the expected maximum of n normal local times over their mean, from
-the spread of the one-device step measured by the profile. ZeRO-1 and FSDP step the optimizer on
+the spread of the one-device step measured by the profile; on this machine's CPU, DDP's all-reduce
+(all-reduce, ZeRO-1) and a synchronous PS without backup workers wait at least the profile's measured
+meeting after the step's compute (:func:`_last_rank_wait_s`). DDP's layouts of a model with buffers
+and without sync BatchNorm also pay its broadcast of rank 0's buffers before every forward
+(:func:`~.plan_inputs.buffer_broadcast_s`). ZeRO-1 and FSDP step the optimizer on
 DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
 measured on this machine (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
 (``sharded_norm_s``, measured here). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
@@ -252,8 +256,9 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     ``inputs["buffer_broadcast_s"]``: DDP's broadcast of rank 0's buffers before every forward
     (:func:`~.plan_inputs.buffer_broadcast_s`; 0 for other strategies), exposed likewise. The same
     processes that meet every step (all but towers, pipelines and an asynchronous PS) wait for the
-    slowest rank: :func:`straggle_s` of ``w.local_sd_s`` (times ``compute_scale``), as exposed
-    communication. A pipeline's stages pass micro-batches along rather than all waiting at once, and
+    slowest rank: :func:`straggle_s` of ``w.local_sd_s`` (times ``compute_scale``), or on this
+    machine's CPU for DDP and a synchronous PS at least the measured meeting (:func:`_last_rank_wait_s`),
+    as exposed communication. A pipeline's stages pass micro-batches along rather than all waiting at once, and
     the replicas of a hybrid (DP x PP) layout, which do all-reduce every step, are not priced for it
     either: not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
     per-operation dispatch ``inputs["sharded_optimizer_s"]`` (measured,
@@ -272,7 +277,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     model, meets = cls.cost_model or RING, meets_every_step(cls)
     extra = (inputs.get("sync_batchnorm_s", 0.0) + inputs.get("buffer_broadcast_s", 0.0)
-             + _last_rank_wait_s(model, layout.n, w, link, inputs, compute_scale, overlap) if meets
+             + _last_rank_wait_s(model, layout.n, w, link, inputs, compute_scale, overlap,
+                                 layout.overrides.get("backup_workers", cfg.dist.backup_workers)) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
     dispatch = 0.0
@@ -289,19 +295,24 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
 
 
 def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], compute_scale: float,
-                      overlap: bool) -> float:
+                      overlap: bool, backup_workers: int = 0) -> float:
     """What n processes that meet every step wait there for the last of them: :func:`straggle_s` of
     the one-device step's spread; for DDP's all-reduce (``ring``, and ZeRO-1's, which wraps the same
-    DDP) on this machine's CPU (no overlap) where the profile measured what one blocking collective
-    costs ranks coming from c seconds of compute (``inputs["meetings"]``,
-    :func:`~.costmodel_sharded.meeting_seconds`), the larger of that and the meeting after the
-    step's compute (forward + backward + data) less the link's alpha, which the all-reduce's own
-    formula already counts. The meeting measures the wait for the last rank and the waking of
-    gloo's threads on cores that both processes compute on; the one-device runs' spread leaves out
-    both (on the 2-vCPU Xeon, digits_cnn's all-reduce at N = 2 waited 1-2 ms where the spread
-    predicted 0.13 ms). One meeting a step: the waits of further buckets ride on the first."""
+    DDP) and a synchronous PS (its servers answer when the last worker's gradient is in) on this
+    machine's CPU (no overlap), where the profile measured what one blocking collective costs ranks
+    coming from c seconds of compute (``inputs["meetings"]``, :func:`~.costmodel_sharded.meeting_seconds`),
+    the larger of that and the meeting after the step's compute (forward + backward + data) less
+    ``link``'s alpha (the latency the step's own formula counts once: gloo's all-reduce; for the PS
+    the same small latency stands in for its RPC message's, both a fraction of a millisecond here).
+    The meeting measures the wait for the last rank and the waking of gloo's threads on cores that
+    both processes compute on; the one-device runs' spread leaves out both (on the 2-vCPU Xeon,
+    digits_cnn's all-reduce at N = 2 waited 1-2 ms where the spread predicted 0.13 ms). One meeting
+    a step: the waits of further buckets ride on the first. A PS with backup workers
+    (``dist.backup_workers``) does not wait for the last worker: the straggle, as before."""
     wait = straggle_s(n, w.local_sd_s * compute_scale)
     if model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings"):
+        return wait
+    if model == PS and backup_workers:
         return wait
     from .costmodel_sharded import meeting_seconds
 

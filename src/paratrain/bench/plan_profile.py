@@ -1,8 +1,9 @@
 """``paratrain plan``'s profile: the one cached in ``--out`` or a new one, measured with a progress
 bar (:func:`load_profile`): the in-process profile (:mod:`.profile`), the training loop's own runs
 (:mod:`.profile_runs`: the one-device step, a GPU's one-rank runs of each strategy, sync BatchNorm
-in the loop), and the layers' micro-benchmarks for what the loop leaves out; and how many steps a
-run of the profile or of ``--validate`` takes (:func:`run_steps`)."""
+or DDP's buffer broadcast in the loop), and the layers' micro-benchmarks for what the loop leaves
+out; a profile measured elsewhere, checked against the recipe (:func:`read_profile`, ``--profile``);
+and how many steps a run of the profile or of ``--validate`` takes (:func:`run_steps`)."""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +93,12 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     return cached_profile(path, key, measure)
 
 
+REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size": int, "tokens_per_step": (int, float),
+            "cores": int, "workloads": dict, "links": dict, "strategy_inputs": dict, "param_bytes": list,
+            "param_total_bytes": int, "memory_measured": dict, "peak_flops_source": str, "flops_per_unit": (int, float)}
+"""What every profile :func:`read_profile` accepts holds (since version 19), by type."""
+
+
 def read_profile(path: Path, cfg, task) -> dict:
     """``paratrain plan --profile PATH``: a profile measured elsewhere (e.g. on a GPU lent for
     minutes), checked against this recipe, to plan from without measuring here.
@@ -100,7 +107,9 @@ def read_profile(path: Path, cfg, task) -> dict:
     a profile (JSON with a version and a device); its version holds what this paratrain measures on
     its device (:func:`~.profile.compatible`); it is this recipe's: the config text after overrides
     where the profile records it (``recipe``, since 2026-11-27), else the task, batch, dtype,
-    precision and every parameter's gradient bytes."""
+    precision, every parameter's gradient bytes and whether sync BatchNorm was measured (a recipe
+    with ``model.sync_batchnorm`` and BatchNorm layers); and it holds the keys the plan reads
+    (:data:`REQUIRED`)."""
     import difflib
     import json
 
@@ -117,13 +126,21 @@ def read_profile(path: Path, cfg, task) -> dict:
     except ValueError:
         raise UsageError(f"--profile {path} is not JSON; give the profile.json of a `paratrain plan --out DIR` "
                          f"run") from None
-    if not isinstance(prof, dict) or "version" not in prof or "device" not in prof:
+    if not isinstance(prof, dict) or not isinstance(prof.get("version"), int) or not isinstance(prof.get("device"), str):
         raise UsageError(f"--profile {path} is not a profile (no version or device); give the profile.json of a "
                          f"`paratrain plan --out DIR` run")
+    if prof["version"] > PROFILE_VERSION:
+        raise UsageError(f"--profile {path} is profile version {prof['version']}, newer than this paratrain's "
+                         f"{PROFILE_VERSION}: plan with the paratrain that measured it, or upgrade paratrain here")
     if not compatible(prof["version"], prof["device"]):
         raise UsageError(f"--profile {path} is profile version {prof['version']} of {prof['device']}; this paratrain "
                          f"measures version {PROFILE_VERSION}: profile again there (paratrain plan CONFIG --out DIR "
                          f"--reprofile)")
+    wrong = [k for k, kind in {**REQUIRED, **({"recipe": str} if "recipe" in prof else {})}.items()
+             if not isinstance(prof.get(k), kind)]
+    if wrong:
+        raise UsageError(f"--profile {path} lacks {', '.join(wrong)} (or has the wrong type): give a whole "
+                         f"profile.json of a `paratrain plan --out DIR` run")
     if "recipe" in prof:
         here = config_text(cfg)
         if prof["recipe"] != here:
@@ -132,13 +149,27 @@ def read_profile(path: Path, cfg, task) -> dict:
             raise UsageError(f"--profile {path} was measured for another recipe ({'; '.join(diff[:2])}: the "
                              f"profile's line first); give the CONFIG and --set it was profiled with")
         return prof
-    mine = {"task": cfg.task.entry, "batch_size": cfg.train.batch_size, "dtype": cfg.train.dtype,
-            "precision": cfg.train.precision, "param_bytes": model_gradient_bytes(task, cfg.train.dtype)}
-    for key, value in mine.items():
-        if prof.get(key) != value:
-            shown = (f"{len(value)} parameters, {sum(value)} bytes" if key == "param_bytes" else value)
-            theirs = prof.get(key)
-            theirs = (f"{len(theirs)} parameters, {sum(theirs)} bytes" if key == "param_bytes" and theirs else theirs)
-            raise UsageError(f"--profile {path} was measured for another recipe: {key} {theirs} there, {shown} "
+    def size(grads) -> str:
+        return f"{len(grads)} parameters, {sum(g for g in grads if isinstance(g, (int, float)))} bytes"
+
+    checks = [("task", prof.get("task"), cfg.task.entry), ("batch_size", prof.get("batch_size"), cfg.train.batch_size),
+              ("dtype", prof.get("dtype"), cfg.train.dtype), ("precision", prof.get("precision"), cfg.train.precision),
+              ("gradients", prof["param_bytes"], model_gradient_bytes(task, cfg.train.dtype)),
+              # measured only for a recipe with sync BatchNorm (whose terms it prices) over BatchNorm layers
+              ("sync BatchNorm measured", bool(prof.get("batchnorm_inputs")),
+               bool(cfg.model_value("sync_batchnorm", False)) and _has_batchnorm(task))]
+    for key, theirs, mine in checks:
+        if theirs != mine:
+            theirs, mine = (size(theirs), size(mine)) if key == "gradients" else (theirs, mine)
+            raise UsageError(f"--profile {path} was measured for another recipe: {key} {theirs} there, {mine} "
                              f"here; give the CONFIG and --set it was profiled with")
     return prof
+
+
+def _has_batchnorm(task) -> bool:
+    """Whether the task's model (built on the meta device) has BatchNorm layers."""
+    import torch
+
+    with torch.device("meta"):
+        model = task.build_model()
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())

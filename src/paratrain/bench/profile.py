@@ -74,8 +74,8 @@ PROFILE_VERSION = 21  # 21: loop_buffer_broadcast_s, DDP's buffer broadcast in t
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
 DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu"}
-"""Profile versions whose change touched the profiles of one device type only (20, 21: the loop's
-sync BatchNorm runs, which a CPU alone makes): a profile of an older version and another device type
+"""Profile versions whose change touched the profiles of one device type only (20: the loop's sync
+BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both): a profile of an older version and another device type
 holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 

@@ -3,7 +3,9 @@ through the bench sweep, at each thread count the plan needs (:func:`loop_worklo
 with ``model.sync_batchnorm`` on a CPU, what synchronised BatchNorm adds to the loop's two-replica steps
 and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many replicas
 (:func:`loop_sync_batchnorm`), with the layers timed apart for what it leaves out
-(:func:`sync_batchnorm_fallbacks`); on a GPU, what each strategy's own work adds to the step as one rank
+(:func:`sync_batchnorm_fallbacks`); for a recipe whose DDP broadcasts the model's buffers (no sync
+BatchNorm), what that broadcast adds to the loop's two-replica steps (:func:`loop_buffer_broadcast`;
+both pair runs through :func:`_paired_runs`); on a GPU, what each strategy's own work adds to the step as one rank
 (:func:`loop_one_rank_overheads`). Each run goes through :func:`_loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
