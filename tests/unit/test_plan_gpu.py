@@ -152,6 +152,17 @@ def test_the_plan_takes_the_one_rank_term_of_the_layouts_own_strategy(monkeypatc
                             global_batch=None)
     assert seen == {"zero1": {"step_s": 0.003, "compute_s": 0.001, "optimizer_s": 0.002}, "allreduce": None}
     assert links[0] == {}  # no parameter server's exchange in this profile: the preset alone
+    # a CPU's one-rank runs price a preset (a cluster of such CPUs), not this machine's own rows, which
+    # have their two-process terms (zero1_step_s, fsdp_units)
+    cpu = {**prof, "device": "cpu", "cores": 2, "default_threads": 2, "workloads": {"2": prof["workloads"]["16"]},
+           "workloads_in_process": {"2": prof["workloads"]["16"]}}
+    for here in (False, True):
+        seen.clear()
+        plan.predict_layout(plan.Layout("zero1", 2, {}, "zero1"), cpu, Config(),
+                            PRESETS["eth25"] if not here else PRESETS["nvlink"], on_this_machine=here,
+                            global_batch=None)
+        assert seen == {"zero1": None if here else prof["loop_one_rank_s"]["zero1"]}, here
+    links.clear()
     # with one: a parameter server's messages on the preset cost at least the host's measured exchange
     # (40 MB each way in 0.09 s less the update 0.01 s and 2 x 0.5 ms: beta = 0.079 / 80e6 s a byte)
     prof.update(links={"rpc": {"alpha_s": 5e-4, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 0.0}},

@@ -1109,6 +1109,8 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks",
                         lambda prof, loop, progress: fallbacks.append(dict(loop)))
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
+    monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
@@ -1117,6 +1119,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     prof, cached = plan_profile.load_profile(args, cfg, None, tmp_path / "a")
     steps = plan_profile.run_steps(6, 0.01, 2.0)  # 300 at a 10 ms step
     assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
+    assert prof["loop_one_rank_s"] == one_rank
     assert "loop_buffer_broadcast_s" not in prof  # sync BatchNorm: DDP sends no buffers
     if cores < 4:
         assert loops == [(2, steps, None), (4, plan_profile.run_steps(6, 0.02, 2.0), (processes,))]
@@ -1198,6 +1201,8 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
                                               "optimizer_s": 0.0005}}})
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
+    monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", lambda *a, **k: pytest.fail("no sync BatchNorm here"))
     monkeypatch.setattr(profile_runs, "loop_buffer_broadcast",

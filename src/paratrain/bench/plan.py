@@ -222,8 +222,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
               "path_meetings": prof.get("meetings") if shared_cores else None,  # 2 processes: fsdp_units, zero1_step_s
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
-              # a GPU's: the strategy's own work at one rank (any link: it is the device's)
-              "one_rank_s": (prof.get("loop_one_rank_s") or {}).get(layout.strategy)}
+              # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
+              # CPU's on a preset (this machine's CPU rows price it between two processes: zero1_step_s, fsdp_units)
+              "one_rank_s": (None if shared_cores else (prof.get("loop_one_rank_s") or {}).get(layout.strategy))}
     parts = step_parts(cls, Layout(layout.strategy, n, overrides, layout.label), w, link, cfg, inputs,
                        compute_scale=scale, overlap=overlap, links=links)
     if parts is None:

@@ -48,7 +48,8 @@ DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operat
 measured on this machine (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
 (``sharded_norm_s``, measured here). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
 add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
-and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place.
+and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place; so
+does a CPU's profile planned on a preset interconnect.
 
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
 servers' update (:func:`~.plan_ps.ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
@@ -269,7 +270,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
     holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
     communication (the part measured in training: the optimizer's span holds the all-gather).
-    ``inputs["one_rank_s"]`` (a GPU's profile: :func:`~.profile_runs.loop_one_rank_overheads`, this
+    ``inputs["one_rank_s"]`` (a GPU's profile, or a CPU's on a preset: :func:`~.profile_runs.loop_one_rank_overheads`, this
     layout's strategy measured as one rank of ``paratrain train`` less the one-device step:
     ``step_s``, ``compute_s``, ``optimizer_s``) is the strategy's own work around its compute (DDP's
     reducer, ZeRO-1's DTensor step, FSDP2's hooks and copies), added at every n > 1 to the step and

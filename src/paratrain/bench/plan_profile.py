@@ -1,6 +1,6 @@
 """``paratrain plan``'s profile: the one cached in ``--out`` or a new one, measured with a progress
 bar (:func:`load_profile`): the in-process profile (:mod:`.profile`), the training loop's own runs
-(:mod:`.profile_runs`: the one-device step, a GPU's one-rank runs of each strategy, sync BatchNorm
+(:mod:`.profile_runs`: the one-device step, each strategy's one-rank runs, sync BatchNorm
 or DDP's buffer broadcast in the loop), and the layers' micro-benchmarks for what the loop leaves
 out; a profile measured elsewhere, checked against the recipe (:func:`read_profile`, ``--profile``);
 and how many steps a run of the profile or of ``--validate`` takes (:func:`run_steps`)."""
@@ -42,8 +42,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 10  # the most progress() calls: the profile's 6, the loop's 2 (sync BatchNorm's or DDP's buffer
-    # broadcast: a recipe with sync BatchNorm sends no buffers), the fallbacks' 2 (a GPU: the
+    phases = 11  # the most progress() calls: the profile's 6, the loop's 3 (the one-rank runs; sync BatchNorm's
+    # or DDP's buffer broadcast: a recipe with sync BatchNorm sends no buffers), the fallbacks' 2 (a GPU: the
     # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
 
     def measure() -> dict:
@@ -60,11 +60,12 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
                                                cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
                                                repeats=args.profile_repeats)
-            if prof["device"] != "cpu":  # a GPU: each strategy's own work around its compute, at one rank
-                progress("each strategy's own step: one-rank runs")
-                prof["loop_one_rank_s"] = loop_one_rank_overheads(
-                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                    repeats=args.profile_repeats)
+            # each strategy's own work around its compute, at one rank: on a GPU it prices every N > 1; a
+            # CPU's prices the presets (this machine's rows have their own two-process terms)
+            progress("each strategy's own step: one-rank runs")
+            prof["loop_one_rank_s"] = loop_one_rank_overheads(
+                args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                repeats=args.profile_repeats)
             if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
                 over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
                 progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")

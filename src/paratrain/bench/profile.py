@@ -26,9 +26,11 @@ whole and halved), what a blocking collective costs two processes reaching it fr
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
 two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's optimizer step adds to allreduce's between two processes (``zero1_step_s``,
-:func:`~.microbench_sharded.measured_zero1_step`). On a GPU, ``paratrain plan`` adds what allreduce,
-zero1 and fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
-:func:`~.profile_runs.loop_one_rank_overheads`), which prices them there in place of the dispatch terms.
+:func:`~.microbench_sharded.measured_zero1_step`). ``paratrain plan`` adds what allreduce, zero1 and
+fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
+:func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of the dispatch terms: a
+GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the two-process terms
+above price them).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
@@ -58,7 +60,8 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 21  # 21: loop_buffer_broadcast_s, DDP's buffer broadcast in the loop (CPU, BatchNorm);
+PROFILE_VERSION = 22  # 22: a CPU's loop_one_rank_s too (for presets); 21: loop_buffer_broadcast_s, DDP's
+# buffer broadcast in the loop (CPU, BatchNorm);
 # 20: the loop's sync BatchNorm key-off runs of DDP without its buffer broadcast;
 # 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
 # 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
@@ -73,9 +76,10 @@ PROFILE_VERSION = 21  # 21: loop_buffer_broadcast_s, DDP's buffer broadcast in t
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu"}
+DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu", 22: "cpu"}
 """Profile versions whose change touched the profiles of one device type only (20: the loop's sync
-BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both): a profile of an older version and another device type
+BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
+one-rank runs, which a GPU's profile had since 19): a profile of an older version and another device type
 holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 
