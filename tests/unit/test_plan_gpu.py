@@ -256,6 +256,9 @@ def test_towers_on_a_gpu_are_listed_but_recommended_only_where_nothing_priced_fi
 
     assert unpriced(TOWERS, {"device": "cuda:0"}).startswith("towers on GPUs")
     assert unpriced(TOWERS, CPU) == "" and unpriced(RING, {"device": "cuda:0"}) == ""
+    # a CPU's towers on a preset: one process' virtual devices, on this machine's cores
+    assert unpriced(TOWERS, CPU, on_this_machine=False).startswith("towers on CPUs")
+    assert unpriced(RING, CPU, on_this_machine=False) == ""
 
     def row(label, units, unpriced="", feasible=True):
         return {"label": label, "units_per_s": units, "n": 8, "feasible": feasible, "synchronous": True,

@@ -243,13 +243,14 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
-           "staleness": (n - 1) if not cls.synchronous else 0, "unpriced": unpriced(cls.cost_model, prof)}
+           "staleness": (n - 1) if not cls.synchronous else 0,
+           "unpriced": unpriced(cls.cost_model, prof, on_this_machine)}
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
 
 
-def unpriced(model: str | None, prof: dict) -> str:
+def unpriced(model: str | None, prof: dict, on_this_machine: bool = True) -> str:
     """What the step formula of cost model ``model`` is known to leave out on the profiled device
     ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
     fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
@@ -257,9 +258,14 @@ def unpriced(model: str | None, prof: dict) -> str:
     which :func:`~.costmodel_sharded.predict_towers` does not price off a CPU. Two towers on one
     H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, of
     which sharing the one GPU explains at most 2x; the formula gives 1.0x for two GPUs
-    (benchmarks/RESULTS.md). What two GPUs take is not measured."""
+    (benchmarks/RESULTS.md). What two GPUs take is not measured. Towers of a CPU's profile on a
+    preset interconnect (``on_this_machine`` false): their devices are one process' virtual CPU
+    devices, which share one machine's cores, so a preset's N devices of the profiled machine's
+    speed do not exist for them (the command would run N towers on this machine's cores)."""
     if model == TOWERS and prof["device"] != "cpu":
         return "towers on GPUs: DataParallel's host work is not priced"
+    if model == TOWERS and not on_this_machine:
+        return "towers on CPUs: one process' virtual devices share one machine's cores, not a preset's N devices"
     return ""
 
 
