@@ -1,5 +1,5 @@
 """What one term of the plan's model changes: ``paratrain plan --profile PROFILE`` with the
-profile's KEY left out first (e.g. ``--drop loop_one_rank_s``, a GPU's one-rank runs). Without
+profile's KEY left out first (e.g. ``--drop loop_one_rank_s``, the one-rank runs). Without
 --drop it is ``paratrain plan --profile PROFILE`` itself. (With --drop the plan records a
 temporary copy of PROFILE as its profile file.)
 

@@ -60,6 +60,13 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     assert "Recommended:" in r.stdout and plan["recommended"]["command"] in r.stdout
     prof = json.loads((tmp / "p" / "profile.json").read_text())
     assert prof["flops_per_step"] > 0 and len(prof["blocks"]) == 2 and prof["links"]["p2p"]["beta_s_per_byte"] > 0
+    # a CPU's one-rank runs of each strategy (they price the preset) and its towers on a preset: unpriced
+    from paratrain.bench.profile_runs import one_rank_strategies
+
+    assert set(prof["loop_one_rank_s"]) == set(one_rank_strategies())
+    towers = [row for row in rows if row["strategy"] == "replicate"]
+    assert towers and all(row["unpriced"].startswith("towers on CPUs") for row in towers)
+    assert plan["recommended"]["strategy"] != "replicate"
 
 
 def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeypatch):

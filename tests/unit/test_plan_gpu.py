@@ -156,6 +156,10 @@ def test_the_plan_takes_the_one_rank_term_of_the_layouts_own_strategy(monkeypatc
     # have their two-process terms (zero1_step_s, fsdp_units)
     cpu = {**prof, "device": "cpu", "cores": 2, "default_threads": 2, "workloads": {"2": prof["workloads"]["16"]},
            "workloads_in_process": {"2": prof["workloads"]["16"]}}
+    seen.clear()  # a GPU's on this machine too (measured link: N = 1 in practice; any N > 1 adds it)
+    plan.predict_layout(plan.Layout("zero1", 2, {}, "zero1"), prof, Config(), PRESETS["nvlink"], on_this_machine=True,
+                        global_batch=None)
+    assert seen == {"zero1": prof["loop_one_rank_s"]["zero1"]}
     for here in (False, True):
         seen.clear()
         plan.predict_layout(plan.Layout("zero1", 2, {}, "zero1"), cpu, Config(),
@@ -254,8 +258,10 @@ def test_towers_on_a_gpu_are_listed_but_recommended_only_where_nothing_priced_fi
     from paratrain.bench.plan import rank, unpriced
     from paratrain.bench.strategy_model import RING, TOWERS
 
-    assert unpriced(TOWERS, {"device": "cuda:0"}).startswith("towers on GPUs")
-    assert unpriced(TOWERS, CPU) == "" and unpriced(RING, {"device": "cuda:0"}) == ""
+    for here in (True, False):
+        assert unpriced(TOWERS, {"device": "cuda:0"}, on_this_machine=here).startswith("towers on GPUs")
+        assert unpriced(RING, {"device": "cuda:0"}, on_this_machine=here) == ""
+    assert unpriced(TOWERS, CPU, on_this_machine=True) == ""
     # a CPU's towers on a preset: one process' virtual devices, on this machine's cores
     assert unpriced(TOWERS, CPU, on_this_machine=False).startswith("towers on CPUs")
     assert unpriced(RING, CPU, on_this_machine=False) == ""

@@ -11,8 +11,8 @@ different model per step). A layout the recipe refuses (the strategy's own confi
 with the reason (:func:`refusal`) and not predicted.
 
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
-batch: each replica gets B / replicas, and compute and activations scale linearly with it (a GPU's
-one-rank term, the strategies' host work, does not).
+batch: each replica gets B / replicas, and compute and activations scale linearly with it (the
+one-rank term, the strategies' host work, does not: a GPU's, and a CPU's on a preset).
 ``--profile FILE`` plans from a profile measured on another machine (checked against the recipe:
 :func:`~.plan_profile.read_profile`) instead of measuring here.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
@@ -244,13 +244,13 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
            "staleness": (n - 1) if not cls.synchronous else 0,
-           "unpriced": unpriced(cls.cost_model, prof, on_this_machine)}
+           "unpriced": unpriced(cls.cost_model, prof, on_this_machine=on_this_machine)}
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
 
 
-def unpriced(model: str | None, prof: dict, on_this_machine: bool = True) -> str:
+def unpriced(model: str | None, prof: dict, *, on_this_machine: bool) -> str:
     """What the step formula of cost model ``model`` is known to leave out on the profiled device
     ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
     fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module

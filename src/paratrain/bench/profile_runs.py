@@ -5,8 +5,8 @@ and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many repli
 (:func:`loop_sync_batchnorm`), with the layers timed apart for what it leaves out
 (:func:`sync_batchnorm_fallbacks`); for a recipe whose DDP broadcasts the model's buffers (no sync
 BatchNorm), what that broadcast adds to the loop's two-replica steps (:func:`loop_buffer_broadcast`;
-both pair runs through :func:`_paired_runs`); on a GPU, what each strategy's own work adds to the step as one rank
-(:func:`loop_one_rank_overheads`). Each run goes through :func:`_loop_run`. The rest of the profile is
+both pair runs through :func:`_paired_runs`); what each strategy's own work adds to the step as one rank
+(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets). Each run goes through :func:`_loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
@@ -320,8 +320,8 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
                 seen.setdefault(strategy, []).append((rec["train_step_ms"] / 1000,
                                                       w.data_s + w.forward_s + w.backward_s, w.optimizer_s))
     for strategy, why in left_out.items():
-        print(f"[plan] {strategy} at one rank: left out ({why}); the plan prices it without its own step's work",
-              flush=True)
+        print(f"[plan] {strategy} at one rank: left out ({why}); the plan prices it without its own step's work "
+              f"(a CPU's: on a preset interconnect)", flush=True)
 
     def median_round(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
         return sorted(runs)[(len(runs) - 1) // 2]  # the round with the median step (its parts add up with it)
