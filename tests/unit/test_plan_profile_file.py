@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.bench.plan_profile import read_profile
-from paratrain.bench.profile import DEVICE_ONLY_CHANGES, PROFILE_VERSION, compatible
+from paratrain.bench.profile_cache import DEVICE_ONLY_CHANGES, PROFILE_VERSION, compatible
 from paratrain.bench.validate import model_gradient_bytes
 from paratrain.config import load
 from paratrain.consistency import config_text

@@ -91,6 +91,13 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
             + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
+def tree_broadcast_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a binomial-tree broadcast from one rank, whole message per step (Thakur et al.
+    2005, section 4.2): ceil(log2 n) (alpha + nbytes beta); 0 for n == 1."""
+    _check_n(n)
+    return math.ceil(math.log2(n)) * (link.alpha_s + nbytes * link.beta_s_per_byte)
+
+
 def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a binomial-tree reduce to rank 0 followed by a binomial-tree broadcast, whole
     message per step, no pipelining (Thakur et al. 2005, sections 4.2/4.3):

@@ -112,11 +112,11 @@ def buffer_broadcast_s(prof: dict, cfg, cls, n: int, link: Link, on_this_machine
     DDP sends none (:func:`sends_buffers`)."""
     if n < 2 or "broadcast_buffers" not in cls.dist_keys or not sends_buffers(prof, cfg):
         return 0.0
+    from ..strategies import DEFAULT
+    from .costmodel import tree_broadcast_s
 
     def tree(k: int) -> float:
-        return math.ceil(math.log2(k)) * (link.alpha_s + prof["buffer_bytes"] * link.beta_s_per_byte)
-
-    from ..strategies import DEFAULT
+        return tree_broadcast_s(prof["buffer_bytes"], k, link)
 
     measured = (prof.get("loop_buffer_broadcast_s") or {}).get(DEFAULT)
     if not on_this_machine or measured is None:

@@ -270,7 +270,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
     holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
     communication (the part measured in training: the optimizer's span holds the all-gather).
-    ``inputs["one_rank_s"]`` (a GPU's profile, or a CPU's on a preset: :func:`~.profile_runs.loop_one_rank_overheads`, this
+    ``inputs["one_rank_s"]`` (a GPU's profile, or a CPU's on a preset:
+    :func:`~.profile_runs.loop_one_rank_overheads`, this
     layout's strategy measured as one rank of ``paratrain train`` less the one-device step:
     ``step_s``, ``compute_s``, ``optimizer_s``) is the strategy's own work around its compute (DDP's
     reducer, ZeRO-1's DTensor step, FSDP2's hooks and copies), added at every n > 1 to the step and
@@ -311,9 +312,8 @@ def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[
     a step: the waits of further buckets ride on the first. A PS with backup workers
     (``dist.backup_workers``) does not wait for the last worker: the straggle, as before."""
     wait = straggle_s(n, w.local_sd_s * compute_scale)
-    if model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings"):
-        return wait
-    if model == PS and backup_workers:
+    if (model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings")
+            or (model == PS and backup_workers)):
         return wait
     from .costmodel_sharded import meeting_seconds
 

@@ -57,21 +57,18 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
             steps = run_steps(args.profile_steps, guess, args.timed_seconds)
-            prof["workloads"] = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir,
-                                               cfg.train.batch_size, steps, threads, concurrent=prof["cores"],
+            recipe = (args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size)  # every run's
+            prof["workloads"] = loop_workloads(*recipe, steps, threads, concurrent=prof["cores"],
                                                repeats=args.profile_repeats)
             # each strategy's own work around its compute, at one rank: on a GPU it prices every N > 1; a
             # CPU's prices the presets (this machine's rows have their own two-process terms)
             progress("each strategy's own step: one-rank runs")
-            prof["loop_one_rank_s"] = loop_one_rank_overheads(
-                args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                repeats=args.profile_repeats)
+            prof["loop_one_rank_s"] = loop_one_rank_overheads(*recipe, steps, repeats=args.profile_repeats)
             if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
                 over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
                 progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
-                loop = functools.partial(loop_sync_batchnorm, args.config, args.task, tuple(args.overrides),
-                                         args.data_dir, cfg.train.batch_size, steps=steps,
-                                         repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                loop = functools.partial(loop_sync_batchnorm, *recipe, steps=steps, repeats=args.profile_repeats,
+                                         accumulation=cfg.train.accumulation)
                 prof["loop_sync_batchnorm_s"] = loop()
                 processes, _ = sync_batchnorm_strategies()
                 if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
@@ -84,8 +81,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             if prof["device"] == "cpu" and prof["cores"] > 1 and sends_buffers(prof, cfg):
                 progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
                 prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
-                    args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                    repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                    *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)
@@ -116,7 +112,7 @@ def read_profile(path: Path, cfg, task) -> dict:
 
     from ..consistency import config_text
     from ..errors import UsageError
-    from .profile import PROFILE_VERSION, compatible
+    from .profile_cache import PROFILE_VERSION, compatible
     from .validate import model_gradient_bytes
 
     try:
@@ -127,7 +123,7 @@ def read_profile(path: Path, cfg, task) -> dict:
     except ValueError:
         raise UsageError(f"--profile {path} is not JSON; give the profile.json of a `paratrain plan --out DIR` "
                          f"run") from None
-    if not isinstance(prof, dict) or not isinstance(prof.get("version"), int) or not isinstance(prof.get("device"), str):
+    if not (isinstance(prof, dict) and isinstance(prof.get("version"), int) and isinstance(prof.get("device"), str)):
         raise UsageError(f"--profile {path} is not a profile (no version or device); give the profile.json of a "
                          f"`paratrain plan --out DIR` run")
     if prof["version"] > PROFILE_VERSION:
@@ -150,6 +146,7 @@ def read_profile(path: Path, cfg, task) -> dict:
             raise UsageError(f"--profile {path} was measured for another recipe ({'; '.join(diff[:2])}: the "
                              f"profile's line first); give the CONFIG and --set it was profiled with")
         return prof
+
     def size(grads) -> str:
         return f"{len(grads)} parameters, {sum(g for g in grads if isinstance(g, (int, float)))} bytes"
 
@@ -171,6 +168,7 @@ def _has_batchnorm(task) -> bool:
     """Whether the task's model (built on the meta device) has BatchNorm layers."""
     import torch
 
+    from ..strategies.sync_batchnorm import has_batchnorm
+
     with torch.device("meta"):
-        model = task.build_model()
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        return has_batchnorm(task.build_model())

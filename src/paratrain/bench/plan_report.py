@@ -34,7 +34,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..devices import resolve
     from .plan_validate import validation_counts
 
-    if args.nproc and args.profile is None:  # bad input says so before the profile's minutes (--profile: the file's device)
+    # bad input says so before the profile's minutes (with --profile, the file's device decides, below)
+    if args.nproc and args.profile is None:
         _gpu_nproc(ns, resolve(cfg.dist.device).type == "cuda", preset, args.nproc)
     if args.profile is not None:  # measured elsewhere: checked against this recipe, nothing measured or written
         prof = plan_profile.read_profile(args.profile, cfg, task)

@@ -60,38 +60,7 @@ from typing import Any, Callable
 
 import torch
 
-PROFILE_VERSION = 22  # 22: a CPU's loop_one_rank_s too (for presets); 21: loop_buffer_broadcast_s, DDP's
-# buffer broadcast in the loop (CPU, BatchNorm);
-# 20: the loop's sync BatchNorm key-off runs of DDP without its buffer broadcast;
-# 19: a GPU's loop_one_rank_s, each strategy's own work at one rank;
-# 18: zero1_step_s, what ZeRO-1's optimizer step adds to allreduce's between 2 ranks;
-# 17: fsdp_units are all FSDP2 adds to a unit between 2 ranks (was: beyond one rank
-# with FSDP2); 16: loop_sync_batchnorm_oversubscribed counts "processes" as meetings_oversubscribed
-# does (was "replicas"); 15: the loop's sync BatchNorm at the recipe's batch per replica (was half);
-# 14: on fewer than 4 cores, sync BatchNorm in the loop and the meetings at 4 processes
-# (oversubscribed); the layers' sync BatchNorm micro-benchmarks only for what the loop did not measure;
-# 13: sync BatchNorm's meetings timed after the step's compute per layer; 12: a parameter
-# server's round trip (the PS's link); 11: the step's spread from
-# successive differences (timing.successive_difference_sd), without the run's drift; 10: FSDP2's collectives
-# per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
-# optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
-# BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu", 22: "cpu"}
-"""Profile versions whose change touched the profiles of one device type only (20: the loop's sync
-BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
-one-rank runs, which a GPU's profile had since 19): a profile of an older version and another device type
-holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
-
-
-def compatible(version: int | None, device: str) -> bool:
-    """Whether a profile of ``version`` measured on ``device`` (e.g. ``"cuda:0"``) holds what
-    :data:`PROFILE_VERSION` measures there: the same version, or an older one where every version
-    since changed another device type's profiles only (:data:`DEVICE_ONLY_CHANGES`)."""
-    if not isinstance(version, int) or version > PROFILE_VERSION:
-        return False
-    kind = str(device).split(":")[0]
-    return all(DEVICE_ONLY_CHANGES.get(v, kind) != kind for v in range(version + 1, PROFILE_VERSION + 1))
-
+from .profile_cache import PROFILE_VERSION  # the versions live with the cache's key
 
 STAGE_COUNTS = (2, 4)
 

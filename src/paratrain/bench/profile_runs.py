@@ -6,7 +6,8 @@ and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many repli
 (:func:`sync_batchnorm_fallbacks`); for a recipe whose DDP broadcasts the model's buffers (no sync
 BatchNorm), what that broadcast adds to the loop's two-replica steps (:func:`loop_buffer_broadcast`;
 both pair runs through :func:`_paired_runs`); what each strategy's own work adds to the step as one rank
-(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets). Each run goes through :func:`_loop_run`. The rest of the profile is
+(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets). Each run goes through
+:func:`_loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
