@@ -84,7 +84,8 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     prof = json.loads((tmp / "p" / "profile.json").read_text())
     assert prof["device"] == "cpu" and prof["meetings"] and prof["fsdp_units"] and prof["memory_copy"]
     assert math.isfinite(prof["zero1_step_s"])
-    bare = {k: v for k, v in prof.items() if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s")}
+    bare = {k: v for k, v in prof.items()
+            if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s", "fsdp_step_s")}
     cfg = configuration.load(str(tmp / "gpt.toml"))
     here = Link(name="measured", **prof["links"]["all_reduce"])
     for strategy in ("fsdp", "zero1"):
@@ -141,6 +142,23 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
         rows = [predict_layout(lay, p, cfg, link, on_this_machine=mine, global_batch=None)["step_s"]
                 for link, mine in ((here, True), (PRESETS["ib400"], False)) for p in (prof, unmeasured)]
         assert rows[0] != rows[1] and rows[2] > rows[3], (strategy, rows)
+    # an async worker's exchange among computing workers (4 compute lengths), priced here only
+    loaded = prof["ps_round_trips_loaded"]
+    assert loaded["workers"] == 2 and [c for c, _ in loaded["points"]] == [0.001, 0.004, 0.016, 0.064]
+    assert all(s > 0 for _, s in loaded["points"])
+    idle = {k: v for k, v in prof.items() if k != "ps_round_trips_loaded"}
+    lay = Layout("ps-async", 2, {"num_ps": 1}, "ps-async")
+    rows = [predict_layout(lay, p, cfg, link, on_this_machine=mine, global_batch=None)["step_s"]
+            for link, mine in ((here, True), (PRESETS["ib400"], False)) for p in (prof, idle)]
+    assert rows[0] >= rows[1] and rows[2] == rows[3], rows
+    # FSDP2's optimizer step measured between 2 processes reaches predict_fsdp here, and no cluster's
+    assert math.isfinite(prof["fsdp_step_s"])
+    monkeypatch.undo()
+    got, formula = [], strategy_model.predict_fsdp
+    monkeypatch.setattr(strategy_model, "predict_fsdp", lambda *a, **kw: got.append(kw) or formula(*a, **kw))
+    for link, mine in ((here, True), (PRESETS["ib400"], False)):
+        predict_layout(Layout("fsdp", 2, {}, "fsdp"), prof, cfg, link, on_this_machine=mine, global_batch=None)
+    assert got[0]["step_path_s"] == prof["fsdp_step_s"] and got[1]["step_path_s"] is None
 
 
 def test_replanning_reads_the_cached_profile(planned, tiny_data):

@@ -308,7 +308,7 @@ def test_a_measured_zero1_step_replaces_the_one_process_dispatch_and_is_zero1s_o
 
 
 def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_allreduces(monkeypatch):
-    """time_zero1_step in this process on a one-rank group: a ``Zero1._gather_rows`` made 10 ms slower
+    """time_sharded_step of zero1 (the default) in this process on a one-rank group: a ``Zero1._gather_rows`` made 10 ms slower
     is measured (the real strategy's step is what is timed), and the group, the threads and the
     global random generator are left as they were. Then
     between 2 processes for digits_cnn's parameter shapes with training's SGD: the DTensor steps cost
@@ -318,7 +318,7 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
     import torch
     import torch.distributed as dist
 
-    from paratrain.bench.microbench_sharded import measured_zero1_step, optimizer_spec, time_zero1_step
+    from paratrain.bench.microbench_sharded import measured_sharded_step, optimizer_spec, time_sharded_step
     from paratrain.strategies.zero1 import Zero1
 
     shapes = [[10], [10, 64], [64], [64, 32, 3, 3], [16, 1, 3, 3]]
@@ -332,11 +332,11 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
         gather = Zero1._gather_rows
         monkeypatch.setattr(Zero1, "_gather_rows", lambda self: (time.sleep(0.01), gather(self)))
         threads, rng = torch.get_num_threads(), torch.get_rng_state()
-        assert 0.009 <= time_zero1_step({**spec, "threads": 1}, repeats=20, warmup=1) < 0.1
+        assert 0.009 <= time_sharded_step({**spec, "threads": 1}, repeats=20, warmup=1) < 0.1
         assert dist.is_initialized() and dist.get_world_size() == 1
         assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), rng)
     finally:
         dist.destroy_process_group()
     monkeypatch.undo()
-    got = measured_zero1_step(params, sgd, timeout_s=150)
+    got = measured_sharded_step("zero1", params, sgd, timeout_s=150)
     assert math.isfinite(got) and 0 < got < 1

@@ -77,7 +77,7 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
 
     ``step_path_s`` (this machine's CPU, ``overlap=False``): what ZeRO-1's optimizer step was measured
     to add to allreduce's between 2 processes of one thread each
-    (:func:`~.microbench_sharded.time_zero1_step`: the DTensor wrap and dispatch, the arithmetic on
+    (:func:`~.microbench_sharded.time_sharded_step`: the DTensor wrap and dispatch, the arithmetic on
     half the rows instead of all, the copies, the all-gather and the waits inside it). Then the step
     is allreduce's (the whole optimizer) plus ``step_path_s``, moved from 2 to n ranks by the terms
     that depend on n: the optimizer's arithmetic, ``O s (1/n - 1)`` in place of the path's
@@ -142,7 +142,7 @@ def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[
     return max(compute_end, comm_free)
 
 
-def _piecewise(points: Sequence[Sequence[float]], what: str, x: str, proportional_above: bool
+def piecewise(points: Sequence[Sequence[float]], what: str, x: str, proportional_above: bool
                ) -> Callable[[float], float]:
     """y(x) linear between the measured ``(x > 0, y >= 0)`` points (``what``, ``x``: their names, for
     errors), the smallest x's y below them, and above them the largest x's y (or, ``proportional_above``,
@@ -167,7 +167,7 @@ def copy_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], float]:
     smallest size's time below it, the largest size's seconds per byte above it (0 for x <= 0). A
     copy's cost per byte is not one number on a CPU: small ones stay in cache or reuse freed memory,
     large ones fault in fresh pages."""
-    y = _piecewise(points, "copy_seconds", "bytes", proportional_above=True)
+    y = piecewise(points, "copy_seconds", "bytes", proportional_above=True)
     return lambda nbytes: y(nbytes) if nbytes > 0 else 0.0
 
 
@@ -179,7 +179,7 @@ def meeting_seconds(points: Sequence[Sequence[float]]) -> Callable[[float], floa
     back after a barrier) leaves out the wait for the rank that arrives last and the waking of the
     threads that run it (here 0.5 ms after 0.25 ms of compute, 2.0-2.5 ms after 4-64 ms, against an
     all-gather's alpha of 0.35 ms)."""
-    return _piecewise(points, "meeting_seconds", "compute seconds", proportional_above=False)
+    return piecewise(points, "meeting_seconds", "compute seconds", proportional_above=False)
 
 
 def fsdp_copies_s(nbytes: float, n: int, copy_s: Callable[[float], float] | None) -> float:
@@ -198,7 +198,8 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
                  scatter_link: Link | None = None, copy_s: Callable[[float], float] | None = None,
                  meeting_s: Callable[[float], float] | None = None,
                  unit_path_s: Callable[[float], Sequence[float]] | None = None,
-                 path_meeting_s: Callable[[float], float] | None = None) -> Prediction:
+                 path_meeting_s: Callable[[float], float] | None = None,
+                 step_path_s: float | None = None) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
     sharded), in forward order: the root first (its own parameters, which FSDP2 keeps gathered from
     the forward to the backward: no second all-gather), then the units. A unit of 0 bytes has no
@@ -229,6 +230,18 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     machine). The paths are not scaled by ``compute_scale``; above the cores the 4-process meeting
     prices the taking of turns. Without ``path_meeting_s`` each wait is the meeting less the
     all-gather's alpha, as before 2026-11-26.
+
+    ``step_path_s`` (this machine's CPU, ``overlap=False``): what FSDP2's optimizer step was measured
+    to add to allreduce's between 2 processes (:func:`~.microbench_sharded.time_sharded_step`: the
+    guard's norm of the DTensor shards with its all-reduce, and the optimizer's dispatch and
+    arithmetic on half of each parameter). Then the step's optimizer part is ``O s / n +
+    step_path_s + O / 2`` (the path less its 2 processes' arithmetic, ``O (1/2 - 1)``, plus n's), in
+    place of ``O s / n`` and the norm's collective above, which the path holds at 2 ranks: the
+    norm's ring all-reduce at n less at 2 and the wait that n processes' meeting costs beyond 2
+    (``meeting_s(0) - path_meeting_s(0)``) are added. Measured on 2026-11-27 (2 vCPU, 1 thread a
+    process): digits_cnn's step on DTensor shards took 3.2-3.3 ms in training at N = 2 where the
+    one-process dispatch terms and the norm's meeting gave 1.6 ms; the path measured 2.2-2.3 ms above
+    allreduce's 0.5 ms.
     """
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):
@@ -240,7 +253,11 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         return _prediction(w, n, compute, compute, "sharded_parameters")
     units = sum(1 for b in unit_bytes if b)
     norm = ring_allreduce_s(FLOAT32_BYTES, n, link)
-    if meeting_s is not None:  # a blocking collective a moment after the last reduce-scatter
+    if step_path_s is not None and not overlap:  # the measured step holds the norm's all-reduce at 2 ranks
+        norm = step_path_s + w.optimizer_s / 2 + norm - ring_allreduce_s(FLOAT32_BYTES, 2, link)
+        if meeting_s is not None and path_meeting_s is not None:
+            norm += max(0.0, meeting_s(0.0) - path_meeting_s(0.0))
+    elif meeting_s is not None:  # a blocking collective a moment after the last reduce-scatter
         norm = max(norm, meeting_s(0.0))
     glink, slink = gather_link or link, scatter_link or link
     measured = unit_path_s is not None and not overlap  # this machine's CPU: the units' measured paths
@@ -296,7 +313,7 @@ def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[flo
     """``unit_path_s`` for :func:`fsdp_paths_s` from measured ``[bytes, forward, backward resharded,
     backward kept]`` rows (:func:`~.microbench_sharded.measured_fsdp_units`): each column linear in
     the bytes between the measured sizes, the smallest's below them, proportional above them."""
-    cols = [_piecewise([(r[0], r[k]) for r in points], "unit_paths", "bytes", proportional_above=True)
+    cols = [piecewise([(r[0], r[k]) for r in points], "unit_paths", "bytes", proportional_above=True)
             for k in (1, 2, 3)]
     return lambda nbytes: (cols[0](nbytes), cols[1](nbytes), cols[2](nbytes))
 
@@ -334,4 +351,4 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "meeting_seconds", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_towers", "MIB"]
+           "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_towers", "MIB"]

@@ -52,13 +52,13 @@ def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[i
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
             from .microbench_meetings import _time_meeting, _time_sync_batchnorm
-            from .microbench_sharded import time_fsdp_unit, time_zero1_step
+            from .microbench_sharded import time_fsdp_unit, time_sharded_step
 
             timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
                      "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm,
                      "meeting": _time_meeting, "fsdp_unit": time_fsdp_unit,
-                     "zero1_step": time_zero1_step}[op]
-            # each size by its index: an item (a zero1_step spec, an optimizer's defaults) need not be JSON
+                     "sharded_step": time_sharded_step}[op]
+            # each size by its index: an item (a sharded_step spec, an optimizer's defaults) need not be JSON
             results = [(i, timer(size, repeats, warmup)) for i, size in enumerate(sizes_bytes)]
         finally:
             leave_group()
@@ -200,13 +200,13 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ``{"shape": (N, C, *), "compute_s": [before, between]}`` items (BatchNorm inputs), returned as
     given with :func:`_time_sync_batchnorm`'s seconds;
     ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
-    seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`); ``zero1_step``: the items are
-    :func:`~.microbench_sharded.time_zero1_step`'s specs (a model's parameters and optimizer).
+    seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`); ``sharded_step``: the items are
+    :func:`~.microbench_sharded.time_sharded_step`'s specs (a model's parameters and optimizer).
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
-    sizes = (list(sizes_bytes) if op in ("sync_batchnorm", "zero1_step")  # BatchNorm inputs; a model's parameters
+    sizes = (list(sizes_bytes) if op in ("sync_batchnorm", "sharded_step")  # BatchNorm inputs; a model's parameters
              else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,

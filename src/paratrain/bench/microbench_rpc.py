@@ -23,8 +23,8 @@ def _echo(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _start_rpc(rank: int, workdir: str, threads: int, timeout_s: float) -> None:
-    """This process as RPC agent ``agent<rank>`` of two, over the transports the parameter
+def _start_rpc(rank: int, workdir: str, threads: int, timeout_s: float, world_size: int = 2) -> None:
+    """This process as RPC agent ``agent<rank>`` of ``world_size``, over the transports the parameter
     server uses, at ``threads`` intra-op threads."""
     import torch.distributed.rpc as rpc
 
@@ -38,7 +38,7 @@ def _start_rpc(rank: int, workdir: str, threads: int, timeout_s: float) -> None:
                                            _transports=RPC_TRANSPORTS)  # as the parameter server's
     with warnings.catch_warnings():  # torch's own rpc start-up passes a gloo Backend where it wants a ProcessGroup
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        rpc.init_rpc(f"agent{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        rpc.init_rpc(f"agent{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
 
 
 def _stop_rpc(rank: int, workdir: str, result) -> None:
@@ -139,6 +139,102 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
     return float(run_ranks(_ps_main, 2, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
                            timeout_s, "parameter server benchmark"))
+
+
+LOADED_COMPUTE_S = (0.001, 0.004, 0.016, 0.064)
+"""The stretches of compute (seconds) between a worker's exchanges in :func:`measured_ps_round_trips_loaded`."""
+
+
+def _compute_for(seconds: float, a: torch.Tensor) -> None:
+    """Keep this process' intra-op threads busy for ``seconds`` (products of ``a``, a worker's compute)."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(a, a)
+
+
+def _exchanges(compute_s: float, most: int, seconds: float = 1.0) -> int:
+    """How many exchanges :func:`_ps_loaded_main` times after ``compute_s`` of compute: about
+    ``seconds`` of them (2 ms an exchange assumed), at least 20, at most ``most``."""
+    return max(20, min(most, round(seconds / (compute_s + 0.002))))
+
+
+def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type,
+                    defaults: dict, workers: int, threads: int, computes: Sequence[float], exchanges: int,
+                    warmup: int, timeout_s: float) -> None:
+    """One of ``workers`` + 1 RPC agents (:func:`~.microbench.run_ranks`): rank 0 serves one asynchronous
+    :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, for each stretch c in
+    ``computes``, compute for c and then exchange with it (push, update, answer, load), ``warmup`` +
+    :func:`_exchanges` times, timing the exchanges (:func:`measured_ps_round_trips_loaded`). Each worker writes
+    its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
+    import time
+
+    import torch.distributed.rpc as rpc
+
+    from ..ps import rpc_api
+    from ..ps.server import ShardServer
+
+    try:
+        if rank == 0:  # the shard exists before any agent can reach it: init_rpc is the start line
+            rpc_api._SHARDS[0] = ShardServer(0, workers, "async", timeout_s=timeout_s)
+            rpc_api.init_shard(0, [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes], opt_cls, defaults)
+        _start_rpc(rank, workdir, threads, timeout_s, world_size=workers + 1)
+        if rank > 0:
+            params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
+            grads = [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
+            a = torch.randn(256, 256)
+            version, times = 0, []
+            for c in computes:
+                got = []
+                for i in range(warmup + _exchanges(c, exchanges)):
+                    _compute_for(c, a)
+                    t0 = time.perf_counter()
+                    version, tensors, _ = rpc.rpc_sync("agent0", rpc_api.push, args=(
+                        0, rank - 1, version, grads, defaults.get("lr"), 0.0, 0))
+                    with torch.no_grad():
+                        for p, t in zip(params, tensors):
+                            p.copy_(t)
+                    if i >= warmup:
+                        got.append(time.perf_counter() - t0)
+                times.append(got)
+            (Path(workdir) / f"times-{rank}.json").write_text(json.dumps(times))
+        result = None
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+            rpc.shutdown()  # every worker has written its times
+        if rank == 0:
+            got = [json.loads((Path(workdir) / f"times-{r}.json").read_text()) for r in range(1, workers + 1)]
+            result = [[c, statistics.fmean(t for w in got for t in w[i])] for i, c in enumerate(computes)]
+            (Path(workdir) / "results.json.tmp").write_text(json.dumps(result))
+            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
+        rpc_api._SHARDS.clear()
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+                                   workers: int = 2, threads: int = 1,
+                                   computes: Sequence[float] = LOADED_COMPUTE_S, exchanges: int = 150,
+                                   warmup: int = 5, timeout_s: float = 300.0) -> list[list[float]]:
+    """``[[c, seconds], ...]``: the mean seconds of one ``ps-async`` worker's exchange
+    (:func:`measured_ps_round_trip`'s: push, the server's update, answer, load) while ``workers``
+    workers share this machine's cores with their server, each computing for c seconds (products of a
+    256 x 256 matrix at ``threads`` intra-op threads) between its exchanges, for each c in ``computes``:
+    ``workers`` + 1 local processes (:func:`~.microbench.run_ranks`), about 1 s of exchanges timed per
+    worker and c (20 to ``exchanges``) after ``warmup``; about 6 s in all for a small model. The mean, not the median: the exchanges that wait for a core are a long tail,
+    and a worker's steps add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange
+    (96 KB each way) took 1.5-1.8 ms with one worker or with workers that slept between exchanges,
+    and a mean of 2.7-3.0 ms (c = 2.5-5 ms) to 4.1-4.3 ms (c = 20 ms) with two workers computing:
+    what two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what
+    :func:`measured_ps_round_trip` alone leaves out. Raises RuntimeError if a process fails or hangs
+    past ``timeout_s``."""
+    shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
+    defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+    return run_ranks(_ps_loaded_main, workers + 1, (shapes, type(optimizer), defaults, workers, threads,
+                                                   tuple(computes), exchanges, warmup, timeout_s),
+                     timeout_s, "parameter server benchmark under load")
 
 
 def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, clip: float, *,

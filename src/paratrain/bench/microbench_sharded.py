@@ -181,32 +181,39 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
 
 def optimizer_spec(optimizer: torch.optim.Optimizer) -> dict:
     """``{"optimizer": "module:QualName", "defaults": {...}}``: ``optimizer``'s class (the user's,
-    under a strategy's wrapper) and defaults, for :func:`time_zero1_step` in other processes."""
+    under a strategy's wrapper) and defaults, for :func:`time_sharded_step` in other processes."""
     from ..strategies.wrapping import user_optimizer_class
 
     cls = user_optimizer_class(optimizer)
     return {"optimizer": f"{cls.__module__}:{cls.__qualname__}", "defaults": dict(optimizer.defaults)}
 
 
-def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
-    """Seconds that ``zero1``'s optimizer step adds to ``allreduce``'s between the ranks of the
+def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
+    """Seconds that a sharded strategy's optimizer step (``spec["strategy"]``: ``zero1``, the
+    default, or ``fsdp``) adds to ``allreduce``'s between the ranks of the
     default group (gloo, CPU), for parameters of ``spec["shapes"]`` and the optimizer of
     :func:`optimizer_spec` (``spec["optimizer"]``, ``spec["defaults"]``), of ``spec["dtypes"]``
     (default float32), at ``spec["threads"]`` intra-op threads (default 1; restored after): the mean of
-    ``optimizer.step()`` under the real :class:`~paratrain.strategies.zero1.Zero1` less the mean under
+    ``optimizer.step()`` under the real strategy (:class:`~paratrain.strategies.zero1.Zero1`,
+    :class:`~paratrain.strategies.fsdp.FSDP`) less the mean under
     :class:`~paratrain.strategies.allreduce.AllReduce` (the plain step on whole tensors), both with
     training's options (the non-finite guard on), the same gradients set before each step, a barrier
-    before each. That difference is everything ZeRO-1 changes in the step: the gradients' rows wrapped
-    as DTensors, the optimizer's per-operation dispatch on them, its arithmetic on 1/W of the rows
-    instead of all, the copies into and out of the all-gather's buffer, the all-gather and the wait
-    for the rank that reaches it last. The two kinds of steps alternate in rounds (about 1 s in
-    all), so that a change of the machine's speed meets both. Returns the ranks' mean. The global
-    random generator is left as it was. Collective: every rank of the group calls it."""
+    before each. For ZeRO-1 that difference is everything it changes in the step: the gradients' rows
+    wrapped as DTensors, the optimizer's per-operation dispatch on them, its arithmetic on 1/W of the
+    rows instead of all, the copies into and out of the all-gather's buffer, the all-gather and the
+    wait for the rank that reaches it last. For FSDP2 (one unit holding every parameter: the step does
+    not depend on the units) the gradients are DTensor shards, as FSDP2's reduce-scatter leaves them:
+    the guard's norm of them (their dispatch and the all-reduce of the norm, a blocking collective)
+    and the optimizer's dispatch and arithmetic on 1/W of each parameter. The two kinds of steps
+    alternate in rounds (about 1 s in all), so that a change of the machine's speed meets both.
+    Returns the ranks' mean. The global random generator is left as it was. Collective: every rank
+    of the group calls it."""
     import functools
     import importlib
 
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     from ..env import DistEnv
     from ..strategies import DEFAULT, get_strategy, modelled
@@ -231,9 +238,11 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
             strategy = get_strategy(name, env, timing=True, skip_nonfinite=True)
             _, opt = strategy.setup(module, opt)
             params = list(module.parameters())
+            given = [distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+                     for p, g in zip(params, grads)]  # fsdp: each rank's shard of the gradient
 
             def step() -> float:
-                for p, g in zip(params, grads):
+                for p, g in zip(params, given):
                     p.grad = g.clone()
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -241,7 +250,7 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
                 return time.perf_counter() - t0
             return step
 
-        zero1, plain = built(modelled(SHARDED_OPTIMIZER)[0]), built(DEFAULT)  # zero1, DDP's all-reduce
+        zero1, plain = built(spec.get("strategy", modelled(SHARDED_OPTIMIZER)[0])), built(DEFAULT)  # DDP's all-reduce
         for _ in range(warmup):
             zero1(), plain()
         per_round = 10
@@ -259,18 +268,20 @@ def time_zero1_step(spec: dict, repeats: int, warmup: int) -> float:
         torch.set_num_threads(old_threads)
 
 
-def measured_zero1_step(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *, threads: int = 1,
-                        repeats: int = 200, timeout_s: float = 300.0) -> float:
-    """:func:`time_zero1_step` between two local gloo processes of ``threads`` intra-op threads each
-    (a process' share of the cores at N = 2), for ``params``' shapes and dtypes and ``optimizer``'s
-    class and defaults (seconds; may be below 0 where the sharded step is faster, on large models).
-    For :func:`~.costmodel_sharded.predict_zero1`'s ``step_path_s`` on this machine. Raises
-    RuntimeError as :func:`~.microbench.measure_allreduce`."""
+def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+                          threads: int = 1, repeats: int = 200, timeout_s: float = 300.0) -> float:
+    """:func:`time_sharded_step` of ``strategy`` (``zero1`` or ``fsdp``) between two local gloo
+    processes of ``threads`` intra-op threads each (a process' share of the cores at N = 2), for
+    ``params``' shapes and dtypes and ``optimizer``'s class and defaults (seconds; may be below 0 where
+    the sharded step is faster, on large models). For :func:`~.costmodel_sharded.predict_zero1`'s and
+    :func:`~.costmodel_sharded.predict_fsdp`'s ``step_path_s`` on this machine. Raises RuntimeError as
+    :func:`~.microbench.measure_allreduce`."""
     from .microbench import measure_allreduce
 
-    spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params],
+    spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params], "strategy": strategy,
             "dtypes": [str(p.dtype).removeprefix("torch.") for p in params], "threads": threads}
-    ((_, seconds),) = measure_allreduce(2, [spec], repeats=repeats, warmup=3, timeout_s=timeout_s, op="zero1_step")
+    ((_, seconds),) = measure_allreduce(2, [spec], repeats=repeats, warmup=3, timeout_s=timeout_s,
+                                        op="sharded_step")
     return float(seconds)
 
 
@@ -290,4 +301,4 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeou
 
 
 __all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units",
-           "optimizer_spec", "time_zero1_step", "measured_zero1_step"]
+           "optimizer_spec", "time_sharded_step", "measured_sharded_step"]

@@ -215,12 +215,17 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
+              # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
+              "ps_loaded": prof.get("ps_round_trips_loaded") if shared_cores else None,
+              "ps_round_trip_s": prof.get("ps_round_trip_s"),
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
               "meetings": meetings(prof, n) if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
-              "path_meetings": prof.get("meetings") if shared_cores else None,  # 2 processes: fsdp_units, zero1_step_s
+              "fsdp_step_s": prof.get("fsdp_step_s") if shared_cores else None,
+              # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
+              "path_meetings": prof.get("meetings") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
               # CPU's on a preset (this machine's CPU rows price it between two processes: zero1_step_s, fsdp_units)

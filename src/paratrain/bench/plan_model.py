@@ -73,7 +73,7 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
-from .plan_ps import ps_async_rate, ps_update_s
+from .plan_ps import ps_async_rate, ps_exchange_wait_s, ps_update_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
 PS = "ps"
@@ -269,7 +269,9 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too. Where ZeRO-1's whole optimizer
     step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
     holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
-    communication (the part measured in training: the optimizer's span holds the all-gather).
+    communication (the part measured in training: the optimizer's span holds the all-gather); where
+    FSDP's was (``inputs["fsdp_step_s"]``), likewise, and its optimizer part is
+    :func:`~.costmodel_sharded.predict_fsdp`'s (the guard's all-reduce in it, as in training's span).
     ``inputs["one_rank_s"]`` (a GPU's profile, or a CPU's on a preset:
     :func:`~.profile_runs.loop_one_rank_overheads`, this
     layout's strategy measured as one rank of ``paratrain train`` less the one-device step:
@@ -284,7 +286,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
     own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
     dispatch = 0.0
-    priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _zero1_measured(model, inputs, overlap)
+    priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _step_measured(model, inputs, overlap)
     if priced and layout.n > 1 and own is None:  # the one-rank runs hold the DTensors' dispatch (also at 0)
         dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
                     + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
@@ -321,11 +323,17 @@ def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[
     return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
 
 
-def _zero1_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
-    """Whether ZeRO-1's step measured between 2 processes (``inputs["zero1_step_s"]``) prices this
-    layout, as :func:`~.costmodel_sharded.predict_zero1` uses it: on this machine's CPU (no overlap).
-    It holds the DTensor dispatch."""
-    return model == SHARDED_OPTIMIZER and inputs.get("zero1_step_s") is not None and not overlap
+STEP_PATHS = {SHARDED_OPTIMIZER: "zero1_step_s", SHARDED_PARAMETERS: "fsdp_step_s"}
+"""The input holding what each sharded formula's optimizer step adds to allreduce's, measured
+between 2 processes (:func:`~.microbench_sharded.measured_sharded_step`)."""
+
+
+def _step_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
+    """Whether ZeRO-1's or FSDP's optimizer step measured between 2 processes
+    (``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``) prices this layout, as
+    :func:`~.costmodel_sharded.predict_zero1` and :func:`~.costmodel_sharded.predict_fsdp` use it: on
+    this machine's CPU (no overlap). It holds the DTensor dispatch."""
+    return model in STEP_PATHS and inputs.get(STEP_PATHS[model]) is not None and not overlap
 
 
 def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
@@ -344,7 +352,8 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
             return _parts(step, compute, 0.0 if n > 1 else optimizer, 0.0, n * w.tokens_per_step / step, n)
         scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s,
                          optimizer_s=0.0)
-        rate, _ = ps_async_rate(scaled, n, k, ps_link, update)
+        wait = ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute) if n > 1 else 0.0
+        rate, _ = ps_async_rate(scaled, n, k, ps_link, update, wait)
         return _parts(n / rate, compute, 0.0, 0.0, rate * w.tokens_per_step, n)
     if model == STAGES:
         stages = layout.overrides["pipeline_stages"]
@@ -368,11 +377,13 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links)
-    if _zero1_measured(model, inputs, overlap) and n > 1:
+    if _step_measured(model, inputs, overlap) and n > 1 and model == SHARDED_OPTIMIZER:
         # the measured path: the optimizer's part is all zero1's step adds to allreduce's without its optimizer
         ring = predict_model(RING, ww, n, link, d, inputs, compute_scale=s,
                              bucket_mb=layout.overrides.get("bucket_mb"), overlap=overlap, links=links)
         optimizer = max(optimizer / n, p.step_s - (ring.step_s - optimizer))
+    elif _step_measured(model, inputs, overlap) and n > 1:  # fsdp: its step as predict_fsdp prices it at 2 ranks
+        optimizer = max(optimizer / n, optimizer / n + inputs["fsdp_step_s"] + w.optimizer_s / 2)
     elif model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)

@@ -1,6 +1,7 @@
 """The parameter server's part of ``paratrain plan``'s model (:mod:`.plan_model`): the servers' update
-(:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`) and the
-rate of asynchronous workers (:func:`ps_async_rate`). Units: seconds, bytes."""
+(:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`), what an
+exchange waits for a core while the other workers compute on the same ones (:func:`ps_exchange_wait_s`)
+and the rate of asynchronous workers (:func:`ps_async_rate`). Units: seconds, bytes."""
 from __future__ import annotations
 
 from ..errors import UsageError
@@ -47,12 +48,34 @@ def slower(a: Link, b: Link) -> Link:
                 gamma_s_per_byte=max(a.gamma_s_per_byte, b.gamma_s_per_byte))
 
 
-def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0) -> tuple[float, float]:
+def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: float) -> float:
+    """Seconds one ``ps-async`` worker's exchange takes beyond ``idle_s`` (its exchange with nothing
+    else running, :func:`~.microbench_rpc.measured_ps_round_trip`) when the other workers compute on
+    the same cores for ``compute_s`` between their exchanges: ``loaded["points"]``, the mean exchange
+    of ``loaded["workers"]`` workers that compute c seconds each between exchanges
+    (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c between the measured
+    points and the nearest end's value outside them, less ``idle_s``; at least 0. The hand-offs of
+    an exchange (the worker's and the server's RPC threads, the handler) wait for a core that a
+    computing worker holds, more often the longer the stretches of compute. 0 without either
+    measurement (a GPU's profile, a preset: each worker on its own machine). Raises UsageError for
+    malformed points."""
+    if not loaded or not idle_s:
+        return 0.0
+    from .costmodel_sharded import piecewise
+
+    mean = piecewise(loaded["points"], "ps_round_trips_loaded", "compute seconds", proportional_above=False)
+    return max(0.0, mean(compute_s) - idle_s)
+
+
+def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
+                  wait_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
-    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server."""
+    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server.
+    ``wait_s``: what each exchange waits beyond the link's price for cores the other workers
+    compute on (:func:`ps_exchange_wait_s`), in the worker's step only."""
     nbytes = sum(w.param_bytes)
-    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s
+    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s + wait_s
     server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step

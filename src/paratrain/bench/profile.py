@@ -16,7 +16,9 @@ own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.me
 RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
 server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`) and a
 ``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
-:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`), what the
+:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`; on a
+CPU also the mean exchange of two workers that compute between exchanges on the same cores,
+``ps_round_trips_loaded``, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
@@ -25,8 +27,8 @@ whole and halved), what a blocking collective costs two processes reaching it fr
 (``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
 two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
-and what ZeRO-1's optimizer step adds to allreduce's between two processes (``zero1_step_s``,
-:func:`~.microbench_sharded.measured_zero1_step`). ``paratrain plan`` adds what allreduce, zero1 and
+and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
+``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`). ``paratrain plan`` adds what allreduce, zero1 and
 fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
 :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of the dispatch terms: a
 GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the two-process terms
@@ -233,6 +235,11 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # a ps-async worker's whole exchange with its server (push, update, answer, load), for the PS's link
         out["ps_round_trip_s"] = measured_ps_round_trip(list(model.parameters()), optimizer,
                                                         threads=default_threads(3, out["cores"]))
+        if device.type == "cpu":  # and with 2 workers computing between exchanges on the same cores
+            from .microbench_rpc import measured_ps_round_trips_loaded
+
+            out["ps_round_trips_loaded"] = {"workers": 2, "points": measured_ps_round_trips_loaded(
+                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]))}
         from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
 
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
@@ -244,7 +251,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
-            from .microbench_sharded import measured_fsdp_units, measured_zero1_step
+            from .microbench_sharded import measured_fsdp_units, measured_sharded_step
             from .profile_runs import OVERSUBSCRIBED
 
             units = out["strategy_inputs"]["units"]
@@ -255,8 +262,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                   "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
-            out["zero1_step_s"] = measured_zero1_step(list(model.parameters()), optimizer,
-                                                      threads=default_threads(2, out["cores"]))
+            for name in ("zero1", "fsdp"):  # what each one's optimizer step adds to allreduce's, between 2 ranks
+                out[f"{name}_step_s"] = measured_sharded_step(name, list(model.parameters()), optimizer,
+                                                              threads=default_threads(2, out["cores"]))
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
         from .microbench_towers import measured_towers_forward
 

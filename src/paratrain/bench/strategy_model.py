@@ -127,8 +127,9 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
     (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
     ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
-    (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``: what ZeRO-1's optimizer
-    step adds to allreduce's, measured here (:func:`~.microbench_sharded.time_zero1_step`), both
+    (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``:
+    what ZeRO-1's and FSDP2's optimizer steps add to allreduce's, measured here
+    (:func:`~.microbench_sharded.time_sharded_step`), all
     between the processes of ``inputs["path_meetings"]``' meeting table (2: the waits those paths
     hold)."""
     d, links = cfg.dist, links or {}
@@ -147,7 +148,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
                             scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
-                            unit_path_s=unit_path_s, path_meeting_s=path_meeting_s)
+                            unit_path_s=unit_path_s, path_meeting_s=path_meeting_s,
+                            step_path_s=inputs.get("fsdp_step_s"))
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None

@@ -1,0 +1,154 @@
+"""Two terms of the plan on this machine's shared CPU cores (profile version 23), against hand
+computation: an asynchronous parameter server's exchange while the other workers compute
+(bench/plan_ps.py, bench/microbench_rpc.py) and FSDP2's optimizer step measured between two
+processes (bench/costmodel_sharded.py, bench/microbench_sharded.py)."""
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paratrain.bench.costmodel import MIB, Link, Workload, ps_step_s, ring_allreduce_s
+from paratrain.bench.costmodel_sharded import predict_fsdp, unit_paths
+from paratrain.bench.plan_model import PS, Layout, step_parts
+from paratrain.bench.plan_ps import ps_async_rate, ps_exchange_wait_s
+from paratrain.bench.strategy_model import SHARDED_PARAMETERS
+from paratrain.config import Config
+from paratrain.errors import UsageError
+
+LINK = Link(name="t", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+W = Workload(forward_s=0.003, backward_s=0.005, data_s=0.0, optimizer_s=0.002, param_bytes=(MIB, MIB),
+             tokens_per_step=64)
+LOADED = {"workers": 2, "points": [[0.001, 3e-3], [0.004, 4e-3], [0.016, 7e-3]]}
+
+
+def test_an_async_exchange_among_computing_workers_waits_the_loaded_mean_less_the_idle_exchange():
+    # 8 ms of compute: between the 4 ms (4 ms) and 16 ms (7 ms) points, 5 ms; the idle exchange 2 ms
+    assert ps_exchange_wait_s(LOADED, 2e-3, 0.008) == pytest.approx(3e-3, rel=1e-12)
+    assert ps_exchange_wait_s(LOADED, 2e-3, 0.0) == pytest.approx(1e-3, rel=1e-12)  # below: the first point
+    assert ps_exchange_wait_s(LOADED, 2e-3, 1.0) == pytest.approx(5e-3, rel=1e-12)  # above: the last, flat
+    assert ps_exchange_wait_s(LOADED, 5e-3, 0.001) == 0.0  # never below the idle exchange
+    assert ps_exchange_wait_s(None, 2e-3, 0.008) == ps_exchange_wait_s(LOADED, None, 0.008) == 0.0
+    with pytest.raises(UsageError):
+        ps_exchange_wait_s({"workers": 2, "points": [[0.0, 1e-3]]}, 1e-3, 0.001)
+
+
+def test_the_wait_adds_to_each_async_workers_step_but_not_to_the_servers_bound():
+    nbytes = sum(W.param_bytes)
+    rate, step = ps_async_rate(W, 2, 1, LINK, 1e-3, 3e-3)
+    assert step == pytest.approx(W.local_s() + ps_step_s(nbytes, 1, 1, LINK) + 1e-3 + 3e-3, rel=1e-12)
+    assert rate == pytest.approx(2 / step, rel=1e-12)
+    # a server bound below the workers' rate is not moved by the wait (it is the workers' cores)
+    slow = Link(name="s", alpha_s=1e-4, beta_s_per_byte=1e-8, gamma_s_per_byte=0.0)
+    bound = 1 / (nbytes * 2 * 1e-8 + 1e-3)
+    assert ps_async_rate(W, 8, 1, slow, 1e-3, 0.0)[0] == pytest.approx(bound, rel=1e-12)
+    assert ps_async_rate(W, 8, 1, slow, 1e-3, 3e-3)[0] == pytest.approx(bound, rel=1e-12)
+
+
+def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_exchange_was_measured():
+    cls = SimpleNamespace(cost_model=PS, synchronous=False)
+    inputs = {"ps_round_trip_s": 2e-3}
+    lay = Layout("ps-async", 2, {"num_ps": 1})
+    plain = step_parts(cls, lay, W, LINK, Config(), inputs)
+    loaded = step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": LOADED})
+    # the workers' compute is 8 ms: 5 ms mean exchange among computing workers, 3 ms beyond the idle one
+    assert loaded["step_s"] == pytest.approx(plain["step_s"] + 3e-3, rel=1e-12)
+    assert loaded["comm_s"] == pytest.approx(plain["comm_s"] + 3e-3, rel=1e-12)
+    assert loaded["compute_s"] == plain["compute_s"]
+    one = Layout("ps-async", 1, {"num_ps": 1})  # one worker: nobody computes beside its exchange
+    assert step_parts(cls, one, W, LINK, Config(), {**inputs, "ps_loaded": LOADED}) == step_parts(
+        cls, one, W, LINK, Config(), inputs)
+    sync = SimpleNamespace(cost_model=PS, synchronous=True)  # ps-sync's workers exchange together
+    assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_loaded": LOADED}) == step_parts(
+        sync, lay, W, LINK, Config(), inputs)
+
+
+def test_fsdps_measured_step_replaces_its_optimizer_share_and_the_norms_collective():
+    """With ``step_path_s`` (FSDP2's step above allreduce's, measured at 2 ranks) the step's optimizer
+    part is O s / n + path + O / 2, which holds the guard's all-reduce at 2 ranks; beyond 2, the
+    ring's difference and the meeting's beyond the paths' table are added."""
+    rows = [[MIB, 1e-3, 3e-3, 2e-3]]
+    kw = dict(unit_bytes=[0, MIB], overlap=False, unit_path_s=unit_paths(rows))
+    two = lambda c: 5e-4  # noqa: E731 (2 processes)
+    four = lambda c: 2e-3  # noqa: E731 (4 processes on 2 cores)
+    compute = W.forward_s + W.backward_s  # data 0
+    at2 = predict_fsdp(W, 2, LINK, meeting_s=two, path_meeting_s=two, step_path_s=1.5e-3, **kw)
+    assert at2.step_s == pytest.approx(compute + (1e-3 + 3e-3) + 0.002 / 2 + 1.5e-3 + 0.002 / 2, rel=1e-12)
+    before = predict_fsdp(W, 2, LINK, meeting_s=two, path_meeting_s=two, **kw)  # without it: the norm's meeting
+    assert before.step_s == pytest.approx(compute + (1e-3 + 3e-3) + 0.002 / 2 + 5e-4, rel=1e-12)
+    # 4 processes: the norm's ring all-reduce at 4 less at 2, and the 4 processes' meeting beyond the 2's
+    at4 = predict_fsdp(W, 4, LINK, meeting_s=four, path_meeting_s=two, step_path_s=1.5e-3, **kw)
+    base4 = predict_fsdp(W, 4, LINK, meeting_s=four, path_meeting_s=two, **kw)  # its norm: the 4's meeting
+    norm4 = 1.5e-3 + 0.002 / 2 + ring_allreduce_s(4, 4, LINK) - ring_allreduce_s(4, 2, LINK) + (2e-3 - 5e-4)
+    assert at4.step_s == pytest.approx(base4.step_s - max(ring_allreduce_s(4, 4, LINK), 2e-3) + norm4, rel=1e-12)
+    # the ring model where collectives overlap compute (another machine) does not use the path
+    assert predict_fsdp(W, 2, LINK, unit_bytes=[0, MIB], step_path_s=1.5e-3).step_s == pytest.approx(
+        predict_fsdp(W, 2, LINK, unit_bytes=[0, MIB]).step_s, rel=1e-12)
+
+
+def test_a_measured_fsdp_step_is_fsdps_optimizer_part_and_replaces_the_one_process_dispatch():
+    cls = SimpleNamespace(cost_model=SHARDED_PARAMETERS, synchronous=True)
+    inputs = {"units": [0, MIB], "sharded_optimizer_s": 3e-3, "sharded_norm_s": 1e-3,
+              "fsdp_units": [[MIB, 1e-3, 3e-3, 2e-3]], "meetings": [[0.001, 5e-4]], "path_meetings": [[0.001, 5e-4]]}
+    lay = Layout("fsdp", 2, {})
+    old = step_parts(cls, lay, W, LINK, Config(), inputs, overlap=False)
+    new = step_parts(cls, lay, W, LINK, Config(), {**inputs, "fsdp_step_s": 1.5e-3}, overlap=False)
+    assert old["optimizer_s"] == pytest.approx(0.002 / 2 + 3e-3 + 1e-3, rel=1e-12)  # the dispatch terms
+    assert new["optimizer_s"] == pytest.approx(0.002 / 2 + 1.5e-3 + 0.002 / 2, rel=1e-12)
+    # the step: the dispatch (4 ms) and the norm's meeting (0.5 ms) out, the measured step's 2.5 ms in
+    assert new["step_s"] == pytest.approx(old["step_s"] - 4e-3 - 5e-4 + 1.5e-3 + 1e-3, rel=1e-12)
+    assert new["compute_s"] == old["compute_s"]
+    overlapped = [step_parts(cls, lay, W, LINK, Config(), {**inputs, "fsdp_step_s": x}) for x in (None, 1.5e-3)]
+    assert overlapped[0] == overlapped[1]  # another machine's link: the dispatch terms stay
+
+
+def test_the_sharded_step_microbenchmark_times_fsdps_real_step(monkeypatch):
+    """time_sharded_step of ``fsdp`` on a one-rank group: the guard's norm made 10 ms slower is
+    measured (FSDP's real step is timed, its gradients DTensor shards); between 2 processes, for
+    digits_cnn's shapes, finite and under a second."""
+    import torch.distributed as dist
+
+    from paratrain.bench.microbench_sharded import measured_sharded_step, optimizer_spec, time_sharded_step
+    from paratrain.strategies.fsdp import FSDP
+
+    shapes = [[10], [10, 64], [64], [64, 32, 3, 3], [16, 1, 3, 3]]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    sgd = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=5e-4)
+    spec = {**optimizer_spec(sgd), "shapes": shapes, "strategy": "fsdp", "threads": 1}
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        norm = FSDP._grad_norm
+        monkeypatch.setattr(FSDP, "_grad_norm", lambda self, *a, **kw: (time.sleep(0.01), norm(self, *a, **kw))[1])
+        threads = torch.get_num_threads()
+        assert 0.009 <= time_sharded_step(spec, repeats=20, warmup=1) < 0.1
+        assert dist.get_world_size() == 1 and torch.get_num_threads() == threads
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.undo()
+    got = measured_sharded_step("fsdp", params, sgd, timeout_s=150)
+    assert math.isfinite(got) and abs(got) < 1
+
+
+class SlowAsyncSGD(torch.optim.SGD):
+    """SGD whose step sleeps 30 ms first (importable: the benchmark's server process builds it)."""
+
+    def step(self, closure=None):
+        time.sleep(0.03)
+        return super().step(closure)
+
+
+def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges():
+    """Two workers and a server in three processes: one mean per stretch of compute, in order; each
+    exchange holds the server's update (30 ms slower here: a sleep a busy machine does not shorten)."""
+    from paratrain.bench.microbench_rpc import _exchanges, measured_ps_round_trips_loaded
+
+    assert _exchanges(0.001, 150) == 150 and _exchanges(0.016, 150) == 56 and _exchanges(0.064, 150) == 20
+    params = [torch.nn.Parameter(torch.randn(100, 10))]
+    got = measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.001, 0.002),
+                                         exchanges=20, warmup=1, timeout_s=240)
+    assert [c for c, _ in got] == [0.001, 0.002]
+    assert all(0.03 <= s < 0.5 for _, s in got)
