@@ -351,4 +351,5 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "unit_paths", "predict_towers", "MIB"]
+           "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "unit_paths",
+           "predict_towers", "MIB"]

@@ -223,8 +223,9 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
     workers share this machine's cores with their server, each computing for c seconds (products of a
     256 x 256 matrix at ``threads`` intra-op threads) between its exchanges, for each c in ``computes``:
     ``workers`` + 1 local processes (:func:`~.microbench.run_ranks`), about 1 s of exchanges timed per
-    worker and c (20 to ``exchanges``) after ``warmup``; about 6 s in all for a small model. The mean, not the median: the exchanges that wait for a core are a long tail,
-    and a worker's steps add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange
+    worker and c (20 to ``exchanges``) after ``warmup``; about 6 s in all for a small model. The
+    mean, not the median: the exchanges that wait for a core are a long tail, and a worker's steps
+    add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange
     (96 KB each way) took 1.5-1.8 ms with one worker or with workers that slept between exchanges,
     and a mean of 2.7-3.0 ms (c = 2.5-5 ms) to 4.1-4.3 ms (c = 20 ms) with two workers computing:
     what two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what

@@ -31,8 +31,9 @@ PROFILE_VERSION = 23  # 23: a CPU's ps_round_trips_loaded (an async PS exchange 
 DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu", 22: "cpu", 23: "cpu"}
 """Profile versions whose change touched the profiles of one device type only (20: the loop's sync
 BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
-one-rank runs, which a GPU's profile had since 19; 23: a CPU's loaded PS exchange and FSDP2 step): a profile of an older version and another device type
-holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
+one-rank runs, which a GPU's profile had since 19; 23: a CPU's loaded PS exchange and FSDP2 step): a
+profile of an older version and another device type holds the same measurements as one of
+:data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 
 def compatible(version: int | None, device: str) -> bool:
