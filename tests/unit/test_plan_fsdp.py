@@ -309,8 +309,8 @@ def test_a_measured_zero1_step_replaces_the_one_process_dispatch_and_is_zero1s_o
 
 def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_allreduces(monkeypatch):
     """time_sharded_step of zero1 (the default) in this process on a one-rank group: a
-    ``Zero1._gather_rows`` made 10 ms slower is measured (the real strategy's step is what is timed), and the group, the threads and the
-    global random generator are left as they were. Then
+    ``Zero1._gather_rows`` made 10 ms slower is measured (the real strategy's step is what is
+    timed), and the group, the threads and the global random generator are left as they were. Then
     between 2 processes for digits_cnn's parameter shapes with training's SGD: the DTensor steps cost
     more than the plain one (finite, positive, under a second)."""
     import time
