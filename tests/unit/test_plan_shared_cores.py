@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paratrain.bench.costmodel import MIB, Link, Workload, ps_step_s, ring_allreduce_s
-from paratrain.bench.costmodel_sharded import predict_fsdp, unit_paths
+from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_fsdp, unit_paths
 from paratrain.bench.plan_model import PS, Layout, step_parts
 from paratrain.bench.plan_ps import ps_async_rate, ps_exchange_wait_s
 from paratrain.bench.strategy_model import SHARDED_PARAMETERS
@@ -22,18 +22,20 @@ from paratrain.errors import UsageError
 LINK = Link(name="t", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
 W = Workload(forward_s=0.003, backward_s=0.005, data_s=0.0, optimizer_s=0.002, param_bytes=(MIB, MIB),
              tokens_per_step=64)
-LOADED = {"workers": 2, "points": [[0.001, 3e-3], [0.004, 4e-3], [0.016, 7e-3]]}
+LOADED = {"workers": 2, "idle_s": 2e-3, "points": [[0.001, 3e-3], [0.004, 4e-3], [0.016, 7e-3]]}
 
 
-def test_an_async_exchange_among_computing_workers_waits_the_loaded_mean_less_the_idle_exchange():
-    # 8 ms of compute: between the 4 ms (4 ms) and 16 ms (7 ms) points, 5 ms; the idle exchange 2 ms
-    assert ps_exchange_wait_s(LOADED, 2e-3, 0.008) == pytest.approx(3e-3, rel=1e-12)
-    assert ps_exchange_wait_s(LOADED, 2e-3, 0.0) == pytest.approx(1e-3, rel=1e-12)  # below: the first point
-    assert ps_exchange_wait_s(LOADED, 2e-3, 1.0) == pytest.approx(5e-3, rel=1e-12)  # above: the last, flat
-    assert ps_exchange_wait_s(LOADED, 5e-3, 0.001) == 0.0  # never below the idle exchange
-    assert ps_exchange_wait_s(None, 2e-3, 0.008) == ps_exchange_wait_s(LOADED, None, 0.008) == 0.0
+def test_an_async_exchange_among_computing_workers_waits_the_loaded_mean_less_the_idle_mean():
+    # 8 ms of compute: between the 4 ms (4 ms) and 16 ms (7 ms) points, 5 ms; the workers' idle mean 2 ms
+    assert ps_exchange_wait_s(LOADED, 9.0, 0.008) == pytest.approx(3e-3, rel=1e-12)  # idle_s, not the median
+    assert ps_exchange_wait_s(LOADED, None, 0.0) == pytest.approx(1e-3, rel=1e-12)  # below: the first point
+    assert ps_exchange_wait_s(LOADED, None, 1.0) == pytest.approx(5e-3, rel=1e-12)  # above: the last, flat
+    older = {k: v for k, v in LOADED.items() if k != "idle_s"}  # no idle mean: the one-worker median
+    assert ps_exchange_wait_s(older, 2.5e-3, 0.008) == pytest.approx(2.5e-3, rel=1e-12)
+    assert ps_exchange_wait_s(older, 5e-3, 0.001) == 0.0  # never below the idle exchange
+    assert ps_exchange_wait_s(None, 2e-3, 0.008) == ps_exchange_wait_s(older, None, 0.008) == 0.0
     with pytest.raises(UsageError):
-        ps_exchange_wait_s({"workers": 2, "points": [[0.0, 1e-3]]}, 1e-3, 0.001)
+        ps_exchange_wait_s({"workers": 2, "idle_s": 1e-3, "points": [[0.0, 1e-3]]}, 1e-3, 0.001)
 
 
 def test_the_wait_adds_to_each_async_workers_step_but_not_to_the_servers_bound():
@@ -50,7 +52,7 @@ def test_the_wait_adds_to_each_async_workers_step_but_not_to_the_servers_bound()
 
 def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_exchange_was_measured():
     cls = SimpleNamespace(cost_model=PS, synchronous=False)
-    inputs = {"ps_round_trip_s": 2e-3}
+    inputs = {"ps_round_trip_s": 1.0}  # the one-worker median: not used where the workers' idle mean is
     lay = Layout("ps-async", 2, {"num_ps": 1})
     plain = step_parts(cls, lay, W, LINK, Config(), inputs)
     loaded = step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": LOADED})
@@ -103,6 +105,16 @@ def test_a_measured_fsdp_step_is_fsdps_optimizer_part_and_replaces_the_one_proce
     assert new["compute_s"] == old["compute_s"]
     overlapped = [step_parts(cls, lay, W, LINK, Config(), {**inputs, "fsdp_step_s": x}) for x in (None, 1.5e-3)]
     assert overlapped[0] == overlapped[1]  # another machine's link: the dispatch terms stay
+    # 4 processes at compute scale 2 (2 cores): the arithmetic's O s / n is scaled, the path's O / 2 not;
+    # the norm's ring all-reduce at 4 less at 2 and the 4 processes' meeting beyond the 2's (2 - 0.5 ms)
+    four = {**inputs, "fsdp_step_s": 1.5e-3, "meetings": [[0.001, 2e-3]]}
+    at4 = step_parts(cls, Layout("fsdp", 4, {}), W, LINK, Config(), four, overlap=False, compute_scale=2.0)
+    ring = ring_allreduce_s(4, 4, LINK) - ring_allreduce_s(4, 2, LINK)
+    assert at4["optimizer_s"] == pytest.approx(0.002 * 2 / 4 + 1.5e-3 + 0.002 / 2 + ring + 1.5e-3, rel=1e-12)
+    # a path below -O / 2 (a large model's sharded step faster than allreduce's): no negative time
+    fast = step_parts(cls, lay, W, LINK, Config(), {**inputs, "fsdp_step_s": -0.01}, overlap=False)
+    assert fast["optimizer_s"] == pytest.approx(0.002 / 2, rel=1e-12)
+    assert fsdp_step_path_s(W, 2, LINK, -0.01) == 0.0
 
 
 def test_the_sharded_step_microbenchmark_times_fsdps_real_step(monkeypatch):
@@ -124,7 +136,9 @@ def test_the_sharded_step_microbenchmark_times_fsdps_real_step(monkeypatch):
         norm = FSDP._grad_norm
         monkeypatch.setattr(FSDP, "_grad_norm", lambda self, *a, **kw: (time.sleep(0.01), norm(self, *a, **kw))[1])
         threads = torch.get_num_threads()
-        assert 0.009 <= time_sharded_step(spec, repeats=20, warmup=1) < 0.1
+        assert 0.009 <= time_sharded_step(spec, repeats=20, warmup=1) < 0.5
+        with pytest.raises(UsageError):
+            time_sharded_step({**spec, "strategy": "allreduce"}, repeats=2, warmup=0)
         assert dist.get_world_size() == 1 and torch.get_num_threads() == threads
     finally:
         dist.destroy_process_group()
@@ -142,13 +156,21 @@ class SlowAsyncSGD(torch.optim.SGD):
 
 
 def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges():
-    """Two workers and a server in three processes: one mean per stretch of compute, in order; each
-    exchange holds the server's update (30 ms slower here: a sleep a busy machine does not shorten)."""
-    from paratrain.bench.microbench_rpc import _exchanges, measured_ps_round_trips_loaded
+    """Two workers and a server in three processes: the idle phase's mean and one mean per stretch of
+    compute, in order; each exchange holds the server's update (30 ms slower here: a sleep a busy
+    machine does not shorten). The workers' compute between exchanges keeps a core busy for its
+    stretch; the counts follow the exchange's estimate."""
+    from paratrain.bench.microbench_rpc import _compute_for, _exchanges, measured_ps_round_trips_loaded
 
     assert _exchanges(0.001, 150) == 150 and _exchanges(0.016, 150) == 56 and _exchanges(0.064, 150) == 20
+    assert _exchanges(0.0, 150, exchange_s=0.02) == 50  # a larger model's slower exchange: fewer of them
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    _compute_for(0.05, torch.randn(64, 64))
+    assert time.perf_counter() - t0 >= 0.05 and time.process_time() - cpu0 >= 0.025  # computing, not sleeping
     params = [torch.nn.Parameter(torch.randn(100, 10))]
     got = measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.001, 0.002),
                                          exchanges=20, warmup=1, timeout_s=240)
-    assert [c for c, _ in got] == [0.001, 0.002]
-    assert all(0.03 <= s < 0.5 for _, s in got)
+    assert [c for c, _ in got["points"]] == [0.001, 0.002]
+    assert 0.03 <= got["idle_s"] < 0.5 and all(0.03 <= s < 0.5 for _, s in got["points"])
+    with pytest.raises(UsageError):
+        measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.0,))

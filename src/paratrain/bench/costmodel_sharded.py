@@ -23,7 +23,8 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   add to it between two processes, hooks, copies, collectives and the waits inside them
   (:func:`fsdp_paths_s`); where the profile measured more processes than cores taking turns on them,
   each stretch of compute ends in the wait that their meeting costs beyond two processes'
-  (:func:`meeting_seconds`).
+  (:func:`meeting_seconds`); its optimizer step (the guard's norm with its all-reduce, the sharded
+  step) is what it was measured to add to allreduce's between two processes (:func:`fsdp_step_path_s`).
 Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.UsageError`.
 """
 from __future__ import annotations
@@ -234,11 +235,10 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     ``step_path_s`` (this machine's CPU, ``overlap=False``): what FSDP2's optimizer step was measured
     to add to allreduce's between 2 processes (:func:`~.microbench_sharded.time_sharded_step`: the
     guard's norm of the DTensor shards with its all-reduce, and the optimizer's dispatch and
-    arithmetic on half of each parameter). Then the step's optimizer part is ``O s / n +
-    step_path_s + O / 2`` (the path less its 2 processes' arithmetic, ``O (1/2 - 1)``, plus n's), in
-    place of ``O s / n`` and the norm's collective above, which the path holds at 2 ranks: the
-    norm's ring all-reduce at n less at 2 and the wait that n processes' meeting costs beyond 2
-    (``meeting_s(0) - path_meeting_s(0)``) are added. Measured on 2026-11-27 (2 vCPU, 1 thread a
+    arithmetic on half of each parameter). Then the step's optimizer part is ``O s / n`` plus
+    :func:`fsdp_step_path_s` (the path less its 2 processes' arithmetic, ``O (1/2 - 1)``; the norm's
+    ring all-reduce at n less at 2 and the wait that n processes' meeting costs beyond 2), in
+    place of the DTensor dispatch terms and the norm's collective above, which the path holds. Measured on 2026-11-27 (2 vCPU, 1 thread a
     process): digits_cnn's step on DTensor shards took 3.2-3.3 ms in training at N = 2 where the
     one-process dispatch terms and the norm's meeting gave 1.6 ms; the path measured 2.2-2.3 ms above
     allreduce's 0.5 ms.
@@ -252,13 +252,12 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     if n == 1:
         return _prediction(w, n, compute, compute, "sharded_parameters")
     units = sum(1 for b in unit_bytes if b)
-    norm = ring_allreduce_s(FLOAT32_BYTES, n, link)
     if step_path_s is not None and not overlap:  # the measured step holds the norm's all-reduce at 2 ranks
-        norm = step_path_s + w.optimizer_s / 2 + norm - ring_allreduce_s(FLOAT32_BYTES, 2, link)
-        if meeting_s is not None and path_meeting_s is not None:
-            norm += max(0.0, meeting_s(0.0) - path_meeting_s(0.0))
-    elif meeting_s is not None:  # a blocking collective a moment after the last reduce-scatter
-        norm = max(norm, meeting_s(0.0))
+        after_backward = fsdp_step_path_s(w, n, link, step_path_s, meeting_s, path_meeting_s)
+    else:  # the guard's all-reduce of the norm: a blocking collective a moment after the last reduce-scatter
+        after_backward = ring_allreduce_s(FLOAT32_BYTES, n, link)
+        if meeting_s is not None:
+            after_backward = max(after_backward, meeting_s(0.0))
     glink, slink = gather_link or link, scatter_link or link
     measured = unit_path_s is not None and not overlap  # this machine's CPU: the units' measured paths
     waits = 0.0
@@ -268,16 +267,36 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         waits = 2 * units * max(0.0, meeting_s(segment) - held)
     if measured:
         paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
-        return _prediction(w, n, compute + paths + waits + norm, compute, "sharded_parameters")
+        return _prediction(w, n, compute + paths + waits + after_backward, compute, "sharded_parameters")
     ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
-        step = compute + sum(ag) + sum(again) + sum(rs) + waits + norm
+        step = compute + sum(ag) + sum(again) + sum(rs) + waits + after_backward
         return _prediction(w, n, step, compute, "sharded_parameters")
     fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
     bwd = fsdp_phases_s(w.backward_s * s, list(reversed(unit_bytes)), list(reversed(again)), list(reversed(rs)))
-    return _prediction(w, n, fwd + bwd + waits + norm + other, compute, "sharded_parameters")
+    return _prediction(w, n, fwd + bwd + waits + after_backward + other, compute, "sharded_parameters")
+
+
+def fsdp_step_path_s(w: Workload, n: int, link: Link, step_path_s: float,
+                     meeting_s: Callable[[float], float] | None = None,
+                     path_meeting_s: Callable[[float], float] | None = None) -> float:
+    """Seconds FSDP2's optimizer step costs n ranks beyond its arithmetic's 1/n (``O s / n``, in the
+    step's compute), from ``step_path_s``, what it was measured to add to allreduce's plain step
+    between 2 processes (:func:`~.microbench_sharded.time_sharded_step`): the path less its own 2
+    processes' arithmetic ``O (1/2 - 1)``, i.e. ``step_path_s + O / 2`` (at least 0: on large models
+    the sharded step can measure below allreduce's by more than O / 2 at the profile's threads), plus
+    what n ranks add to the guard's all-reduce of the norm inside it: the ring all-reduce of 4 bytes
+    at n less at 2, and the wait that n processes' meeting (``meeting_s``) costs beyond the 2 processes'
+    (``path_meeting_s``) a moment after the last reduce-scatter (both 0 at n = 2). For
+    :func:`predict_fsdp`'s step and :func:`~.plan_model.step_parts`' optimizer part."""
+    _check_n(n)
+    extra = max(0.0, step_path_s + w.optimizer_s / 2)
+    extra += max(0.0, ring_allreduce_s(FLOAT32_BYTES, n, link) - ring_allreduce_s(FLOAT32_BYTES, 2, link))
+    if meeting_s is not None and path_meeting_s is not None:
+        extra += max(0.0, meeting_s(0.0) - path_meeting_s(0.0))
+    return extra
 
 
 def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: Callable[[float], Sequence[float]],
@@ -351,5 +370,5 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
-           "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "unit_paths",
-           "predict_towers", "MIB"]
+           "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "fsdp_step_path_s",
+           "unit_paths", "predict_towers", "MIB"]

@@ -143,10 +143,13 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
 
 LOADED_COMPUTE_S = (0.001, 0.004, 0.016, 0.064)
 """The stretches of compute (seconds) between a worker's exchanges in :func:`measured_ps_round_trips_loaded`."""
+IDLE_SLEEP_S = 0.004
+"""The sleep between exchanges of its baseline phase: the same exchanges with no core taken."""
 
 
 def _compute_for(seconds: float, a: torch.Tensor) -> None:
-    """Keep this process' intra-op threads busy for ``seconds`` (products of ``a``, a worker's compute)."""
+    """Keep this process' intra-op threads busy for ``seconds`` (products of ``a``, a worker's compute;
+    a 64 x 64 product takes some microseconds, so the stretch ends within them of ``seconds``)."""
     import time
 
     end = time.perf_counter() + seconds
@@ -154,20 +157,35 @@ def _compute_for(seconds: float, a: torch.Tensor) -> None:
         torch.mm(a, a)
 
 
-def _exchanges(compute_s: float, most: int, seconds: float = 1.0) -> int:
-    """How many exchanges :func:`_ps_loaded_main` times after ``compute_s`` of compute: about
-    ``seconds`` of them (2 ms an exchange assumed), at least 20, at most ``most``."""
-    return max(20, min(most, round(seconds / (compute_s + 0.002))))
+def _exchanges(stretch_s: float, most: int, exchange_s: float = 0.002, seconds: float = 1.0) -> int:
+    """How many exchanges :func:`_ps_loaded_main` times after stretches of ``stretch_s``: about
+    ``seconds`` of them at ``exchange_s`` an exchange, at least 20, at most ``most``."""
+    return max(20, min(most, round(seconds / (stretch_s + exchange_s))))
+
+
+def _meet(workdir: str, phase: int, rank: int, workers: int, timeout_s: float) -> None:
+    """A barrier of the workers (ranks 1..``workers``) before ``phase``, through files in ``workdir``:
+    every worker starts each phase's exchanges with the others (none still in the previous one).
+    Raises TimeoutError after ``timeout_s``."""
+    import time
+
+    (Path(workdir) / f"phase-{phase}-{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not all((Path(workdir) / f"phase-{phase}-{r}").exists() for r in range(1, workers + 1)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {rank}: the other workers did not reach phase {phase} in {timeout_s:g} s")
+        time.sleep(0.001)
 
 
 def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type,
                     defaults: dict, workers: int, threads: int, computes: Sequence[float], exchanges: int,
-                    warmup: int, timeout_s: float) -> None:
+                    exchange_s: float, warmup: int, timeout_s: float) -> None:
     """One of ``workers`` + 1 RPC agents (:func:`~.microbench.run_ranks`): rank 0 serves one asynchronous
-    :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, for each stretch c in
-    ``computes``, compute for c and then exchange with it (push, update, answer, load), ``warmup`` +
-    :func:`_exchanges` times, timing the exchanges (:func:`measured_ps_round_trips_loaded`). Each worker writes
-    its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
+    :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, phase by phase (a barrier
+    before each, :func:`_meet`), sleep :data:`IDLE_SLEEP_S` and then, for each stretch c in
+    ``computes``, compute for c, before each exchange with it (push, update, answer, load),
+    ``warmup`` + :func:`_exchanges` times, timing the exchanges (:func:`measured_ps_round_trips_loaded`).
+    Each worker writes its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
     import time
 
     import torch.distributed.rpc as rpc
@@ -177,18 +195,20 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
 
     try:
         if rank == 0:  # the shard exists before any agent can reach it: init_rpc is the start line
-            rpc_api._SHARDS[0] = ShardServer(0, workers, "async", timeout_s=timeout_s)
+            rpc_api.register(ShardServer(0, workers, "async", timeout_s=timeout_s))
             rpc_api.init_shard(0, [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes], opt_cls, defaults)
         _start_rpc(rank, workdir, threads, timeout_s, world_size=workers + 1)
+        phases = [(False, IDLE_SLEEP_S)] + [(True, c) for c in computes]  # (computes?, seconds between)
         if rank > 0:
             params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
             grads = [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
-            a = torch.randn(256, 256)
+            a = torch.randn(64, 64)
             version, times = 0, []
-            for c in computes:
+            for phase, (computes_between, c) in enumerate(phases):
+                _meet(workdir, phase, rank, workers, timeout_s)
                 got = []
-                for i in range(warmup + _exchanges(c, exchanges)):
-                    _compute_for(c, a)
+                for i in range(warmup + _exchanges(c, exchanges, exchange_s)):
+                    _compute_for(c, a) if computes_between else time.sleep(c)
                     t0 = time.perf_counter()
                     version, tensors, _ = rpc.rpc_sync("agent0", rpc_api.push, args=(
                         0, rank - 1, version, grads, defaults.get("lr"), 0.0, 0))
@@ -199,42 +219,56 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
                         got.append(time.perf_counter() - t0)
                 times.append(got)
             (Path(workdir) / f"times-{rank}.json").write_text(json.dumps(times))
-        result = None
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
             rpc.shutdown()  # every worker has written its times
         if rank == 0:
             got = [json.loads((Path(workdir) / f"times-{r}.json").read_text()) for r in range(1, workers + 1)]
-            result = [[c, statistics.fmean(t for w in got for t in w[i])] for i, c in enumerate(computes)]
+            means = [statistics.fmean(t for w in got for t in w[i]) for i in range(len(phases))]
+            result = {"idle_s": means[0], "points": [[c, m] for c, m in zip(computes, means[1:])]}
             (Path(workdir) / "results.json.tmp").write_text(json.dumps(result))
             os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
-        rpc_api._SHARDS.clear()
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    finally:
+        rpc_api._SHARDS.pop(0, None)
 
 
 def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
                                    workers: int = 2, threads: int = 1,
                                    computes: Sequence[float] = LOADED_COMPUTE_S, exchanges: int = 150,
-                                   warmup: int = 5, timeout_s: float = 300.0) -> list[list[float]]:
-    """``[[c, seconds], ...]``: the mean seconds of one ``ps-async`` worker's exchange
-    (:func:`measured_ps_round_trip`'s: push, the server's update, answer, load) while ``workers``
-    workers share this machine's cores with their server, each computing for c seconds (products of a
-    256 x 256 matrix at ``threads`` intra-op threads) between its exchanges, for each c in ``computes``:
-    ``workers`` + 1 local processes (:func:`~.microbench.run_ranks`), about 1 s of exchanges timed per
-    worker and c (20 to ``exchanges``) after ``warmup``; about 6 s in all for a small model. The
-    mean, not the median: the exchanges that wait for a core are a long tail, and a worker's steps
-    add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange
-    (96 KB each way) took 1.5-1.8 ms with one worker or with workers that slept between exchanges,
-    and a mean of 2.7-3.0 ms (c = 2.5-5 ms) to 4.1-4.3 ms (c = 20 ms) with two workers computing:
+                                   exchange_s: float = 0.002, warmup: int = 5,
+                                   timeout_s: float = 300.0) -> dict:
+    """``{"idle_s": s, "points": [[c, seconds], ...]}``: the mean seconds of one ``ps-async`` worker's
+    exchange (:func:`measured_ps_round_trip`'s: push, the server's update, answer, load) while
+    ``workers`` workers share this machine's cores with their server, each computing for c seconds
+    (products of a 64 x 64 matrix at ``threads`` intra-op threads) between its exchanges, for each c
+    in ``computes``; ``idle_s``, the same workers' mean exchange when they sleep
+    :data:`IDLE_SLEEP_S` between exchanges instead (no core taken: the baseline, of the same
+    statistic). ``workers`` + 1 local processes (:func:`~.microbench.run_ranks`), the workers starting
+    each phase together; about 1 s of exchanges timed per worker and phase (20 to ``exchanges``, at
+    ``exchange_s`` an exchange, the idle one's estimate) after ``warmup``: about 7 s in all for a
+    small model. The mean, not the median: the exchanges that wait for a core are a long tail, and a
+    worker's steps add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange (96 KB
+    each way) took 1.5-1.8 ms with one worker or with workers that slept between exchanges, and a
+    mean of 2.7-3.2 ms after 1-4 ms of compute and 3.3-4.1 ms after 64 ms with two workers computing:
     what two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what
-    :func:`measured_ps_round_trip` alone leaves out. Raises RuntimeError if a process fails or hangs
-    past ``timeout_s``."""
+    :func:`measured_ps_round_trip` alone leaves out. Raises UsageError for ``workers`` < 1 or a
+    stretch <= 0, RuntimeError if a process fails or hangs past ``timeout_s`` (at least 3 times the
+    phases' estimated length)."""
+    from ..errors import UsageError
+
+    if workers < 1 or not computes or any(not c > 0 for c in computes):
+        raise UsageError(f"measured_ps_round_trips_loaded needs workers >= 1 and compute stretches > 0, "
+                         f"got workers={workers}, computes={list(computes)}")
     shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
     defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+    estimate = sum((warmup + _exchanges(c, exchanges, exchange_s)) * (c + exchange_s)
+                   for c in (IDLE_SLEEP_S, *computes))
+    timeout_s = max(timeout_s, 3 * estimate)
     return run_ranks(_ps_loaded_main, workers + 1, (shapes, type(optimizer), defaults, workers, threads,
-                                                   tuple(computes), exchanges, warmup, timeout_s),
+                                                   tuple(computes), exchanges, exchange_s, warmup, timeout_s),
                      timeout_s, "parameter server benchmark under load")
 
 

@@ -218,8 +218,12 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     from ..env import DistEnv
     from ..strategies import DEFAULT, get_strategy, modelled
     from ..train.optim import optimizer_like
-    from .strategy_model import SHARDED_OPTIMIZER
+    from ..errors import UsageError
+    from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS
 
+    name = spec.get("strategy", modelled(SHARDED_OPTIMIZER)[0])
+    if name not in (modelled(SHARDED_OPTIMIZER)[0], modelled(SHARDED_PARAMETERS)[0]):
+        raise UsageError(f"time_sharded_step times zero1 or fsdp, got strategy {name!r}")
     module_name, _, qualname = spec["optimizer"].partition(":")
     cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -250,18 +254,18 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
                 return time.perf_counter() - t0
             return step
 
-        zero1, plain = built(spec.get("strategy", modelled(SHARDED_OPTIMIZER)[0])), built(DEFAULT)  # DDP's all-reduce
+        sharded, plain = built(name), built(DEFAULT)  # DDP's all-reduce
         for _ in range(warmup):
-            zero1(), plain()
+            sharded(), plain()
         per_round = 10
-        pair = statistics.fmean(zero1() + plain() for _ in range(5))  # one step of each kind
+        pair = statistics.fmean(sharded() + plain() for _ in range(5))  # one step of each kind
         rounds = torch.tensor([max(2, min(repeats // per_round, round(1.0 / max(pair * per_round, 1e-6))))])
         dist.broadcast(rounds, 0)  # rank 0's count
-        z, a = [], []
+        s_times, a_times = [], []
         for _ in range(int(rounds)):
-            z += [zero1() for _ in range(per_round)]
-            a += [plain() for _ in range(per_round)]
-        got = torch.tensor([statistics.fmean(z) - statistics.fmean(a)], dtype=torch.float64)
+            s_times += [sharded() for _ in range(per_round)]
+            a_times += [plain() for _ in range(per_round)]
+        got = torch.tensor([statistics.fmean(s_times) - statistics.fmean(a_times)], dtype=torch.float64)
         dist.all_reduce(got)
         return float(got) / world
     finally:

@@ -45,8 +45,9 @@ meeting after the step's compute (:func:`_last_rank_wait_s`). DDP's layouts of a
 and without sync BatchNorm also pay its broadcast of rank 0's buffers before every forward
 (:func:`~.plan_inputs.buffer_broadcast_s`). ZeRO-1 and FSDP step the optimizer on
 DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
-measured on this machine (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
-(``sharded_norm_s``, measured here). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
+measured in one process (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
+(``sharded_norm_s``). On this machine's CPU a CPU profile prices both by their whole optimizer steps
+measured between two processes instead (``zero1_step_s``, ``fsdp_step_s``). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
 add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
 and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place; so
 does a CPU's profile planned on a preset interconnect.
@@ -56,8 +57,9 @@ servers' update (:func:`~.plan_ps.ps_update_s`: the mean of n gradients, clippin
 copy of the answer, measured on this machine's CPU, where a server keeps its shard).
 
 Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
-rate is the smaller of the workers' (n / (local + push + pull + update)) and the servers' (K servers
-each receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma) + update`` seconds);
+rate is the smaller of the workers' (n / (local + push + pull + update + wait); the wait, on this
+machine's CPU, is what an exchange waits among computing workers, :func:`~.plan_ps.ps_exchange_wait_s`)
+and the servers' (K servers each receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma) + update`` seconds);
 the staleness of an update is about n - 1 versions (each of the other workers pushes once while
 one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et al. 2013, SSP).
 The parameter server's formulas and links are :mod:`.plan_ps`.
@@ -73,6 +75,7 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
+from .costmodel_sharded import fsdp_step_path_s, meeting_seconds
 from .plan_ps import ps_async_rate, ps_exchange_wait_s, ps_update_s
 from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
 
@@ -317,8 +320,6 @@ def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[
     if (model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings")
             or (model == PS and backup_workers)):
         return wait
-    from .costmodel_sharded import meeting_seconds
-
     compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
     return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
 
@@ -382,8 +383,12 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         ring = predict_model(RING, ww, n, link, d, inputs, compute_scale=s,
                              bucket_mb=layout.overrides.get("bucket_mb"), overlap=overlap, links=links)
         optimizer = max(optimizer / n, p.step_s - (ring.step_s - optimizer))
-    elif _step_measured(model, inputs, overlap) and n > 1:  # fsdp: its step as predict_fsdp prices it at 2 ranks
-        optimizer = max(optimizer / n, optimizer / n + inputs["fsdp_step_s"] + w.optimizer_s / 2)
+    elif model == SHARDED_PARAMETERS and _step_measured(model, inputs, overlap) and n > 1:
+        # fsdp: its measured step moved to n ranks, as predict_fsdp prices it (the guard's all-reduce in it)
+        two = meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings") else None
+        optimizer = optimizer / n + fsdp_step_path_s(
+            w, n, link, inputs["fsdp_step_s"], meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None,
+            two)
     elif model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)

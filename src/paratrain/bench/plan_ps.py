@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from .costmodel import Link, Workload, ps_step_s
+from .costmodel_sharded import piecewise
 
 
 def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True) -> float:
@@ -49,22 +50,24 @@ def slower(a: Link, b: Link) -> Link:
 
 
 def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: float) -> float:
-    """Seconds one ``ps-async`` worker's exchange takes beyond ``idle_s`` (its exchange with nothing
-    else running, :func:`~.microbench_rpc.measured_ps_round_trip`) when the other workers compute on
-    the same cores for ``compute_s`` between their exchanges: ``loaded["points"]``, the mean exchange
-    of ``loaded["workers"]`` workers that compute c seconds each between exchanges
-    (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c between the measured
-    points and the nearest end's value outside them, less ``idle_s``; at least 0. The hand-offs of
-    an exchange (the worker's and the server's RPC threads, the handler) wait for a core that a
-    computing worker holds, more often the longer the stretches of compute. 0 without either
-    measurement (a GPU's profile, a preset: each worker on its own machine). Raises UsageError for
-    malformed points."""
-    if not loaded or not idle_s:
+    """Seconds one ``ps-async`` worker's exchange takes beyond its exchange with no core taken when
+    the other workers compute on the same cores for ``compute_s`` between their exchanges:
+    ``loaded["points"]``, the mean exchange of ``loaded["workers"]`` workers that compute c seconds
+    each between exchanges (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c
+    between the measured points and the nearest end's value outside them, less ``loaded["idle_s"]``,
+    the same workers' mean exchange when they sleep between exchanges (the same statistic; a profile
+    without it: ``idle_s``, the median exchange of one worker alone,
+    :func:`~.microbench_rpc.measured_ps_round_trip`); at least 0. The hand-offs of an exchange (the
+    worker's and the server's RPC threads, the handler) wait for a core that a computing worker
+    holds, more often the longer the stretches of compute. Measured with 2 workers and 1 server and
+    held flat for other n and K (not measured: more workers than cores take turns, priced by the
+    compute's scale only). 0 without the measurements (a GPU's profile; a preset: each worker on its
+    own machine). Raises UsageError for malformed points."""
+    baseline = (loaded or {}).get("idle_s", idle_s)
+    if not loaded or not baseline:
         return 0.0
-    from .costmodel_sharded import piecewise
-
     mean = piecewise(loaded["points"], "ps_round_trips_loaded", "compute seconds", proportional_above=False)
-    return max(0.0, mean(compute_s) - idle_s)
+    return max(0.0, mean(compute_s) - baseline)
 
 
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,

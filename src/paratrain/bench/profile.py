@@ -221,8 +221,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update; DTensor steps; "
-                 "what FSDP2 adds to each unit and ZeRO-1 to the optimizer's step")
+        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update and exchange "
+                 "(alone and among computing workers); DTensor steps; what FSDP2 adds to each unit and ZeRO-1 "
+                 "and FSDP2 to the optimizer's step")
         from .microbench import measured_links
 
         out["links"] = measured_links()
@@ -238,8 +239,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         if device.type == "cpu":  # and with 2 workers computing between exchanges on the same cores
             from .microbench_rpc import measured_ps_round_trips_loaded
 
-            out["ps_round_trips_loaded"] = {"workers": 2, "points": measured_ps_round_trips_loaded(
-                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]))}
+            out["ps_round_trips_loaded"] = {"workers": 2, **measured_ps_round_trips_loaded(
+                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]),
+                exchange_s=out["ps_round_trip_s"])}
         from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
 
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
