@@ -238,8 +238,8 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     arithmetic on half of each parameter). Then the step's optimizer part is ``O s / n`` plus
     :func:`fsdp_step_path_s` (the path less its 2 processes' arithmetic, ``O (1/2 - 1)``; the norm's
     ring all-reduce at n less at 2 and the wait that n processes' meeting costs beyond 2), in
-    place of the DTensor dispatch terms and the norm's collective above, which the path holds. Measured on 2026-11-27 (2 vCPU, 1 thread a
-    process): digits_cnn's step on DTensor shards took 3.2-3.3 ms in training at N = 2 where the
+    place of the DTensor dispatch terms and the norm's collective above, which the path holds.
+    Measured on 2026-11-27 (2 vCPU, 1 thread a process): digits_cnn's step on DTensor shards took 3.2-3.3 ms in training at N = 2 where the
     one-process dispatch terms and the norm's meeting gave 1.6 ms; the path measured 2.2-2.3 ms above
     allreduce's 0.5 ms.
     """

@@ -47,8 +47,8 @@ and without sync BatchNorm also pay its broadcast of rank 0's buffers before eve
 DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
 measured in one process (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
 (``sharded_norm_s``). On this machine's CPU a CPU profile prices both by their whole optimizer steps
-measured between two processes instead (``zero1_step_s``, ``fsdp_step_s``). A GPU's profile measures instead what all-reduce, ZeRO-1 and FSDP
-add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
+measured between two processes instead (``zero1_step_s``, ``fsdp_step_s``). A GPU's profile measures
+instead what all-reduce, ZeRO-1 and FSDP add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
 and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place; so
 does a CPU's profile planned on a preset interconnect.
 
@@ -59,7 +59,8 @@ copy of the answer, measured on this machine's CPU, where a server keeps its sha
 Asynchronous parameter server (``ps`` without ``synchronous``): each worker steps on its own; the
 rate is the smaller of the workers' (n / (local + push + pull + update + wait); the wait, on this
 machine's CPU, is what an exchange waits among computing workers, :func:`~.plan_ps.ps_exchange_wait_s`)
-and the servers' (K servers each receive, apply and send back 1/K of every update: ``(P/K)(2 beta + gamma) + update`` seconds);
+and the servers' (K servers each receive, apply and send back 1/K of every update:
+``(P/K)(2 beta + gamma) + update`` seconds);
 the staleness of an update is about n - 1 versions (each of the other workers pushes once while
 one computes; Dean et al. 2012, "Large Scale Distributed Deep Networks"; Ho et al. 2013, SSP).
 The parameter server's formulas and links are :mod:`.plan_ps`.
