@@ -239,9 +239,9 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     :func:`fsdp_step_path_s` (the path less its 2 processes' arithmetic, ``O (1/2 - 1)``; the norm's
     ring all-reduce at n less at 2 and the wait that n processes' meeting costs beyond 2), in
     place of the DTensor dispatch terms and the norm's collective above, which the path holds.
-    Measured on 2026-11-27 (2 vCPU, 1 thread a process): digits_cnn's step on DTensor shards took 3.2-3.3 ms in training at N = 2 where the
-    one-process dispatch terms and the norm's meeting gave 1.6 ms; the path measured 2.2-2.3 ms above
-    allreduce's 0.5 ms.
+    Measured on 2026-11-27 (2 vCPU, 1 thread a process): digits_cnn's step on DTensor shards took
+    3.2-3.3 ms in training at N = 2 where the one-process dispatch terms and the norm's meeting gave 1.6
+    ms; the path measured 2.2-2.3 ms above allreduce's 0.5 ms.
     """
     _check_n(n)
     if not unit_bytes or any(b < 0 for b in unit_bytes):

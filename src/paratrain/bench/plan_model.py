@@ -44,13 +44,13 @@ the spread of the one-device step measured by the profile; on this machine's CPU
 meeting after the step's compute (:func:`_last_rank_wait_s`). DDP's layouts of a model with buffers
 and without sync BatchNorm also pay its broadcast of rank 0's buffers before every forward
 (:func:`~.plan_inputs.buffer_broadcast_s`). ZeRO-1 and FSDP step the optimizer on
-DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch,
-measured in one process (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
+DTensor shards: 1/n of the plain step's arithmetic plus the DTensors' per-operation dispatch, measured
+in one process (``sharded_optimizer_s``); FSDP's guard adds the norm of its DTensor gradients
 (``sharded_norm_s``). On this machine's CPU a CPU profile prices both by their whole optimizer steps
 measured between two processes instead (``zero1_step_s``, ``fsdp_step_s``). A GPU's profile measures
-instead what all-reduce, ZeRO-1 and FSDP add to the one-device step as one rank (``one_rank_s``: DDP's reducer, the DTensor step, FSDP2's hooks
-and copies; :func:`~.profile_runs.loop_one_rank_overheads`), which every n > 1 adds in their place; so
-does a CPU's profile planned on a preset interconnect.
+instead what all-reduce, ZeRO-1 and FSDP add to the one-device step as one rank (``one_rank_s``: DDP's
+reducer, the DTensor step, FSDP2's hooks and copies; :func:`~.profile_runs.loop_one_rank_overheads`),
+which every n > 1 adds in their place; so does a CPU's profile planned on a preset interconnect.
 
 Parameter server, synchronous: step = local + push + pull (:func:`~.costmodel.ps_step_s`) + the
 servers' update (:func:`~.plan_ps.ps_update_s`: the mean of n gradients, clipping, the optimizer's step and the
