@@ -25,15 +25,15 @@ W = Workload(forward_s=0.003, backward_s=0.005, data_s=0.0, optimizer_s=0.002, p
 LOADED = {"workers": 2, "idle_s": 2e-3, "points": [[0.001, 3e-3], [0.004, 4e-3], [0.016, 7e-3]]}
 
 
-def test_an_async_exchange_among_computing_workers_waits_the_loaded_mean_less_the_idle_mean():
-    # 8 ms of compute: between the 4 ms (4 ms) and 16 ms (7 ms) points, 5 ms; the workers' idle mean 2 ms
-    assert ps_exchange_wait_s(LOADED, 9.0, 0.008) == pytest.approx(3e-3, rel=1e-12)  # idle_s, not the median
-    assert ps_exchange_wait_s(LOADED, None, 0.0) == pytest.approx(1e-3, rel=1e-12)  # below: the first point
-    assert ps_exchange_wait_s(LOADED, None, 1.0) == pytest.approx(5e-3, rel=1e-12)  # above: the last, flat
-    older = {k: v for k, v in LOADED.items() if k != "idle_s"}  # no idle mean: the one-worker median
-    assert ps_exchange_wait_s(older, 2.5e-3, 0.008) == pytest.approx(2.5e-3, rel=1e-12)
-    assert ps_exchange_wait_s(older, 5e-3, 0.001) == 0.0  # never below the idle exchange
-    assert ps_exchange_wait_s(None, 2e-3, 0.008) == ps_exchange_wait_s(older, None, 0.008) == 0.0
+def test_an_async_exchange_among_computing_workers_waits_the_loaded_mean_less_the_formulas_price():
+    # 8 ms of compute: between the 4 ms (4 ms) and 16 ms (7 ms) points, 5 ms; one worker's median exchange
+    # (the link's price in the step's formula) 2 ms; the sleeping workers' mean (idle_s) is a diagnostic
+    assert ps_exchange_wait_s(LOADED, 2e-3, 0.008) == pytest.approx(3e-3, rel=1e-12)
+    assert ps_exchange_wait_s({**LOADED, "idle_s": 4.5e-3}, 2e-3, 0.008) == pytest.approx(3e-3, rel=1e-12)
+    assert ps_exchange_wait_s(LOADED, 2e-3, 0.0) == pytest.approx(1e-3, rel=1e-12)  # below: the first point
+    assert ps_exchange_wait_s(LOADED, 2e-3, 1.0) == pytest.approx(5e-3, rel=1e-12)  # above: the last, flat
+    assert ps_exchange_wait_s(LOADED, 5e-3, 0.001) == 0.0  # never below the formula's price
+    assert ps_exchange_wait_s(None, 2e-3, 0.008) == ps_exchange_wait_s(LOADED, None, 0.008) == 0.0
     with pytest.raises(UsageError):
         ps_exchange_wait_s({"workers": 2, "idle_s": 1e-3, "points": [[0.0, 1e-3]]}, 1e-3, 0.001)
 
@@ -52,7 +52,7 @@ def test_the_wait_adds_to_each_async_workers_step_but_not_to_the_servers_bound()
 
 def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_exchange_was_measured():
     cls = SimpleNamespace(cost_model=PS, synchronous=False)
-    inputs = {"ps_round_trip_s": 1.0}  # the one-worker median: not used where the workers' idle mean is
+    inputs = {"ps_round_trip_s": 2e-3}  # one worker's median exchange: the formula's price of it
     lay = Layout("ps-async", 2, {"num_ps": 1})
     plain = step_parts(cls, lay, W, LINK, Config(), inputs)
     loaded = step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": LOADED})

@@ -50,24 +50,26 @@ def slower(a: Link, b: Link) -> Link:
 
 
 def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: float) -> float:
-    """Seconds one ``ps-async`` worker's exchange takes beyond its exchange with no core taken when
-    the other workers compute on the same cores for ``compute_s`` between their exchanges:
-    ``loaded["points"]``, the mean exchange of ``loaded["workers"]`` workers that compute c seconds
-    each between exchanges (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c
-    between the measured points and the nearest end's value outside them, less ``loaded["idle_s"]``,
-    the same workers' mean exchange when they sleep between exchanges (the same statistic; a profile
-    without it: ``idle_s``, the median exchange of one worker alone,
-    :func:`~.microbench_rpc.measured_ps_round_trip`); at least 0. The hand-offs of an exchange (the
-    worker's and the server's RPC threads, the handler) wait for a core that a computing worker
-    holds, more often the longer the stretches of compute. Measured with 2 workers and 1 server and
-    held flat for other n and K (not measured: more workers than cores take turns, priced by the
-    compute's scale only). 0 without the measurements (a GPU's profile; a preset: each worker on its
-    own machine). Raises UsageError for malformed points."""
-    baseline = (loaded or {}).get("idle_s", idle_s)
-    if not loaded or not baseline:
+    """Seconds one ``ps-async`` worker's exchange takes, among workers that compute on the same cores
+    for ``compute_s`` between their exchanges, beyond ``idle_s``: the price the step's formula already
+    gives it (:func:`ps_async_rate`'s ``ps_step_s`` over the exchange's link,
+    :func:`ps_message_link`, is the median exchange of one worker alone,
+    :func:`~.microbench_rpc.measured_ps_round_trip`). ``loaded["points"]``: the mean exchange of
+    ``loaded["workers"]`` workers that compute c seconds each between exchanges
+    (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c between the measured
+    points and the nearest end's value outside them; at least 0. What it holds beyond ``idle_s``: the
+    hand-offs of an exchange (the worker's and the server's RPC threads, the handler) waiting for a
+    core that a computing worker holds, more often the longer the stretches of compute; the workers'
+    exchanges meeting at the server; the long tail a mean holds and a median not (the same workers
+    sleeping between exchanges, ``loaded["idle_s"]``, measure the last two alone; a worker's steps
+    add up the mean). Measured with 2 workers and 1 server and held flat for other n and K (not
+    measured: more workers than cores take turns, priced by the compute's scale only). 0 without
+    the measurements (a GPU's profile; a preset: each worker on its own machine). Raises UsageError
+    for malformed points."""
+    if not loaded or not idle_s:
         return 0.0
     mean = piecewise(loaded["points"], "ps_round_trips_loaded", "compute seconds", proportional_above=False)
-    return max(0.0, mean(compute_s) - baseline)
+    return max(0.0, mean(compute_s) - idle_s)
 
 
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
