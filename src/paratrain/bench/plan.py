@@ -32,7 +32,8 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
-from .plan_model import PS, Layout, best_bucket, memory_per_device, step_parts
+from .plan_memory import PS, memory_per_device
+from .plan_model import Layout, best_bucket, step_parts
 from .plan_ps import ps_message_link, slower
 from .plan_profile import TIMED_S
 from .strategy_model import MODELS as STEP_MODELS

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .costmodel import Link, Workload
-from .plan_model import MemoryInputs
+from .plan_memory import MemoryInputs
 
 
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:

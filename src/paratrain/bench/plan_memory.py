@@ -1,0 +1,132 @@
+"""The peak memory per device that ``paratrain plan`` predicts for each strategy and layout
+(:func:`memory_per_device`). Pure arithmetic on a profile's terms (:class:`MemoryInputs`, from
+:func:`~.plan_inputs.memory_inputs`); the step times are :mod:`.plan_model`'s.
+
+Memory per device (bytes; P parameters, G gradients = P in the parameters' dtype, O optimizer
+state, A the bytes the forward saves for the backward, T the step's other temporaries measured at
+one device, U the largest FSDP unit, all for one replica's batch):
+
+* the peak is the larger of two phases (Rajbhandari et al. 2020, "ZeRO", section 3, counts the same
+  terms): the end of the forward, ``P_d + G_kept + O_d + A_d + T_d``, and the optimizer step,
+  ``P_d + G_d + O_d + buffers``;
+* one device / all-reduce: ``P_d = P``, ``O_d = O``; DDP keeps its gradient buckets between steps
+  (``gradient_as_bucket_view``: G_kept = G), one device frees them (G_kept = 0);
+* ZeRO-1 (``sharded_optimizer``): ``O_d = O / n`` and, in the optimizer phase, the all-gather of the
+  updated rows: its output (P) and its send buffer (P / n);
+* FSDP (``sharded_parameters``): ``P_d = P / n``, ``G_d = G / n``, ``O_d = O / n``; the forward ends
+  with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward) but the
+  root's own parameters R (kept for the backward), and a third phase, the backward's start, holds the
+  last unit gathered again and its unsharded gradient beside the activations: ``P_d + O_d + A + R + 2 U``;
+* pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A and its
+  output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
+  M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
+  all M micro-batches'; 1F1B: one micro-batch's);
+* parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
+  P/K and O/K, and in its step the gradients it received (n P/K synchronous, P/K an asynchronous
+  update), the mean's buffer (P/K, synchronous) and the answer's copy (P/K): reported apart;
+* towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
+  loss over every tower's output (n T); CPU virtual devices share one memory: n A;
+* activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
+  inputs) + max(block's saved) (one block recomputed at a time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
+
+PS = "ps"
+"""The parameter server's formula name (``Strategy.cost_model`` of ps-sync and ps-async)."""
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """One replica's memory terms in bytes (see the module)."""
+
+    params: float
+    optimizer: float
+    activations: float
+    temporaries: float = 0.0
+    largest_unit: float = 0.0
+    root_unit: float = 0.0  # FSDP's root unit's own parameter bytes: gathered from its forward to its backward
+    blocks_saved: tuple[float, ...] = ()
+    blocks_input: tuple[float, ...] = ()
+
+    def checkpointed_activations(self) -> float:
+        """A with every block checkpointed (see the module); A when there are no blocks."""
+        if not self.blocks_saved:
+            return self.activations
+        return max(0.0, self.activations - sum(self.blocks_saved) + sum(self.blocks_input) + max(self.blocks_saved))
+
+
+def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
+                      checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
+                      stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
+                      stage_outputs: list[float] | None = None, schedule: str = "1f1b",
+                      num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False) -> dict[str, float]:
+    """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
+    ``total``; ``server`` too for a parameter server. ``batch_ratio``: this layout's per-replica
+    batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
+    on CPU virtual devices (one memory)."""
+    if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
+        raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
+    act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
+    tmp = m.temporaries * batch_ratio
+    p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
+    root = 0.0  # FSDP's root unit, gathered from its forward to its backward
+    out: dict[str, float] = {}
+    if model == SHARDED_OPTIMIZER:
+        o, gather = m.optimizer / n, m.params * (1 + 1 / n)
+    elif model == SHARDED_PARAMETERS:
+        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (m.root_unit if n > 1 else 0.0)
+        # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
+        out["backward_start"] = p + o + act + root + 2 * m.largest_unit
+    elif model == STAGES:
+        return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, stage_outputs,
+                             schedule, synchronous_buckets)
+    elif model == PS:
+        o, g_kept = 0.0, 0.0
+        # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
+        # synchronous, one update's when not), the mean's buffer (kept) and the parameters copied for the answer
+        received = n if synchronous_buckets else 1
+        out["server"] = (m.params * (received + 1 + (2 if synchronous_buckets else 1)) + m.optimizer) / num_ps
+    elif model == TOWERS:
+        g_kept = 0.0  # one process, no buckets
+        act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
+        tmp *= n  # the loss runs on device 0 over every tower's output
+    g = p if model != SHARDED_PARAMETERS else m.params / n
+    forward_end = p + g_kept + o + act + tmp + root
+    optimizer_phase = p + g + o + gather
+    out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "temporaries": tmp,
+                "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
+    return out
+
+
+def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, microbatches: int,
+                  shares: list[float] | None, params: list[float] | None, outputs: list[float] | None,
+                  schedule: str, buckets: bool) -> dict:
+    """The pipeline's busiest stage: stage s holds its parameters P_s (a tied embedding in each stage
+    that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations and
+    its output (``outputs[s]`` for the whole batch: what it sends the next stage, the model's output
+    on the last; ``torch.distributed.pipelining`` keeps a forward's outputs until that micro-batch's
+    backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the
+    last stage the loss's temporaries: every micro-batch's under GPipe (all forwards first), one
+    micro-batch's under 1F1B (each micro-batch's backward follows its forward there)."""
+    S, M = stages, microbatches
+    shares = list(shares) if shares else [1 / S] * S
+    params = list(params) if params else [m.params / S] * S
+    outputs = list(outputs) if outputs else [0.0] * S
+    best: dict[str, float] = {}
+    for s in range(S):
+        p = params[s]
+        o = m.optimizer * (p / m.params if m.params else 1 / S)
+        in_flight = M if schedule == "gpipe" else min(S - s, M)
+        a = (act * shares[s] / sum(shares) + outputs[s]) * in_flight / M
+        t = (tmp if schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
+        kept = p if buckets and n > S else 0.0
+        total = max(p + kept + o + a + t, 2 * p + o)
+        if total > best.get("total", -1.0):
+            best = {"params": p, "grads": p, "optimizer": o, "activations": a, "temporaries": t, "total": total,
+                    "stage": s}
+    return best
