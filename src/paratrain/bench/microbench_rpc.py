@@ -247,14 +247,15 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
     in ``computes``; ``idle_s``, the same workers' mean exchange when they sleep
     :data:`IDLE_SLEEP_S` between exchanges instead (no core taken: what their exchanges meeting at
     the server and a mean's tail add to one worker's median exchange alone, apart from the cores'
-    contention; a diagnostic, :func:`~.plan_ps.ps_exchange_wait_s`). ``workers`` + 1 local processes (:func:`~.microbench.run_ranks`), the workers starting
-    each phase together; about 1 s of exchanges timed per worker and phase (20 to ``exchanges``, at
-    ``exchange_s`` an exchange, the idle one's estimate) after ``warmup``: about 7 s in all for a
-    small model. The mean, not the median: the exchanges that wait for a core are a long tail, and a
-    worker's steps add them all up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange (96 KB
-    each way) took 1.4-1.8 ms with one worker (median), a mean of 1.9 ms with two that slept between
-    exchanges, and a mean of 2.7-3.2 ms after 1-4 ms of compute and 3.3-4.1 ms after 64 ms with two workers computing:
-    what two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what
+    contention; a diagnostic, :func:`~.plan_ps.ps_exchange_wait_s`). ``workers`` + 1 local processes
+    (:func:`~.microbench.run_ranks`), the workers starting each phase together; about 1 s of
+    exchanges timed per worker and phase (20 to ``exchanges``, at ``exchange_s`` an exchange, the
+    idle one's estimate) after ``warmup``: about 7 s in all for a small model. The mean, not the
+    median: the exchanges that wait for a core are a long tail, and a worker's steps add them all
+    up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange (96 KB each way) took 1.4-1.8 ms
+    with one worker (median), a mean of 1.9 ms with two that slept between exchanges, and a mean of
+    2.7-3.2 ms after 1-4 ms of compute and 3.3-4.1 ms after 64 ms with two workers computing: what
+    two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what
     :func:`measured_ps_round_trip` alone leaves out. Raises UsageError for ``workers`` < 1 or a
     stretch <= 0, RuntimeError if a process fails or hangs past ``timeout_s`` (at least 3 times the
     phases' estimated length)."""
