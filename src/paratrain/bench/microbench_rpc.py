@@ -42,13 +42,15 @@ def _start_rpc(rank: int, workdir: str, threads: int, timeout_s: float, world_si
 
 
 def _stop_rpc(rank: int, workdir: str, result) -> None:
-    """Wait for the other agent (graceful ``rpc.shutdown``); rank 0 then writes ``result`` (JSON)."""
+    """Wait for the other agents (graceful ``rpc.shutdown``); rank 0 then writes ``result`` (JSON; a
+    callable is called first, once every agent is done)."""
     import torch.distributed.rpc as rpc
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.shutdown()
     if rank == 0:
+        result = result() if callable(result) else result
         (Path(workdir) / "results.json.tmp").write_text(json.dumps(result))
         os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
 
@@ -85,6 +87,34 @@ def measured_rpc(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     return Link(name="measured-rpc", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
 
 
+def _ps_spec(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> tuple[list, dict]:
+    """(shapes and dtypes of ``params``, ``optimizer``'s defaults without tensors): what the PS
+    benchmarks' processes build their tensors and the server's optimizer from."""
+    shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
+    return shapes, {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+
+
+def _worker_tensors(shapes: Sequence[tuple[tuple[int, ...], str]]) -> tuple[list, list]:
+    """A benchmark worker's parameters (zeros) and gradient (small random values) of ``shapes``."""
+    params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
+    return params, [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
+
+
+def _exchange(server: str, worker: int, version: int, params: list, grads: list, lr) -> int:
+    """One ``ps-async`` worker's exchange, as ``PSClient._push`` and ``_load`` do it: ``grads`` pushed
+    to shard 0 on agent ``server``, the answered parameters copied into ``params``; returns the
+    answer's version."""
+    import torch.distributed.rpc as rpc
+
+    from ..ps import rpc_api
+
+    version, tensors, _ = rpc.rpc_sync(server, rpc_api.push, args=(0, worker, version, grads, lr, 0.0, 0))
+    with torch.no_grad():
+        for p, t in zip(params, tensors):
+            p.copy_(t)
+    return version
+
+
 def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type, defaults: dict,
              threads: int, repeats: int, warmup: int, timeout_s: float) -> None:
     """One of two RPC agents (a process of :func:`~.microbench.run_ranks`): rank 1 serves one
@@ -102,17 +132,12 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], st
         _start_rpc(rank, workdir, threads, timeout_s)
         seconds = None
         if rank == 0:
-            params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
-            grads = [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
+            params, grads = _worker_tensors(shapes)
             rpc.rpc_sync("agent1", rpc_api.init_shard, args=(0, params, opt_cls, defaults))
             version = [0]
 
-            def round_trip() -> None:  # PSClient._push and _load: the gradient out, the parameters back in
-                version[0], tensors, _ = rpc.rpc_sync("agent1", rpc_api.push,
-                                                      args=(0, 0, version[0], grads, defaults.get("lr"), 0.0, 0))
-                with torch.no_grad():
-                    for p, t in zip(params, tensors):
-                        p.copy_(t)
+            def round_trip() -> None:  # the gradient out, the parameters back in
+                version[0] = _exchange("agent1", 0, version[0], params, grads, defaults.get("lr"))
 
             seconds = median_seconds(round_trip, repeats, warmup)
         _stop_rpc(rank, workdir, seconds)
@@ -135,8 +160,7 @@ def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.opti
     the many tensors, the server's and the worker's copies and their fresh buffers: on a 2-core VM a
     ptb_small exchange (18.6 MB each way) took 19.8 ms where the echo's fit gave 13.5 ms with the
     update. Raises RuntimeError if a process fails or hangs past ``timeout_s``."""
-    shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
-    defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+    shapes, defaults = _ps_spec(params, optimizer)
     return float(run_ranks(_ps_main, 2, (shapes, type(optimizer), defaults, threads, repeats, warmup, timeout_s),
                            timeout_s, "parameter server benchmark"))
 
@@ -188,8 +212,6 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
     Each worker writes its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
     import time
 
-    import torch.distributed.rpc as rpc
-
     from ..ps import rpc_api
     from ..ps.server import ShardServer
 
@@ -200,8 +222,7 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
         _start_rpc(rank, workdir, threads, timeout_s, world_size=workers + 1)
         phases = [(False, IDLE_SLEEP_S)] + [(True, c) for c in computes]  # (computes?, seconds between)
         if rank > 0:
-            params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
-            grads = [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
+            params, grads = _worker_tensors(shapes)
             a = torch.randn(64, 64)
             version, times = 0, []
             for phase, (computes_between, c) in enumerate(phases):
@@ -210,24 +231,18 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
                 for i in range(warmup + _exchanges(c, exchanges, exchange_s)):
                     _compute_for(c, a) if computes_between else time.sleep(c)
                     t0 = time.perf_counter()
-                    version, tensors, _ = rpc.rpc_sync("agent0", rpc_api.push, args=(
-                        0, rank - 1, version, grads, defaults.get("lr"), 0.0, 0))
-                    with torch.no_grad():
-                        for p, t in zip(params, tensors):
-                            p.copy_(t)
+                    version = _exchange("agent0", rank - 1, version, params, grads, defaults.get("lr"))
                     if i >= warmup:
                         got.append(time.perf_counter() - t0)
                 times.append(got)
             (Path(workdir) / f"times-{rank}.json").write_text(json.dumps(times))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            rpc.shutdown()  # every worker has written its times
-        if rank == 0:
+
+        def result() -> dict:  # rank 0, after rpc.shutdown: every worker has written its times
             got = [json.loads((Path(workdir) / f"times-{r}.json").read_text()) for r in range(1, workers + 1)]
             means = [statistics.fmean(t for w in got for t in w[i]) for i in range(len(phases))]
-            result = {"idle_s": means[0], "points": [[c, m] for c, m in zip(computes, means[1:])]}
-            (Path(workdir) / "results.json.tmp").write_text(json.dumps(result))
-            os.replace(Path(workdir) / "results.json.tmp", Path(workdir) / "results.json")
+            return {"idle_s": means[0], "points": [[c, m] for c, m in zip(computes, means[1:])]}
+
+        _stop_rpc(rank, workdir, result)
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
@@ -264,8 +279,7 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
     if workers < 1 or not computes or any(not c > 0 for c in computes):
         raise UsageError(f"measured_ps_round_trips_loaded needs workers >= 1 and compute stretches > 0, "
                          f"got workers={workers}, computes={list(computes)}")
-    shapes = [(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in params]
-    defaults = {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
+    shapes, defaults = _ps_spec(params, optimizer)
     estimate = sum((warmup + _exchanges(c, exchanges, exchange_s)) * (c + exchange_s)
                    for c in (IDLE_SLEEP_S, *computes))
     timeout_s = max(timeout_s, 3 * estimate)

@@ -216,9 +216,9 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     from ..env import DistEnv
+    from ..errors import UsageError
     from ..strategies import DEFAULT, get_strategy, modelled
     from ..train.optim import optimizer_like
-    from ..errors import UsageError
     from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS
 
     name = spec.get("strategy", modelled(SHARDED_OPTIMIZER)[0])

@@ -48,10 +48,11 @@ from typing import Any
 
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
-from .costmodel_sharded import fsdp_step_path_s, meeting_seconds
+from .costmodel_sharded import fsdp_step_path_s
 from .plan_memory import PS, MemoryInputs, memory_per_device  # noqa: F401 (API: plan, plan_inputs, tests)
 from .plan_ps import ps_async_rate, ps_exchange_wait_s, ps_update_s
-from .strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, predict_model
+from .strategy_model import (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, STEP_PATHS, TOWERS, meeting_fns,
+                             predict_model)
 
 
 @dataclass
@@ -201,12 +202,8 @@ def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[
             or (model == PS and backup_workers)):
         return wait
     compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
-    return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
-
-
-STEP_PATHS = {SHARDED_OPTIMIZER: "zero1_step_s", SHARDED_PARAMETERS: "fsdp_step_s"}
-"""The input holding what each sharded formula's optimizer step adds to allreduce's, measured
-between 2 processes (:func:`~.microbench_sharded.measured_sharded_step`)."""
+    meeting_s, _ = meeting_fns(inputs)
+    return max(wait, meeting_s(compute) - link.alpha_s)
 
 
 def _step_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
@@ -265,10 +262,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         optimizer = max(optimizer / n, p.step_s - (ring.step_s - optimizer))
     elif model == SHARDED_PARAMETERS and _step_measured(model, inputs, overlap) and n > 1:
         # fsdp: its measured step moved to n ranks, as predict_fsdp prices it (the guard's all-reduce in it)
-        two = meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings") else None
-        optimizer = optimizer / n + fsdp_step_path_s(
-            w, n, link, inputs["fsdp_step_s"], meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None,
-            two)
+        optimizer = optimizer / n + fsdp_step_path_s(w, n, link, inputs["fsdp_step_s"], *meeting_fns(inputs))
     elif model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
         optimizer = optimizer / n
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)

@@ -236,12 +236,6 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # a ps-async worker's whole exchange with its server (push, update, answer, load), for the PS's link
         out["ps_round_trip_s"] = measured_ps_round_trip(list(model.parameters()), optimizer,
                                                         threads=default_threads(3, out["cores"]))
-        if device.type == "cpu":  # and with 2 workers computing between exchanges on the same cores
-            from .microbench_rpc import measured_ps_round_trips_loaded
-
-            out["ps_round_trips_loaded"] = {"workers": 2, **measured_ps_round_trips_loaded(
-                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]),
-                exchange_s=out["ps_round_trip_s"])}
         from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
 
         # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
@@ -250,13 +244,21 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         # fsdp's guard takes the norm of its DTensor gradients every step
         out["sharded_norm_s"] = measured_sharded_norm(list(model.parameters()),
                                                       threads=default_threads(2, out["cores"]))
-        if device.type == "cpu":  # CPU towers' join and FSDP2's buffers are copies in the one memory
+        if device.type == "cpu":  # what the processes' sharing of this machine's cores costs
+            from ..strategies import modelled
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
+            from .microbench_rpc import measured_ps_round_trips_loaded
             from .microbench_sharded import measured_fsdp_units, measured_sharded_step
             from .profile_runs import OVERSUBSCRIBED
+            from .strategy_model import STEP_PATHS
 
-            units = out["strategy_inputs"]["units"]
+            # the ps-async exchange again, with 2 workers computing between exchanges on the same cores
+            out["ps_round_trips_loaded"] = {"workers": 2, **measured_ps_round_trips_loaded(
+                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]),
+                exchange_s=out["ps_round_trip_s"])}
+
+            units = out["strategy_inputs"]["units"]  # CPU towers' join and FSDP2's buffers: copies in one memory
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
                                                 + [b for u in units for b in (u, u // 2)])
             out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
@@ -264,9 +266,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                   "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
-            for name in ("zero1", "fsdp"):  # what each one's optimizer step adds to allreduce's, between 2 ranks
-                out[f"{name}_step_s"] = measured_sharded_step(name, list(model.parameters()), optimizer,
-                                                              threads=default_threads(2, out["cores"]))
+            for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
+                out[key] = measured_sharded_step(modelled(cost_model)[0], list(model.parameters()), optimizer,
+                                                 threads=default_threads(2, out["cores"]))
     if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
         from .microbench_towers import measured_towers_forward
 

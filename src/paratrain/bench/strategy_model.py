@@ -5,7 +5,7 @@ strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmode
 (one process over several devices) by :mod:`.costmodel_sharded`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .costmodel import Link, Prediction, Workload, predict
 from .costmodel_pipeline import predict_pipeline
@@ -14,6 +14,16 @@ from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, pred
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
     "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")
 MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS)  # Strategy.cost_model values predicted here
+STEP_PATHS = {SHARDED_OPTIMIZER: "zero1_step_s", SHARDED_PARAMETERS: "fsdp_step_s"}
+"""The profile key (and plan input) holding what each sharded formula's optimizer step adds to
+allreduce's, measured between 2 processes (:func:`~.microbench_sharded.measured_sharded_step`)."""
+
+
+def meeting_fns(inputs: dict[str, Any]) -> tuple[Callable[[float], float] | None, Callable[[float], float] | None]:
+    """(``meeting_s``, ``path_meeting_s``): :func:`~.costmodel_sharded.meeting_seconds` of
+    ``inputs["meetings"]`` (the n processes' table) and of ``inputs["path_meetings"]`` (the 2
+    processes' the measured paths were timed between); None where not given."""
+    return tuple(meeting_seconds(inputs[k]) if inputs.get(k) else None for k in ("meetings", "path_meetings"))
 
 
 def predicted() -> list[str]:
@@ -134,8 +144,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     hold)."""
     d, links = cfg.dist, links or {}
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
-    meeting_s = meeting_seconds(inputs["meetings"]) if inputs.get("meetings") else None
-    path_meeting_s = meeting_seconds(inputs["path_meetings"]) if inputs.get("path_meetings") else None
+    meeting_s, path_meeting_s = meeting_fns(inputs)
     unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     bucket = bucket_mb or d.bucket_mb
     if model == RING:
