@@ -151,3 +151,53 @@ def test_pipeline_adds_fill_and_drain_transfers_and_the_replicas_all_reduce():
     expected = p2p + ring_allreduce_s(2e6, 2, LINK) + ring_allreduce_s(8 * MIB, 2, LINK)
     assert slow.step_s - free.step_s == pytest.approx(expected, rel=1e-12)
     assert slow.n == 4 and slow.words_per_s == pytest.approx(2 * W.tokens_per_step / slow.step_s)
+
+
+def test_every_formula_fills_the_optimizers_part_of_its_step():
+    """``Prediction.optimizer_s``, by hand (W: O = 0.04 s; scale 1.5): ring and towers step the whole
+    optimizer; zero1 and fsdp 1/n of it; a pipeline its largest stage's share (12 of 16 MiB); ZeRO-1's
+    measured step (this machine's CPU) all it adds to allreduce's without allreduce's optimizer, and
+    FSDP2's 1/n plus :func:`fsdp_step_path_s` (the path less its 2 processes' arithmetic)."""
+    from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_towers
+
+    s, O = 1.5, W.optimizer_s
+    assert predict(W, 4, LINK, bucket_mb=25, compute_scale=s).optimizer_s == pytest.approx(O * s, rel=1e-12)
+    assert predict_towers(W, 4, LINK, output_bytes=1e3, compute_scale=s).optimizer_s == pytest.approx(O * s)
+    assert predict_zero1(W, 4, LINK, compute_scale=s).optimizer_s == pytest.approx(O * s / 4, rel=1e-12)
+    assert predict_fsdp(W, 4, LINK, unit_bytes=[0, 8 * MIB, 8 * MIB], compute_scale=s).optimizer_s == \
+        pytest.approx(O * s / 4, rel=1e-12)
+    assert predict_fsdp(W, 1, LINK, unit_bytes=[0, 8 * MIB, 8 * MIB], compute_scale=s).optimizer_s == \
+        pytest.approx(O * s, rel=1e-12)
+    pipe = predict_pipeline(W, 1, 2, 4, LINK, activation_bytes=1e3, stage_param_bytes=[4 * MIB, 12 * MIB],
+                            compute_scale=s)
+    assert pipe.optimizer_s == pytest.approx(O * 0.75 * s, rel=1e-12)
+    # ZeRO-1's measured path of 7 ms: the step is allreduce's + 7 ms + O (1/2 - 1/2) at n = 2 (no copies given)
+    z = predict_zero1(W, 2, LINK, overlap=False, step_path_s=7e-3)
+    ring = predict(W, 2, LINK, bucket_mb=25.0, overlap=False)
+    assert z.step_s == pytest.approx(ring.step_s + 7e-3, rel=1e-12)
+    assert z.optimizer_s == pytest.approx(O + 7e-3, rel=1e-12)  # everything it adds to allreduce's without O
+    # a path that saves more than O (1 - 1/n): the optimizer's part is still its 1/n share
+    assert predict_zero1(W, 2, LINK, overlap=False, step_path_s=-0.03).optimizer_s == pytest.approx(O / 2)
+    f = predict_fsdp(W, 4, LINK, unit_bytes=[0, 8 * MIB, 8 * MIB], overlap=False, step_path_s=3e-3)
+    assert fsdp_step_path_s(W, 4, LINK, 3e-3) == pytest.approx(3e-3 + O / 2 + ring_allreduce_s(4, 4, LINK)
+                                                               - ring_allreduce_s(4, 2, LINK), rel=1e-12)
+    assert f.optimizer_s == pytest.approx(O / 4 + fsdp_step_path_s(W, 4, LINK, 3e-3), rel=1e-12)
+
+
+def test_the_dtensor_dispatch_is_compute_of_the_sharded_optimizers_step_unless_a_measured_step_holds_it():
+    """``dispatch_s`` (the DTensors' per-operation dispatch, measured in one process) adds, times the
+    scale, to ZeRO-1's and FSDP's step, compute and optimizer part at n > 1; not at n = 1 (plain
+    tensors), and not beside a measured sharded step on this machine's CPU (which holds it)."""
+    s, d = 1.5, 2e-3
+    for n in (2, 4):
+        for f in (lambda **k: predict_zero1(W, n, LINK, compute_scale=s, **k),
+                  lambda **k: predict_fsdp(W, n, LINK, unit_bytes=[0, 8 * MIB, 8 * MIB], compute_scale=s, **k)):
+            a, b = f(), f(dispatch_s=d)
+            assert (b.step_s - a.step_s, b.compute_s - a.compute_s, b.optimizer_s - a.optimizer_s) == \
+                pytest.approx((d * s,) * 3, rel=1e-9)
+    assert predict_zero1(W, 1, LINK, dispatch_s=d).step_s == pytest.approx(W.local_s())
+    assert predict_fsdp(W, 1, LINK, unit_bytes=[8 * MIB], dispatch_s=d).step_s == pytest.approx(W.local_s())
+    assert predict_zero1(W, 2, LINK, overlap=False, step_path_s=7e-3, dispatch_s=d) == \
+        predict_zero1(W, 2, LINK, overlap=False, step_path_s=7e-3)
+    assert predict_fsdp(W, 2, LINK, unit_bytes=[8 * MIB], overlap=False, step_path_s=3e-3, dispatch_s=d) == \
+        predict_fsdp(W, 2, LINK, unit_bytes=[8 * MIB], overlap=False, step_path_s=3e-3)

@@ -870,7 +870,7 @@ def test_predicts_sync_batchnorm_helpers_add_exposed_comm_pick_the_paying_strate
 
     # step 10 ms (8 compute + 2 comm), 4000 words/s, speedup 1.6 at N = 2; +5 ms of sync: x 10/15
     p = Prediction(n=2, step_s=0.010, compute_s=0.008, exposed_comm_s=0.002, words_per_s=4000.0, speedup=1.6,
-                   efficiency=0.8, bucket_mb=25.0, algorithm="ring")
+                   efficiency=0.8, bucket_mb=25.0, algorithm="ring", optimizer_s=0.001)
     q = with_extra_step_s(p, 0.005)
     assert (q.step_s, q.compute_s, q.exposed_comm_s) == pytest.approx((0.015, 0.008, 0.007))
     assert (q.words_per_s, q.speedup, q.efficiency) == pytest.approx((4000 * 2 / 3, 1.6 * 2 / 3, 0.8 * 2 / 3))

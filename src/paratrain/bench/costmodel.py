@@ -224,7 +224,11 @@ class Prediction:
 
     compute_s: step without communication; exposed_comm_s = step_s - compute_s; words_per_s:
     n * tokens_per_step / step_s; speedup S(N) against one device; efficiency S(N)/N;
-    bucket_mb: MiB (0.0 for "ps", which has no buckets).
+    bucket_mb: MiB (0.0 for "ps", which has no buckets); optimizer_s: the seconds of the step that
+    training's optimizer span holds, filled by each formula: this strategy's share of the optimizer
+    step and, where the formula prices a measured sharded step (ZeRO-1's or FSDP2's on this machine's
+    CPU), all that step adds (its all-gather or the guard's norm included), so part of it may be in
+    exposed_comm_s.
     """
 
     n: int
@@ -236,6 +240,20 @@ class Prediction:
     efficiency: float
     bucket_mb: float
     algorithm: str
+    optimizer_s: float
+
+
+def prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm: str, *, optimizer_s: float,
+               replicas: int | None = None, bucket_mb: float = 0.0) -> Prediction:
+    """A :class:`Prediction` of ``replicas`` (default n) replicas each stepping ``w.tokens_per_step``
+    in ``step_s``: words/s, and speedup against one device's :meth:`Workload.local_s`. ``compute_s``: the
+    step on an infinitely fast link (this strategy's share of the optimizer; a pipeline's bubble
+    included), so that exposed communication = step - compute >= 0."""
+    replicas = n if replicas is None else replicas
+    words_per_s = replicas * w.tokens_per_step / step_s
+    speedup = words_per_s / (w.tokens_per_step / w.local_s())
+    return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n, float(bucket_mb),
+                      algorithm, optimizer_s)
 
 
 def _collective(algorithm: str) -> Callable[[float, int, Link], float]:
@@ -276,10 +294,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
             other_s=(w.data_s + w.optimizer_s) * compute_scale,
             bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB),
             comm_s=lambda b: collective(b * w.payload_ratio, n, link), overlap=overlap)
-    words_per_s = n * w.tokens_per_step / step_s
-    speedup = words_per_s / (w.tokens_per_step / w.local_s())
-    return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n,
-                      float(bucket_mb), algorithm)
+    return prediction(w, n, step_s, compute_s, algorithm, optimizer_s=w.optimizer_s * compute_scale,
+                      bucket_mb=bucket_mb)
 
 
 def pick_bucket(w: Workload, n: int, link: Link, algorithm: str = "ring",

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import UsageError
-from .costmodel import Link, Prediction, Workload, _check_n, ring_allreduce_s
-from .costmodel_sharded import _prediction
+from .costmodel import Link, Prediction, Workload, _check_n, prediction, ring_allreduce_s
 
 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
@@ -61,7 +60,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
     shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
     step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
-    return _prediction(w, replicas * S, step, compute, "stages", replicas=replicas)
+    return prediction(w, replicas * S, step, compute, "stages", optimizer_s=optimizer * s, replicas=replicas)
 
 
 def stage_microbatch_s(w: Workload, fractions: Sequence[float], microbatches: int,

@@ -33,7 +33,8 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..errors import UsageError
-from .costmodel import FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, predict, ring_allreduce_s
+from .costmodel import (FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, predict, prediction,
+                        ring_allreduce_s)
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -49,23 +50,12 @@ def ring_reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
                                + (n - 1) / n * nbytes * (link.beta_s_per_byte + link.gamma_s_per_byte))
 
 
-def _prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm: str, replicas: int | None = None,
-                bucket_mb: float = 0.0) -> Prediction:
-    """``compute_s``: the step on an infinitely fast link (this strategy's share of the optimizer; a
-    pipeline's bubble included), so that exposed communication = step - compute >= 0."""
-    replicas = n if replicas is None else replicas
-    words_per_s = replicas * w.tokens_per_step / step_s
-    speedup = words_per_s / (w.tokens_per_step / w.local_s())
-    return Prediction(n, step_s, compute_s, step_s - compute_s, words_per_s, speedup, speedup / n, bucket_mb,
-                      algorithm)
-
-
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
                   overlap: bool = True, gather_link: Link | None = None,
                   meeting_s: Callable[[float], float] | None = None,
                   copy_s: Callable[[float], float] | None = None,
                   step_path_s: float | None = None,
-                  path_meeting_s: Callable[[float], float] | None = None) -> Prediction:
+                  path_meeting_s: Callable[[float], float] | None = None, dispatch_s: float = 0.0) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
     were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`; the ranks reach the
@@ -74,7 +64,11 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     CPU, where copies take the cores that compute); ``Zero1._gather_rows`` copies the rank's rows into
     the send buffer (P / n bytes of the P parameter bytes) and the other ranks' rows out
     (P (n - 1) / n), in the step's critical path: ``copy_s(P / n) + copy_s(P (n - 1) / n)`` (0 for
-    n = 1 or without ``copy_s``).
+    n = 1 or without ``copy_s``). ``dispatch_s``: what stepping the optimizer on DTensor shards costs
+    beyond the plain step's 1/n, per step (the wrap and per-operation dispatch, measured in one
+    process: :func:`~.microbench_sharded.measured_sharded_optimizer`), times ``compute_scale``, at
+    n > 1, in the step's compute and its optimizer part (0: not known, or already in a measured
+    one-rank overhead).
 
     ``step_path_s`` (this machine's CPU, ``overlap=False``): what ZeRO-1's optimizer step was measured
     to add to allreduce's between 2 processes of one thread each
@@ -85,8 +79,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     ``O (1/2 - 1)`` (its 2 processes had a core each: scale 1), the all-gather's ring time at
     n less at 2, the copies at n less at 2, and the wait that n processes' meeting (``meeting_s``)
     costs beyond the 2 processes' (``path_meeting_s``; 0 at or below the cores, where they are one
-    table). The one-process DTensor dispatch (``sharded_optimizer_s`` in the plan) is inside the
-    measured path and must not be added again. Measured on 2026-11-27 (2 vCPU, 1 thread a process),
+    table). The one-process DTensor dispatch (``dispatch_s``) is inside the measured path and is not
+    added again. Measured on 2026-11-27 (2 vCPU, 1 thread a process),
     timing zero1's step inside training: digits_cnn at N = 2, the wrap 1.9 ms, the sharded step
     3.3 ms, the copies 0.8 ms and the all-gather 1.2 ms (8.0 ms in all, 7.4 ms above allreduce's),
     against 3.6 ms above allreduce's by the terms above without ``step_path_s``: the wrap and dispatch
@@ -109,15 +103,19 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
             c = w.optimizer_s * s / n
             step += max(0.0, meeting_s(c) - path_meeting_s(c))
         compute = whole.compute_s - w.optimizer_s * s * (1 - 1 / n)
-        return _prediction(w, n, step, compute, "sharded_optimizer", bucket_mb=bucket_mb)
+        # training's optimizer span: all this step adds to allreduce's without its optimizer (at least O s / n)
+        optimizer = max(w.optimizer_s * s / n, step - (whole.step_s - w.optimizer_s * s))
+        return prediction(w, n, step, compute, "sharded_optimizer", optimizer_s=optimizer, bucket_mb=bucket_mb)
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale, overlap=overlap)
-    step = ddp.step_s + ring_allgather_s(nbytes, n, glink)
+    dispatch = dispatch_s * compute_scale if n > 1 else 0.0
+    step = ddp.step_s + dispatch + ring_allgather_s(nbytes, n, glink)
     if meeting_s is not None and n > 1:
         step += max(0.0, meeting_s(w.optimizer_s * compute_scale / n) - glink.alpha_s)
     if copy_s is not None and n > 1:
         step += copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)
-    return _prediction(w, n, step, ddp.compute_s, "sharded_optimizer", bucket_mb=bucket_mb)
+    return prediction(w, n, step, ddp.compute_s + dispatch, "sharded_optimizer", optimizer_s=ddp.optimizer_s + dispatch,
+                      bucket_mb=bucket_mb)
 
 
 def fsdp_phases_s(compute_s: float, unit_bytes: Sequence[int], gather: Sequence[float],
@@ -200,7 +198,7 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
                  meeting_s: Callable[[float], float] | None = None,
                  unit_path_s: Callable[[float], Sequence[float]] | None = None,
                  path_meeting_s: Callable[[float], float] | None = None,
-                 step_path_s: float | None = None) -> Prediction:
+                 step_path_s: float | None = None, dispatch_s: float = 0.0) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
     sharded), in forward order: the root first (its own parameters, which FSDP2 keeps gathered from
     the forward to the backward: no second all-gather), then the units. A unit of 0 bytes has no
@@ -232,6 +230,13 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     prices the taking of turns. Without ``path_meeting_s`` each wait is the meeting less the
     all-gather's alpha, as before 2026-11-26.
 
+    ``dispatch_s``: what the optimizer's step on DTensor shards and the guard's norm of the DTensor
+    gradients cost beyond the plain step's 1/n, per step (their per-operation dispatch, measured in
+    one process: :func:`~.microbench_sharded.measured_sharded_optimizer` and
+    :func:`~.microbench_sharded.measured_sharded_norm`), times ``compute_scale``, at n > 1, in the
+    step's compute and its optimizer part; not with ``step_path_s`` on this machine's CPU, which
+    holds it (0: not known, or already in a measured one-rank overhead).
+
     ``step_path_s`` (this machine's CPU, ``overlap=False``): what FSDP2's optimizer step was measured
     to add to allreduce's between 2 processes (:func:`~.microbench_sharded.time_sharded_step`: the
     guard's norm of the DTensor shards with its all-reduce, and the optimizer's dispatch and
@@ -247,13 +252,17 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     if not unit_bytes or any(b < 0 for b in unit_bytes):
         raise UsageError("predict_fsdp needs the units' parameter bytes (>= 0), in forward order, the root first")
     s = compute_scale
-    other = (w.data_s + w.optimizer_s / n) * s
+    path = step_path_s is not None and not overlap  # the measured step: it holds the dispatch and the norm
+    dispatch = dispatch_s * s if n > 1 and not path else 0.0
+    optimizer = w.optimizer_s * s / n + dispatch  # training's optimizer span (the guard's norm too, where measured)
+    other = w.data_s * s + optimizer
     compute = (w.forward_s + w.backward_s) * s + other
     if n == 1:
-        return _prediction(w, n, compute, compute, "sharded_parameters")
+        return prediction(w, n, compute, compute, "sharded_parameters", optimizer_s=optimizer)
     units = sum(1 for b in unit_bytes if b)
-    if step_path_s is not None and not overlap:  # the measured step holds the norm's all-reduce at 2 ranks
+    if path:  # the measured step holds the norm's all-reduce at 2 ranks
         after_backward = fsdp_step_path_s(w, n, link, step_path_s, meeting_s, path_meeting_s)
+        optimizer += after_backward
     else:  # the guard's all-reduce of the norm: a blocking collective a moment after the last reduce-scatter
         after_backward = ring_allreduce_s(FLOAT32_BYTES, n, link)
         if meeting_s is not None:
@@ -267,16 +276,18 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         waits = 2 * units * max(0.0, meeting_s(segment) - held)
     if measured:
         paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
-        return _prediction(w, n, compute + paths + waits + after_backward, compute, "sharded_parameters")
+        return prediction(w, n, compute + paths + waits + after_backward, compute, "sharded_parameters",
+                          optimizer_s=optimizer)
     ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
         step = compute + sum(ag) + sum(again) + sum(rs) + waits + after_backward
-        return _prediction(w, n, step, compute, "sharded_parameters")
+        return prediction(w, n, step, compute, "sharded_parameters", optimizer_s=optimizer)
     fwd = fsdp_phases_s(w.forward_s * s, unit_bytes, ag)
     bwd = fsdp_phases_s(w.backward_s * s, list(reversed(unit_bytes)), list(reversed(again)), list(reversed(rs)))
-    return _prediction(w, n, fwd + bwd + waits + after_backward + other, compute, "sharded_parameters")
+    return prediction(w, n, fwd + bwd + waits + after_backward + other, compute, "sharded_parameters",
+                      optimizer_s=optimizer)
 
 
 def fsdp_step_path_s(w: Workload, n: int, link: Link, step_path_s: float,
@@ -366,7 +377,7 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
         comm = ((n - 1) * link.alpha_s + P * link.beta_s_per_byte
                 + 2 * (n - 1) * (link.alpha_s + output_bytes * link.beta_s_per_byte)
                 + (n - 1) * link.alpha_s + P * (link.beta_s_per_byte + link.gamma_s_per_byte))
-    return _prediction(w, n, compute + comm, compute, "towers")
+    return prediction(w, n, compute + comm, compute, "towers", optimizer_s=w.optimizer_s * s)
 
 
 __all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",

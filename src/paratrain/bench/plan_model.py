@@ -48,10 +48,9 @@ from typing import Any
 
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
-from .costmodel_sharded import fsdp_step_path_s
 from .plan_memory import PS, MemoryInputs, memory_per_device  # noqa: F401 (API: plan, plan_inputs, tests)
 from .plan_ps import ps_async_rate, ps_exchange_wait_s, ps_update_s
-from .strategy_model import (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, STEP_PATHS, TOWERS, meeting_fns,
+from .strategy_model import (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, meeting_fns,
                              predict_model)
 
 
@@ -145,17 +144,11 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     machine's CPU for DDP and a synchronous PS at least the measured meeting (:func:`_last_rank_wait_s`),
     as exposed communication. A pipeline's stages pass micro-batches along rather than all waiting at once, and
     the replicas of a hybrid (DP x PP) layout, which do all-reduce every step, are not priced for it
-    either: not modelled. ZeRO-1 and FSDP step the optimizer on DTensor shards, whose
-    per-operation dispatch ``inputs["sharded_optimizer_s"]`` (measured,
-    :func:`~.microbench_sharded.measured_sharded_optimizer`; times ``compute_scale``) adds to their
-    optimizer's 1/n of the plain step; FSDP's guard takes the norm of its DTensor gradients every
-    step, whose dispatch ``inputs["sharded_norm_s"]`` (measured,
-    :func:`~.microbench_sharded.measured_sharded_norm`) adds to it too. Where ZeRO-1's whole optimizer
-    step was measured between two processes (``inputs["zero1_step_s"]``, this machine's CPU), that
-    holds its dispatch, and the optimizer part is the step less allreduce's compute and exposed
-    communication (the part measured in training: the optimizer's span holds the all-gather); where
-    FSDP's was (``inputs["fsdp_step_s"]``), likewise, and its optimizer part is
-    :func:`~.costmodel_sharded.predict_fsdp`'s (the guard's all-reduce in it, as in training's span).
+    either: not modelled. The optimizer part is the formula's (:attr:`~.costmodel.Prediction.optimizer_s`):
+    ZeRO-1's and FSDP's 1/n of the plain step plus their DTensors' dispatch
+    (``inputs["sharded_optimizer_s"]``, FSDP's guard's ``inputs["sharded_norm_s"]``), or on this
+    machine's CPU their whole sharded steps measured between two processes (``inputs["zero1_step_s"]``,
+    ``inputs["fsdp_step_s"]``: :func:`~.strategy_model.predict_model`).
     ``inputs["one_rank_s"]`` (a GPU's profile, or a CPU's on a preset:
     :func:`~.profile_runs.loop_one_rank_overheads`, this
     layout's strategy measured as one rank of ``paratrain train`` less the one-device step:
@@ -168,17 +161,11 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
              + _last_rank_wait_s(model, layout.n, w, link, inputs, compute_scale, overlap,
                                  layout.overrides.get("backup_workers", cfg.dist.backup_workers)) if meets
              else inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0)
-    own = inputs.get("one_rank_s") if layout.n > 1 else None  # {step_s, compute_s, optimizer_s} or None
-    dispatch = 0.0
-    priced = model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS) and not _step_measured(model, inputs, overlap)
-    if priced and layout.n > 1 and own is None:  # the one-rank runs hold the DTensors' dispatch (also at 0)
-        dispatch = (inputs.get("sharded_optimizer_s", 0.0)  # and fsdp's guard: its DTensor gradients' norm
-                    + (inputs.get("sharded_norm_s", 0.0) if model == SHARDED_PARAMETERS else 0.0)) * compute_scale
-    own = own or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
-    if parts is None or not (extra or dispatch or own["step_s"]):
+    own = (inputs.get("one_rank_s") if layout.n > 1 else None) or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
+    if parts is None or not (extra or own["step_s"]):
         return parts
-    step = parts["step_s"] + extra + dispatch + own["step_s"]
-    return _parts(step, parts["compute_s"] + own["compute_s"], parts["optimizer_s"] + dispatch + own["optimizer_s"],
+    step = parts["step_s"] + extra + own["step_s"]
+    return _parts(step, parts["compute_s"] + own["compute_s"], parts["optimizer_s"] + own["optimizer_s"],
                   parts["bubble_s"], parts["units_per_s"] * parts["step_s"] / step, parts["replicas"])
 
 
@@ -204,14 +191,6 @@ def _last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[
     compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
     meeting_s, _ = meeting_fns(inputs)
     return max(wait, meeting_s(compute) - link.alpha_s)
-
-
-def _step_measured(model: str, inputs: dict[str, Any], overlap: bool) -> bool:
-    """Whether ZeRO-1's or FSDP's optimizer step measured between 2 processes
-    (``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``) prices this layout, as
-    :func:`~.costmodel_sharded.predict_zero1` and :func:`~.costmodel_sharded.predict_fsdp` use it: on
-    this machine's CPU (no overlap). It holds the DTensor dispatch."""
-    return model in STEP_PATHS and inputs.get(STEP_PATHS[model]) is not None and not overlap
 
 
 def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
@@ -248,23 +227,13 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         pipelined = pipeline_schedule_s(per_mb, d.dist.microbatches, s)
         compute = s * whole / stages + w.data_s * s  # a device's share of the work; the rest of the schedule is bubble
         bubble = max(0.0, pipelined - s * whole / stages)
-        optimizer = max(0.0, p.compute_s - pipelined - w.data_s * s)
-        return _parts(p.step_s, compute, optimizer, bubble, p.words_per_s, replicas)
+        return _parts(p.step_s, compute, p.optimizer_s, bubble, p.words_per_s, replicas)
     d = replace_dist(cfg, **layout.overrides)
     hook = layout.overrides.get("comm_hook", "none")
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links)
-    if _step_measured(model, inputs, overlap) and n > 1 and model == SHARDED_OPTIMIZER:
-        # the measured path: the optimizer's part is all zero1's step adds to allreduce's without its optimizer
-        ring = predict_model(RING, ww, n, link, d, inputs, compute_scale=s,
-                             bucket_mb=layout.overrides.get("bucket_mb"), overlap=overlap, links=links)
-        optimizer = max(optimizer / n, p.step_s - (ring.step_s - optimizer))
-    elif model == SHARDED_PARAMETERS and _step_measured(model, inputs, overlap) and n > 1:
-        # fsdp: its measured step moved to n ranks, as predict_fsdp prices it (the guard's all-reduce in it)
-        optimizer = optimizer / n + fsdp_step_path_s(w, n, link, inputs["fsdp_step_s"], *meeting_fns(inputs))
-    elif model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
-        optimizer = optimizer / n
+    optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP)
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer
     return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
