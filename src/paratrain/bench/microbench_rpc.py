@@ -128,7 +128,7 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], st
 
     try:
         if rank == 1:
-            rpc_api._SHARDS[0] = ShardServer(0, 1, "async", timeout_s=timeout_s)
+            rpc_api.register(ShardServer(0, 1, "async", timeout_s=timeout_s))
         _start_rpc(rank, workdir, threads, timeout_s)
         seconds = None
         if rank == 0:
@@ -141,10 +141,11 @@ def _ps_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], st
 
             seconds = median_seconds(round_trip, repeats, warmup)
         _stop_rpc(rank, workdir, seconds)
-        rpc_api._SHARDS.clear()
     except BaseException:
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    finally:
+        rpc_api.unregister(0)
 
 
 def measured_ps_round_trip(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *, threads: int = 1,
@@ -247,7 +248,7 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
         (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
-        rpc_api._SHARDS.pop(0, None)
+        rpc_api.unregister(0)
 
 
 def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,

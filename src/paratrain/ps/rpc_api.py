@@ -84,6 +84,12 @@ def register(shard: ShardServer, gate: StalenessGate | None = None) -> None:
         _GATE[0] = gate
 
 
+def unregister(shard_id: int) -> None:
+    """Take shard ``shard_id`` (and the staleness gate) out of this process's endpoint table, if there."""
+    _SHARDS.pop(shard_id, None)
+    _GATE.pop(0, None)
+
+
 def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float = 0.2) -> dict:
     """Serve ``shard`` (:func:`register`-ed) until every worker is done or declared dead; returns its
     final stats, and takes the shard out of the table.
@@ -110,5 +116,4 @@ def serve(shard: ShardServer, gate: StalenessGate | None = None, poll_s: float =
         time.sleep(2 * poll_s)  # let the answer to the last worker_done leave before RPC shuts down
         return shard.stats()
     finally:
-        _SHARDS.pop(shard.shard_id, None)
-        _GATE.pop(0, None)
+        unregister(shard.shard_id)
