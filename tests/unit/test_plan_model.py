@@ -951,6 +951,77 @@ def test_the_recommendation_of_predictions_within_a_tie_is_the_one_with_the_leas
     assert rank(plateau, "words_per_s")[0]["n"] == 8
 
 
+def test_the_plan_names_the_layouts_its_measured_errors_cannot_tell_from_the_recommendation():
+    """plan.close_calls and the report's line: digits_cnn without sync BN on 2026-11-27 (v23), towers
+    predicted 1.3% above allreduce and 2.9% above ps-sync, with step errors of 10.5%, 10.8% and 12.7%
+    (measured: allreduce and ps-sync 18% faster than towers). A row's band v (1 +- e) must reach the
+    recommendation's v_best (1 - e_best); rows without a measured error, extrapolated, infeasible or
+    asynchronous are never named; the cost objective compares per device."""
+    from paratrain.bench.plan import close_calls
+    from paratrain.bench.plan_report import markdown
+
+    def row(label, units, err, n=2, **kw):
+        return {**_row(label, units, 3, n=n, **{k: kw.pop(k) for k in ("feasible", "synchronous") if k in kw}),
+                "measured_error": err, "extrapolated": kw.get("extrapolated", False)}
+
+    towers, allreduce, ps = row("towers", 1000.0, 0.105), row("allreduce", 987.0, 0.108), row("ps-sync", 971.0, 0.127)
+    far = row("fsdp", 581.0, 0.035)  # 581 x 1.035 = 601 < 1000 x 0.895 = 895
+    # the recommendation's floor: 1000 x 0.895 = 895; a band of 25% reaches it from 717 (896.25), not from 715
+    edge, below = row("zero1", 717.0, 0.25), row("zero1b", 715.0, 0.25)
+    unknown = row("pipeline", 999.0, None)
+    beyond = row("allreduce", 1990.0, 0.1, n=4, extrapolated=True)
+    others = [row("ps-async", 1500.0, 0.15, synchronous=False), row("big", 999.0, 0.1, feasible=False)]
+    rows = [towers, allreduce, ps, far, edge, below, unknown, beyond, *others]
+    assert [r["label"] for r in close_calls(rows, towers, "words_per_s")] == ["allreduce", "ps-sync", "zero1"]
+    assert close_calls(rows, unknown, "words_per_s") == [] and close_calls(rows, None, "words_per_s") == []
+    # the extrapolated N = 4 row is named once measured there (1990 words/s, the fastest, is named first)
+    beyond["extrapolated"] = False
+    assert [(r["label"], r["n"]) for r in close_calls(rows, towers, "words_per_s")][0] == ("allreduce", 4)
+    # cost, per device: the floor is 500 x 0.895 = 447.5; 1990 / 4 = 497.5 reaches it, 1600 / 4 x 1.1 = 440 not
+    assert ("allreduce", 4) in [(r["label"], r["n"]) for r in close_calls(rows, towers, "cost")]
+    beyond["units_per_s"] = 1600.0
+    assert all(r["n"] == 2 for r in close_calls(rows, towers, "cost"))
+    assert ("allreduce", 4) in [(r["label"], r["n"]) for r in close_calls(rows, towers, "words_per_s")]
+    result = {"config": "c.toml", "date": "d", "unit": "samples", "rows": [towers, allreduce, ps],
+              "interconnect": "measured", "link": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9},
+              "device_memory_bytes": None, "objective": "words_per_s", "global_batch": None, "refused": {},
+              "profile": {"device": "cpu", "cores": 2, "tokens_per_step": 64, "flops_per_unit": 1e6,
+                          "peak_flops_source": "measured"},
+              "close_calls": [{"label": "allreduce", "n": 2}, {"label": "ps-sync", "n": 2}]}
+    for r in result["rows"]:
+        r.update(staleness=0, reason="", step_s=0.01, compute_s=0.01, comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
+                 speedup=1.0, efficiency=0.5, mfu=0.1, command="paratrain train c.toml")
+    result["recommended"] = towers
+    text = markdown(result)
+    line = next(x for x in text.splitlines() if x.startswith("Too close to call"))
+    assert "allreduce at N = 2 (987 samples/s, -1.3%, error 11%)" in line
+    assert "ps-sync at N = 2 (971 samples/s, -2.9%, error 13%)" in line and "error of 10%" in line
+    assert "Too close to call" not in markdown({**result, "close_calls": []})
+
+
+def test_a_plan_row_carries_its_strategys_measured_error_at_its_own_n(tmp_path):
+    """plan.read_validation and row_error: ptb_small's towers on 2026-11-27 measured -3.0% at N = 2 and
+    -20.1% at N = 4 (oversubscribed): the N = 2 row carries 3.0%, the N = 4 row 20.1%, an N not
+    measured (8) the largest, 20.1%; a layout's K or hook shares its strategy's N; unvalidated, or no run
+    that gave a step time: None."""
+    import json
+
+    from paratrain.bench.plan import read_validation, row_error
+
+    rows = [{"strategy": "replicate", "n": 2, "step_error": -0.030, "memory_error": 0.05},
+            {"strategy": "replicate", "n": 4, "step_error": -0.201, "memory_error": 0.1},
+            {"strategy": "ps-sync", "n": 2, "step_error": 0.04, "memory_error": 0.0},
+            {"strategy": "ps-sync", "n": 2, "step_error": -0.06, "memory_error": 0.0},  # K = 2
+            {"strategy": "fsdp", "n": 2, "step_error": float("nan"), "memory_error": 0.0}]
+    (tmp_path / "validation.json").write_text(json.dumps({"rows": rows}))
+    checked = read_validation(tmp_path)
+    assert row_error(checked, "replicate", 2) == pytest.approx(0.030)
+    assert row_error(checked, "replicate", 4) == row_error(checked, "replicate", 8) == pytest.approx(0.201)
+    assert row_error(checked, "ps-sync", 2) == pytest.approx(0.06) and checked["ps-sync"]["max_n"] == 2
+    assert row_error(checked, "fsdp", 2) is None and row_error(checked, "zero1", 2) is None  # no step time, none
+    assert read_validation(tmp_path / "nothing") == {}
+
+
 def test_the_validation_scores_the_recommendation_the_plan_makes():
     from paratrain.bench.plan_validate import _choice
 

@@ -317,6 +317,30 @@ def pick(items: list, value, memory) -> int:
     return min(tied, key=lambda i: (memory(items[i]), -value(items[i])))
 
 
+def close_calls(rows: list[dict], best: dict | None, objective: str) -> list[dict]:
+    """The feasible synchronous rows that the measured errors cannot tell apart from ``best`` (the
+    recommendation), best first: where each row's ``measured_error`` e (its strategy's largest
+    |step error| at its N on this machine, ``--validate``: :func:`row_error`) applies (measured, not
+    extrapolated), its
+    true rate lies in ``[v (1 - e), v (1 + e)]`` around the predicted ``v`` (words/s, or per device
+    for the ``cost`` objective; a step error of +-e moves the rate by about -+e); a row is a close
+    call when its band reaches the recommendation's: ``v (1 + e) >= v_best (1 - e_best)``. Empty
+    where ``best`` has no measured error. What "say how sure it is" asks of the recommendation: the
+    plan still recommends ``best`` (:func:`rank`), and says which others may be as fast."""
+    def usable(r: dict) -> bool:
+        return r.get("measured_error") is not None and not r.get("extrapolated", True)
+
+    if best is None or not usable(best):
+        return []
+
+    def value(r: dict) -> float:
+        return r["units_per_s"] / (r["n"] if objective == "cost" else 1)
+
+    floor = value(best) * (1 - best["measured_error"])
+    return sorted((r for r in rows if r is not best and r["feasible"] and r["synchronous"] and usable(r)
+                   and value(r) * (1 + r["measured_error"]) >= floor), key=lambda r: -value(r))
+
+
 def rank(rows: list[dict], objective: str) -> list[dict]:
     """Feasible synchronous rows best first by the objective (words/s, or words/s per device for
     cost; equal: fewer devices), those with a known unpriced term (:func:`unpriced`) after the rest,
@@ -337,18 +361,31 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
 
 
 def read_validation(out: Path) -> dict[str, dict]:
-    """{strategy: {"error": max |step error| at N <= 2, "max_n": largest N measured}} from a previous
-    ``--validate`` in ``out`` (empty when none)."""
+    """{strategy: {"error": max |step error| over every N measured, "by_n": {N: max |step error| of
+    its layouts at N}, "memory_error": max |memory error|, "max_n": largest N measured}} from a
+    previous ``--validate`` in ``out`` (empty when none). A plan row at a measured N carries that N's
+    error (:func:`row_error`)."""
     try:
         v = json.loads((out / "validation.json").read_text())
     except (OSError, ValueError):
         return {}
     errs: dict[str, dict] = {}
     for r in v.get("rows", []):
-        e = errs.setdefault(r["strategy"], {"error": 0.0, "memory_error": 0.0, "max_n": 0})
+        e = errs.setdefault(r["strategy"], {"error": 0.0, "memory_error": 0.0, "max_n": 0, "by_n": {}})
         if math.isfinite(r.get("step_error", math.nan)):
             e["error"] = max(e["error"], abs(r["step_error"]))
+            e["by_n"][r["n"]] = max(e["by_n"].get(r["n"], 0.0), abs(r["step_error"]))
         if math.isfinite(r.get("memory_error", math.nan)):
             e["memory_error"] = max(e["memory_error"], abs(r["memory_error"]))
         e["max_n"] = max(e["max_n"], r["n"])
     return errs
+
+
+def row_error(checked: dict[str, dict], strategy: str, n: int) -> float | None:
+    """The measured step error a plan row of ``strategy`` at ``n`` devices carries (``checked``:
+    :func:`read_validation`'s): its strategy's at that N where N was measured, else its largest at any
+    N measured; None where the strategy was not validated or none of its runs gave a step time."""
+    v = checked.get(strategy)
+    if not v or not v.get("by_n"):
+        return None
+    return v.get("by_n", {}).get(n, v["error"])

@@ -80,7 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     checked = pl.read_validation(out if args.profile is None else args.profile.parent)  # the profile's machine's
     for r in rows:
         v = checked.get(r["strategy"])
-        r["measured_error"] = v["error"] if v else None
+        r["measured_error"] = pl.row_error(checked, r["strategy"], r["n"])
         r["extrapolated"] = (v is None) or r["n"] > v["max_n"] or preset is not None
     ranked = pl.rank(rows, args.objective)
     best = next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
@@ -99,7 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "profile": {k: prof[k] for k in ("batch_size", "tokens_per_step", "flops_per_unit", "peak_flops",
                                                "peak_flops_source", "param_total_bytes", "optimizer_state_bytes",
                                                "activation_bytes", "device", "cores")},
-              "rows": ranked, "recommended": best, "refused": refused}
+              "rows": ranked, "recommended": best, "refused": refused,
+              "close_calls": [{"label": r["label"], "n": r["n"]} for r in pl.close_calls(ranked, best, args.objective)]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
@@ -173,7 +174,8 @@ def markdown(result: dict) -> str:
              + ".", "",
              "Step parts in ms: compute (forward + backward + data), exposed communication, pipeline bubble, "
              "optimizer. Memory: predicted peak per device (GB). Error: this strategy's largest measured step-time "
-             f"error at N <= 2 on {'the profiled machine' if _elsewhere(result) else 'this machine'} (`--validate`); "
+             f"error at this N (at an N not measured, its largest at any N) on "
+             f"{'the profiled machine' if _elsewhere(result) else 'this machine'} (`--validate`); "
              "extrapolated: beyond what was measured.", "",
              f"| rank | layout | N | step ms | compute | comm | bubble | optimizer | {unit}/s | speedup | "
              f"efficiency | MFU | memory GB | fits | error | note |", "|" + "---|" * 16]
@@ -202,6 +204,19 @@ def markdown(result: dict) -> str:
         lines += [f"Recommended: **{best['label']}** at N = {best['n']}: {_f(best['units_per_s'], 0)} {unit}/s "
                   f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.", "", "```",
                   best["command"], "```", ""]
+        close = [r for c in result.get("close_calls", []) for r in rows if (r["label"], r["n"]) == (c["label"], c["n"])]
+
+        def per(r: dict) -> float:  # the objective's value
+            return r["units_per_s"] / (r["n"] if result["objective"] == "cost" else 1)
+
+        if close:
+            more = f", and {len(close) - 5} more (see the error column)" if len(close) > 5 else ""
+            lines += ["Too close to call on this machine's measured step errors (`--validate`): "
+                      + ", ".join(f"{r['label']} at N = {r['n']} ({_f(r['units_per_s'], 0)} {unit}/s, "
+                                  f"{100 * (per(r) / per(best) - 1):+.1f}%, error "
+                                  f"{100 * r['measured_error']:.0f}%)" for r in close[:5])
+                      + more + f" against the recommendation's error of {100 * best['measured_error']:.0f}%; "
+                        "each may be as fast.", ""]
     else:
         lines += ["No synchronous layout fits; see the table.", ""]
     return "\n".join(lines)
