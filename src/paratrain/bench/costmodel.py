@@ -224,11 +224,13 @@ class Prediction:
 
     compute_s: step without communication; exposed_comm_s = step_s - compute_s; words_per_s:
     n * tokens_per_step / step_s; speedup S(N) against one device; efficiency S(N)/N;
-    bucket_mb: MiB (0.0 for "ps", which has no buckets); optimizer_s: the seconds of the step that
-    training's optimizer span holds, filled by each formula: this strategy's share of the optimizer
-    step and, where the formula prices a measured sharded step (ZeRO-1's or FSDP2's on this machine's
-    CPU), all that step adds (its all-gather or the guard's norm included), so part of it may be in
-    exposed_comm_s.
+    bucket_mb: MiB (0.0 for "ps", which has no buckets); optimizer_s: the seconds of the step the
+    formula prices as the optimizer's (what training's optimizer span holds), filled by each formula:
+    this strategy's share of the optimizer step (the whole for ring, tree and towers; 1/n for ZeRO-1
+    and FSDP, with their DTensors' dispatch; a pipeline's largest stage's; :func:`predict`'s "ps" the
+    workers' own step, as it prices it) and, where the formula prices a measured sharded step
+    (ZeRO-1's or FSDP2's on this machine's CPU), all that step adds (its all-gather or the guard's
+    norm included), so part of it may be in exposed_comm_s.
     """
 
     n: int

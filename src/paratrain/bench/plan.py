@@ -317,28 +317,32 @@ def pick(items: list, value, memory) -> int:
     return min(tied, key=lambda i: (memory(items[i]), -value(items[i])))
 
 
+def objective_value(row: dict, objective: str) -> float:
+    """What the plan ranks a row by (higher is better): its units/s, or units/s per device for the
+    ``cost`` objective."""
+    return row["units_per_s"] / (row["n"] if objective == "cost" else 1)
+
+
 def close_calls(rows: list[dict], best: dict | None, objective: str) -> list[dict]:
     """The feasible synchronous rows that the measured errors cannot tell apart from ``best`` (the
     recommendation), best first: where each row's ``measured_error`` e (its strategy's largest
-    |step error| at its N on this machine, ``--validate``: :func:`row_error`) applies (measured, not
-    extrapolated), its
-    true rate lies in ``[v (1 - e), v (1 + e)]`` around the predicted ``v`` (words/s, or per device
-    for the ``cost`` objective; a step error of +-e moves the rate by about -+e); a row is a close
-    call when its band reaches the recommendation's: ``v (1 + e) >= v_best (1 - e_best)``. Empty
-    where ``best`` has no measured error. What "say how sure it is" asks of the recommendation: the
-    plan still recommends ``best`` (:func:`rank`), and says which others may be as fast."""
+    |step error| at its N on the profiled machine, ``--validate``: :func:`row_error`; a layout that
+    was not run itself, another K or hook, carries its strategy's) applies (measured, not
+    extrapolated), its true rate lies in ``[v (1 - e), v (1 + e)]`` around the predicted ``v``
+    (:func:`objective_value`; a step error of e = predicted / measured step - 1 makes the measured rate
+    exactly ``v (1 + e)``); a row is a close call when its band reaches the recommendation's:
+    ``v (1 + e) >= v_best (1 - e_best)``. Empty where ``best`` has no measured error. What "say how
+    sure it is" asks of the recommendation: the plan still recommends ``best`` (:func:`rank`), and says
+    which others may be as fast."""
     def usable(r: dict) -> bool:
         return r.get("measured_error") is not None and not r.get("extrapolated", True)
 
     if best is None or not usable(best):
         return []
-
-    def value(r: dict) -> float:
-        return r["units_per_s"] / (r["n"] if objective == "cost" else 1)
-
-    floor = value(best) * (1 - best["measured_error"])
+    floor = objective_value(best, objective) * (1 - best["measured_error"])
     return sorted((r for r in rows if r is not best and r["feasible"] and r["synchronous"] and usable(r)
-                   and value(r) * (1 + r["measured_error"]) >= floor), key=lambda r: -value(r))
+                   and objective_value(r, objective) * (1 + r["measured_error"]) >= floor),
+                  key=lambda r: -objective_value(r, objective))
 
 
 def rank(rows: list[dict], objective: str) -> list[dict]:
@@ -348,7 +352,7 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
     feasible synchronous rows within :data:`TIE` of the best (the fully priced ones, where any fits),
     the one on the fewest devices, then with the least memory per device (:func:`pick`)."""
     def value(r):
-        return r["units_per_s"] / (r["n"] if objective == "cost" else 1)
+        return objective_value(r, objective)
 
     out = sorted(rows, key=lambda r: (not r["feasible"], not r["synchronous"], bool(r.get("unpriced")),
                                       -value(r), r["n"]))
@@ -362,9 +366,9 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
 
 def read_validation(out: Path) -> dict[str, dict]:
     """{strategy: {"error": max |step error| over every N measured, "by_n": {N: max |step error| of
-    its layouts at N}, "memory_error": max |memory error|, "max_n": largest N measured}} from a
-    previous ``--validate`` in ``out`` (empty when none). A plan row at a measured N carries that N's
-    error (:func:`row_error`)."""
+    its layouts at N}, "memory_error": max |memory error|, "max_n": largest N with a step time}} from
+    a previous ``--validate`` in ``out`` (empty when none; a run without a step time, failed, measures
+    nothing). A plan row at a measured N carries that N's error (:func:`row_error`)."""
     try:
         v = json.loads((out / "validation.json").read_text())
     except (OSError, ValueError):
@@ -375,9 +379,9 @@ def read_validation(out: Path) -> dict[str, dict]:
         if math.isfinite(r.get("step_error", math.nan)):
             e["error"] = max(e["error"], abs(r["step_error"]))
             e["by_n"][r["n"]] = max(e["by_n"].get(r["n"], 0.0), abs(r["step_error"]))
+            e["max_n"] = max(e["max_n"], r["n"])
         if math.isfinite(r.get("memory_error", math.nan)):
             e["memory_error"] = max(e["memory_error"], abs(r["memory_error"]))
-        e["max_n"] = max(e["max_n"], r["n"])
     return errs
 
 
@@ -388,4 +392,4 @@ def row_error(checked: dict[str, dict], strategy: str, n: int) -> float | None:
     v = checked.get(strategy)
     if not v or not v.get("by_n"):
         return None
-    return v.get("by_n", {}).get(n, v["error"])
+    return v["by_n"].get(n, v["error"])

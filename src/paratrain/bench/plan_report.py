@@ -205,15 +205,18 @@ def markdown(result: dict) -> str:
                   f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.", "", "```",
                   best["command"], "```", ""]
         close = [r for c in result.get("close_calls", []) for r in rows if (r["label"], r["n"]) == (c["label"], c["n"])]
+        cost = result["objective"] == "cost"
 
-        def per(r: dict) -> float:  # the objective's value
-            return r["units_per_s"] / (r["n"] if result["objective"] == "cost" else 1)
+        def per(r: dict) -> float:
+            return pl.objective_value(r, result["objective"])
 
         if close:
             more = f", and {len(close) - 5} more (see the error column)" if len(close) > 5 else ""
-            lines += ["Too close to call on this machine's measured step errors (`--validate`): "
-                      + ", ".join(f"{r['label']} at N = {r['n']} ({_f(r['units_per_s'], 0)} {unit}/s, "
-                                  f"{100 * (per(r) / per(best) - 1):+.1f}%, error "
+            machine = "the profiled machine's" if _elsewhere(result) else "this machine's"
+            lines += [f"Too close to call on {machine} measured step errors (`--validate`; a layout not run itself "
+                      "carries its strategy's): "
+                      + ", ".join(f"{r['label']} at N = {r['n']} ({_f(per(r), 0)} {unit}/s"
+                                  f"{' per device' if cost else ''}, {100 * (per(r) / per(best) - 1):+.1f}%, error "
                                   f"{100 * r['measured_error']:.0f}%)" for r in close[:5])
                       + more + f" against the recommendation's error of {100 * best['measured_error']:.0f}%; "
                         "each may be as fast.", ""]

@@ -150,23 +150,25 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     meeting_s, path_meeting_s = meeting_fns(inputs)
     unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     bucket = bucket_mb or d.bucket_mb
-    # the DTensors' dispatch measured in one process, unless a measured one-rank overhead holds it
+    # the DTensors' dispatch measured in one process (the optimizer's; FSDP's guard's norm), unless a
+    # measured one-rank overhead holds it
     own = inputs.get("one_rank_s") is not None
-    dispatch_s = 0.0 if own else inputs.get("sharded_optimizer_s", 0.0)
+    step_dispatch = 0.0 if own else inputs.get("sharded_optimizer_s", 0.0)
+    norm_dispatch = 0.0 if own else inputs.get("sharded_norm_s", 0.0)
     if model == RING:
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
                              step_path_s=inputs.get("zero1_step_s"), path_meeting_s=path_meeting_s,
-                             dispatch_s=dispatch_s)
+                             dispatch_s=step_dispatch)
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
                             scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
                             unit_path_s=unit_path_s, path_meeting_s=path_meeting_s,
                             step_path_s=inputs.get("fsdp_step_s"),
-                            dispatch_s=0.0 if own else dispatch_s + inputs.get("sharded_norm_s", 0.0))
+                            dispatch_s=step_dispatch + norm_dispatch)
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None
