@@ -147,6 +147,9 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     assert loaded["workers"] == 2 and [c for c, _ in loaded["points"]] == [0.001, 0.004, 0.016, 0.064]
     assert all(s > 0 for _, s in loaded["points"])
     assert loaded["idle_s"] > 0
+    four = prof["ps_round_trips_loaded_4"]  # and among 4 workers, for N >= 4
+    assert four["workers"] == 4 and [c for c, _ in four["points"]] == [0.001, 0.004, 0.016, 0.064]
+    assert all(s > 0 for _, s in four["points"]) and four["idle_s"] > 0
     from paratrain.bench import plan_model
 
     waits, priced = [], plan_model.ps_exchange_wait_s

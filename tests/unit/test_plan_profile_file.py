@@ -24,6 +24,8 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
     # 23: a CPU's loaded PS exchange and FSDP2 step; a GPU's 22 (or 19) holds what 23 measures on a GPU
     assert DEVICE_ONLY_CHANGES[23] == "cpu" and compatible(22, "cuda:0") and not compatible(22, "cpu")
+    # 24: a CPU's loaded PS exchange among 4 workers; a CPU's 23 lacks it, a GPU's 23 is whole
+    assert DEVICE_ONLY_CHANGES[24] == "cpu" and compatible(23, "cuda:0") and not compatible(23, "cpu")
     assert not compatible(18, "cuda:0")  # 19 added a GPU's one-rank runs
     assert not compatible(PROFILE_VERSION + 1, "cuda:0") and not compatible(None, "cpu") and not compatible("20", "cpu")
 

@@ -14,7 +14,7 @@ import torch
 from paratrain.bench.costmodel import MIB, Link, Workload, ps_step_s, ring_allreduce_s
 from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_fsdp, unit_paths
 from paratrain.bench.plan_model import PS, Layout, step_parts
-from paratrain.bench.plan_ps import ps_async_rate, ps_exchange_wait_s
+from paratrain.bench.plan_ps import loaded_exchange, ps_async_rate, ps_exchange_wait_s
 from paratrain.bench.strategy_model import SHARDED_PARAMETERS
 from paratrain.config import Config
 from paratrain.errors import UsageError
@@ -174,3 +174,43 @@ def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges
     assert 0.03 <= got["idle_s"] < 0.5 and all(0.03 <= s < 0.5 for _, s in got["points"])
     with pytest.raises(UsageError):
         measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.0,))
+
+
+def test_an_async_ps_layout_reads_the_exchange_measured_with_its_number_of_workers():
+    """plan_ps.loaded_exchange: the table measured with the most workers at most n (2 below 2, 4 above
+    4, held flat); a profile without 4 workers' (version 23) keeps 2's everywhere; none: None. And
+    the plan's prediction at N = 4 reads the 4 workers' table: with ptb_small's v23 profile and the
+    4-worker exchange measured on 2026-11-27 (48 ms against 27 ms with 2), ps-async's step at N = 4
+    grows by the difference at its compute, and at N = 2 it does not move."""
+    two = {"workers": 2, "idle_s": 2e-3, "points": [[0.001, 3e-3], [0.064, 4e-3]]}
+    four = {"workers": 4, "idle_s": 2e-3, "points": [[0.001, 6e-3], [0.064, 7e-3]]}
+    prof = {"ps_round_trips_loaded": two, "ps_round_trips_loaded_4": four}
+    assert [loaded_exchange(prof, n) is four for n in (1, 2, 3, 4, 8, 64)] == [False, False, False, True, True, True]
+    assert loaded_exchange(prof, 1) is two and loaded_exchange(prof, 3) is two
+    assert all(loaded_exchange({"ps_round_trips_loaded": two}, n) is two for n in (1, 2, 4, 8))
+    assert loaded_exchange({}, 4) is None and loaded_exchange({"ps_round_trips_loaded_4": four}, 2) is four
+
+    import json
+    from pathlib import Path
+
+    from paratrain.bench.costmodel import Link
+    from paratrain.bench.plan import Layout, predict_layout
+    from paratrain.config import load
+
+    root = Path(__file__).resolve().parents[2]
+    stored = root / "benchmarks" / "results" / "plan-xeon" / "ptb_small-v23" / "profile.json"
+    v23 = json.loads(stored.read_text())
+    cfg = load(str(root / "configs" / "ptb_small.toml"), [])
+    link = Link(name="measured", **v23["links"]["all_reduce"])
+    measured4 = {"workers": 4, "idle_s": 0.0449, "points": [[0.001, 0.0484], [0.004, 0.0483], [0.016, 0.0507],
+                                                            [0.064, 0.0485]]}
+    v24 = {**v23, "ps_round_trips_loaded_4": measured4}
+
+    def step(prof, n):
+        return predict_layout(Layout("ps-async", n, {"num_ps": 1}, "ps-async"), prof, cfg, link,
+                              on_this_machine=True, global_batch=None)["step_s"]
+
+    assert step(v24, 2) == step(v23, 2)
+    # at N = 4 the compute stretch is above the last point (0.064 s): both tables' last values, 48.5 - 26.1 ms
+    last2 = v23["ps_round_trips_loaded"]["points"][-1][1]
+    assert step(v24, 4) - step(v23, 4) == pytest.approx(0.0485 - last2, rel=1e-9)

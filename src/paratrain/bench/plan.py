@@ -34,7 +34,7 @@ from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_out
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import PS, memory_per_device
 from .plan_model import Layout, best_bucket, step_parts
-from .plan_ps import ps_message_link, slower
+from .plan_ps import loaded_exchange, ps_message_link, slower
 from .plan_profile import TIMED_S
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
@@ -217,7 +217,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
               # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
-              "ps_loaded": prof.get("ps_round_trips_loaded") if shared_cores else None,
+              "ps_loaded": loaded_exchange(prof, n) if shared_cores else None,
               "ps_round_trip_s": prof.get("ps_round_trip_s"),
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),

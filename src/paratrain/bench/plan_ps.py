@@ -49,6 +49,25 @@ def slower(a: Link, b: Link) -> Link:
                 gamma_s_per_byte=max(a.gamma_s_per_byte, b.gamma_s_per_byte))
 
 
+LOADED_PS_KEYS = {2: "ps_round_trips_loaded", 4: "ps_round_trips_loaded_4"}
+"""The profile's keys of :func:`~.microbench_rpc.measured_ps_round_trips_loaded` by its number of
+workers (a CPU's profile; 4 since profile version 24)."""
+
+
+def loaded_exchange(prof: dict, n: int) -> dict | None:
+    """The profile's loaded exchange (:data:`LOADED_PS_KEYS`) for ``n`` ``ps-async`` workers: the one
+    measured with the most workers that is at most ``n`` (the 2 workers' below 2), or None where
+    the profile has none (a GPU's; before version 23). Measured on the 2-vCPU Xeon on 2026-11-27:
+    ptb_small's exchange took a mean of 27 ms with 2 workers computing and 48 ms with 4, digits_cnn's
+    2.7-4.3 and 4.9-6.9 ms; with the 2 workers' table at N = 4, ps-async's steps were predicted 16%
+    (ptb_small) and 28% (digits_cnn without sync BN) under their measured ones, with the 4 workers'
+    6% and 13%."""
+    measured = [(w, prof[k]) for w, k in sorted(LOADED_PS_KEYS.items()) if prof.get(k)]
+    if not measured:
+        return None
+    return next((t for w, t in reversed(measured) if w <= n), measured[0][1])
+
+
 def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: float) -> float:
     """Seconds one ``ps-async`` worker's exchange takes, among workers that compute on the same cores
     for ``compute_s`` between their exchanges, beyond ``idle_s``: the price the step's formula already
@@ -62,8 +81,8 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
     core that a computing worker holds, more often the longer the stretches of compute; the workers'
     exchanges meeting at the server; the long tail a mean holds and a median not (the same workers
     sleeping between exchanges, ``loaded["idle_s"]``, measure the last two alone; a worker's steps
-    add up the mean). Measured with 2 workers and 1 server and held flat for other n and K (not
-    measured: more workers than cores take turns, priced by the compute's scale only). 0 without
+    add up the mean). Measured with 2 and with 4 workers and 1 server (:func:`loaded_exchange` picks
+    the table for n) and held flat for more workers and for K > 1 (not measured). 0 without
     the measurements (a GPU's profile; a preset: each worker on its own machine). Raises UsageError
     for malformed points."""
     if not loaded or not idle_s:

@@ -17,8 +17,9 @@ RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's trans
 server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`) and a
 ``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
 :func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`; on a
-CPU also the mean exchange of two workers that compute between exchanges on the same cores,
-``ps_round_trips_loaded``, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
+CPU also the mean exchange of two, and of four, workers that compute between exchanges on the same
+cores, ``ps_round_trips_loaded`` and ``ps_round_trips_loaded_4``,
+:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
@@ -249,14 +250,16 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
             from .microbench_rpc import measured_ps_round_trips_loaded
+            from .plan_ps import LOADED_PS_KEYS
             from .microbench_sharded import measured_fsdp_units, measured_sharded_step
             from .profile_runs import OVERSUBSCRIBED
             from .strategy_model import STEP_PATHS
 
-            # the ps-async exchange again, with 2 workers computing between exchanges on the same cores
-            out["ps_round_trips_loaded"] = {"workers": 2, **measured_ps_round_trips_loaded(
-                list(model.parameters()), optimizer, workers=2, threads=default_threads(3, out["cores"]),
-                exchange_s=out["ps_round_trip_s"])}
+            # the ps-async exchange again, with 2 and 4 workers computing between exchanges on the same cores
+            for workers, key in LOADED_PS_KEYS.items():
+                out[key] = {"workers": workers, **measured_ps_round_trips_loaded(
+                    list(model.parameters()), optimizer, workers=workers,
+                    threads=default_threads(workers + 1, out["cores"]), exchange_s=out["ps_round_trip_s"])}
 
             units = out["strategy_inputs"]["units"]  # CPU towers' join and FSDP2's buffers: copies in one memory
             out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
