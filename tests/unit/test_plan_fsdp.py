@@ -230,7 +230,7 @@ def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_gu
 
 
 def test_fsdp_memory_keeps_the_roots_gathered_parameters_from_the_forward_to_the_backward():
-    from paratrain.bench.plan_model import MemoryInputs, memory_per_device
+    from paratrain.bench.plan_memory import MemoryInputs, memory_per_device
     from paratrain.bench.strategy_model import SHARDED_PARAMETERS
 
     m = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
-from paratrain.bench.plan_model import (PS, Layout, MemoryInputs, expected_max_normal, memory_per_device, step_parts,
-                                       straggle_s)
+from paratrain.bench.plan_memory import PS, MemoryInputs, memory_per_device
+from paratrain.bench.plan_model import Layout, expected_max_normal, step_parts, straggle_s
 from paratrain.bench.plan_ps import ps_async_rate
 from paratrain.config import Config
 from paratrain.errors import UsageError

@@ -94,10 +94,14 @@ def _ps_spec(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -
     return shapes, {k: v for k, v in optimizer.defaults.items() if not isinstance(v, torch.Tensor)}
 
 
+def _zeros(shapes: Sequence[tuple[tuple[int, ...], str]]) -> list:
+    """Tensors of zeros of ``shapes`` (shape, dtype name): a benchmark's parameters."""
+    return [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
+
+
 def _worker_tensors(shapes: Sequence[tuple[tuple[int, ...], str]]) -> tuple[list, list]:
     """A benchmark worker's parameters (zeros) and gradient (small random values) of ``shapes``."""
-    params = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes]
-    return params, [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
+    return _zeros(shapes), [torch.randn(s, dtype=getattr(torch, d)) * 1e-3 for s, d in shapes]
 
 
 def _exchange(server: str, worker: int, version: int, params: list, grads: list, lr) -> int:
@@ -219,7 +223,7 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
     try:
         if rank == 0:  # the shard exists before any agent can reach it: init_rpc is the start line
             rpc_api.register(ShardServer(0, workers, "async", timeout_s=timeout_s))
-            rpc_api.init_shard(0, [torch.zeros(s, dtype=getattr(torch, d)) for s, d in shapes], opt_cls, defaults)
+            rpc_api.init_shard(0, _zeros(shapes), opt_cls, defaults)
         _start_rpc(rank, workdir, threads, timeout_s, world_size=workers + 1)
         phases = [(False, IDLE_SLEEP_S)] + [(True, c) for c in computes]  # (computes?, seconds between)
         if rank > 0:

@@ -48,7 +48,7 @@ from typing import Any
 
 from .costmodel import Link, Prediction, Workload, pick_bucket, ps_step_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
-from .plan_memory import PS, MemoryInputs, memory_per_device  # noqa: F401 (API: plan, plan_inputs, tests)
+from .plan_memory import PS
 from .plan_ps import ps_async_rate, ps_exchange_wait_s, ps_update_s
 from .strategy_model import (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, meeting_fns,
                              predict_model)

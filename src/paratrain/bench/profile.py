@@ -250,8 +250,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             from .microbench import measure_copies
             from .microbench_meetings import measured_meetings
             from .microbench_rpc import measured_ps_round_trips_loaded
-            from .plan_ps import LOADED_PS_KEYS
             from .microbench_sharded import measured_fsdp_units, measured_sharded_step
+            from .plan_ps import LOADED_PS_KEYS
             from .profile_runs import OVERSUBSCRIBED
             from .strategy_model import STEP_PATHS
 
