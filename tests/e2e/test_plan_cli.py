@@ -150,10 +150,8 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     four = prof["ps_round_trips_loaded_4"]  # and among 4 workers, for N >= 4
     assert four["workers"] == 4 and [c for c, _ in four["points"]] == [0.001, 0.004, 0.016, 0.064]
     assert all(s > 0 for _, s in four["points"]) and four["idle_s"] > 0
-    from paratrain.bench import plan_model
-
-    waits, priced = [], plan_model.ps_exchange_wait_s
-    monkeypatch.setattr(plan_model, "ps_exchange_wait_s", lambda *a: waits.append(a) or priced(*a))
+    waits, priced = [], strategy_model.ps_exchange_wait_s
+    monkeypatch.setattr(strategy_model, "ps_exchange_wait_s", lambda *a: waits.append(a) or priced(*a))
     lay = Layout("ps-async", 2, {"num_ps": 1}, "ps-async")
     for link, mine in ((here, True), (PRESETS["ib400"], False)):
         predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)

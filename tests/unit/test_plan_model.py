@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paratrain.bench.costmodel import Link, Workload
+from paratrain.bench.costmodel import Link, Workload, expected_max_normal, straggle_s
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
-from paratrain.bench.plan_memory import PS, MemoryInputs, memory_per_device
-from paratrain.bench.plan_model import Layout, expected_max_normal, step_parts, straggle_s
+from paratrain.bench.plan_memory import MemoryInputs, memory_per_device
+from paratrain.bench.plan_model import Layout, step_parts
 from paratrain.bench.plan_ps import ps_async_rate
 from paratrain.config import Config
 from paratrain.errors import UsageError
-from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
+from paratrain.bench.strategy_model import PS, RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
 
 M = MemoryInputs(params=100, optimizer=200, activations=50, temporaries=10, largest_unit=40)
 
@@ -106,6 +106,78 @@ def test_ps_async_rate_adds_the_servers_update_to_both_bounds():
     assert step == pytest.approx(0.44) and rate == pytest.approx(4 / 0.44)
     rate16, _ = ps_async_rate(W, 16, 1, link, update_s=0.01)
     assert rate16 == pytest.approx(1 / 0.09)
+
+
+def test_the_parameter_servers_formula_by_hand():
+    """predict_ps: synchronous, local + push + pull + update, the workers stepping no optimizer;
+    asynchronous, n replicas at the rate of ps_async_rate (the workers' or the servers' bound)."""
+    from paratrain.bench.plan_ps import predict_ps
+
+    link = Link(name="x", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    # 4 workers, 2 servers: a server's phase 4 x 20 MB at 1 GB/s = 0.08 s (a worker's 40 MB: 0.04), twice,
+    # then the update: 0.3 + 0.16 + 0.01 = 0.47 s, all of it past the local 0.3 s exposed
+    p = predict_ps(W, 4, 2, link, update_s=0.01)
+    assert p.step_s == pytest.approx(0.47) and p.optimizer_s == 0.0 and p.compute_s == pytest.approx(0.3)
+    assert p.exposed_comm_s == pytest.approx(0.17) and p.words_per_s == pytest.approx(4 * 1000 / 0.47)
+    one = predict_ps(W, 1, 1, link, update_s=0.01)  # one device steps its own optimizer, no messages
+    assert one.step_s == pytest.approx(0.35) and one.optimizer_s == pytest.approx(0.05) and one.speedup == 1.0
+    # asynchronous, 4 workers, compute twice as slow: 0.6 + 0.08 (push and pull of 40 MB) + 0.02 waiting = 0.7 s;
+    # 5.7 updates/s under the server's 12.5: each of the 4 replicas steps every 0.7 s
+    a = predict_ps(W, 4, 1, link, synchronous=False, wait_s=0.02, compute_scale=2.0)
+    assert a.step_s == pytest.approx(0.7) and a.words_per_s == pytest.approx(4 * 1000 / 0.7)
+    assert a.optimizer_s == 0.0 and a.compute_s == pytest.approx(0.6)
+    # 16 workers would send 22.9 updates/s: the server's 12.5 bound, 16 / 12.5 = 1.28 s a replica's step
+    assert predict_ps(W, 16, 1, link, synchronous=False, wait_s=0.02, compute_scale=2.0).step_s == pytest.approx(1.28)
+    with pytest.raises(UsageError, match="servers"):
+        predict_ps(W, 4, 0, link)
+
+
+def test_meeting_terms_by_hand():
+    """What processes that meet every step add: sync BN + the buffer broadcast + the wait for the last
+    rank (here the measured meeting after 0.3 s of compute, 5.333 ms, less alpha); towers their own
+    sync BN; a pipeline and an asynchronous PS nothing; one device nothing."""
+    from paratrain.bench.strategy_model import meeting_terms_s
+
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    inputs = {"sync_batchnorm_s": 0.003, "buffer_broadcast_s": 0.001, "tower_sync_batchnorm_s": 0.002,
+              "meetings": [[0.1, 0.004], [0.4, 0.006]]}
+    wait = 0.004 + 0.002 * (0.3 - 0.1) / (0.4 - 0.1) - 1e-5
+
+    def terms(model, **kw):
+        return meeting_terms_s(model, 2, W, link, inputs, **{"overlap": False, **kw})
+
+    assert terms(RING) == pytest.approx(0.004 + wait) and terms(PS) == pytest.approx(0.004 + wait)
+    assert terms(SHARDED_OPTIMIZER) == pytest.approx(0.004 + wait)
+    assert terms(None) == pytest.approx(0.004 + wait)  # no cost model: DDP's all-reduce
+    assert terms(PS, backup_workers=1) == pytest.approx(0.004)  # the servers do not wait for the last worker
+    assert terms(SHARDED_PARAMETERS) == pytest.approx(0.004)  # its units' meetings are in its formula
+    assert terms(RING, overlap=True) == pytest.approx(0.004)  # a cluster: the straggle alone (spread 0 here)
+    sd = Workload(**{**W.__dict__, "local_sd_s": 0.01})
+    assert meeting_terms_s(RING, 4, sd, link, inputs) == pytest.approx(0.004 + 0.01 * expected_max_normal(4))
+    assert terms(TOWERS) == 0.002 and terms(STAGES) == 0.0 and terms(PS, synchronous=False) == 0.0
+    assert meeting_terms_s(RING, 1, W, link, inputs, overlap=False) == 0.0
+
+
+def test_every_plan_layouts_step_is_its_formulas_with_the_meeting_terms():
+    """The plan's step parts add nothing to predict_model's step but a measured one-rank overhead:
+    the meeting terms are the formulas' (so paratrain predict and paratrain plan price the same)."""
+    from paratrain.bench.plan_model import replace_dist
+    from paratrain.bench.strategy_model import meeting_terms_s, predict_model
+
+    link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
+    inputs = {**INPUTS, "sync_batchnorm_s": 0.003, "buffer_broadcast_s": 0.001, "tower_sync_batchnorm_s": 0.002,
+              "meetings": [[0.1, 0.004], [0.4, 0.006]]}
+    for cls, overrides in LAYOUTS:
+        for overlap in (False, True):
+            got = step_parts(cls, Layout("x", 4, dict(overrides)), W, link, Config(), inputs, overlap=overlap)
+            d = replace_dist(Config(), **overrides)
+            model = predict_model(cls.cost_model, W, 4, link, d, inputs["stage_profiles"]["2"]
+                                  if cls.cost_model == STAGES else inputs, overlap=overlap, synchronous=cls.synchronous)
+            assert got["step_s"] == pytest.approx(model.step_s, rel=1e-12), cls.cost_model
+            terms = meeting_terms_s(cls.cost_model, 4, W, link, inputs, synchronous=cls.synchronous, overlap=overlap)
+            assert terms > 0 or cls.cost_model == STAGES or not cls.synchronous
+            if cls.cost_model not in (STAGES, TOWERS):
+                assert got["comm_s"] >= terms - 1e-12  # exposed: nothing overlaps them
 
 
 def test_ps_message_link_reproduces_the_measured_exchange():
@@ -591,15 +663,17 @@ def test_on_shared_cores_ddp_and_a_synchronous_ps_wait_the_measured_meeting_afte
     DDP) and a synchronous PS wait max(straggle, meeting(forward + backward + data) - alpha) once a
     step; FSDP (its units' meetings are in its formula), towers, pipelines and an asynchronous PS do
     not; with overlap (a cluster) or without the table, the straggle alone."""
-    from paratrain.bench.strategy_model import predict_model
+    from paratrain.bench.costmodel_sharded import meeting_seconds, predict_fsdp, predict_zero1
 
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
     table = {**INPUTS, "meetings": [[0.1, 0.004], [0.4, 0.006]]}  # (compute s, s): 0.3 s of compute -> 5.333 ms
     wait = 0.004 + 0.002 * (0.3 - 0.1) / (0.4 - 0.1) - 1e-5
+    meeting = meeting_seconds(table["meetings"])
     for cls, overrides in LAYOUTS[:2] + LAYOUTS[5:6]:  # all-reduce, zero1, ps-sync
         got = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), table, overlap=False)
         if cls.cost_model == SHARDED_OPTIMIZER:  # its own formula reads the table too (the all-gather's meeting)
-            alone = predict_model(SHARDED_OPTIMIZER, W, 2, link, Config(), table, overlap=False).step_s
+            alone = predict_zero1(W, 2, link, bucket_mb=Config().dist.bucket_mb, overlap=False,
+                                  meeting_s=meeting).step_s
         else:
             alone = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), INPUTS, overlap=False)["step_s"]
         assert got["step_s"] == pytest.approx(alone + wait, abs=1e-12), cls.cost_model
@@ -618,7 +692,8 @@ def test_on_shared_cores_ddp_and_a_synchronous_ps_wait_the_measured_meeting_afte
     for cls, overrides in LAYOUTS[2:5] + LAYOUTS[6:]:  # fsdp, towers, pipeline, ps-async
         if cls.cost_model == SHARDED_PARAMETERS:
             got = step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), table, overlap=False)
-            alone = predict_model(SHARDED_PARAMETERS, W, 2, link, Config(), table, overlap=False).step_s
+            alone = predict_fsdp(W, 2, link, unit_bytes=INPUTS["units"], reshard=Config().dist.reshard_after_forward,
+                                 overlap=False, meeting_s=meeting).step_s
             assert got["step_s"] == pytest.approx(alone, abs=1e-12)
             continue
         a, b = [step_parts(cls, Layout("x", 2, dict(overrides)), W, link, Config(), x, overlap=False)
@@ -860,9 +935,9 @@ def test_predicts_sync_batchnorm_helpers_add_exposed_comm_pick_the_paying_strate
     from pathlib import Path
 
     pytest.importorskip("sklearn")  # the digits data set
-    from paratrain.bench.plan_model import with_extra_step_s
+    from paratrain.bench.costmodel import with_extra_step_s
     from paratrain.bench.costmodel import Prediction
-    from paratrain.bench.plan_model import pays_sync_batchnorm
+    from paratrain.bench.strategy_model import pays_sync_batchnorm
     from paratrain.bench.profile import batchnorm_inputs_of
     from paratrain.config import load
     from paratrain.runs import build_task

@@ -13,10 +13,9 @@ import torch
 
 from paratrain.bench.costmodel import MIB, Link, Workload, ps_step_s, ring_allreduce_s
 from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_fsdp, unit_paths
-from paratrain.bench.plan_memory import PS
 from paratrain.bench.plan_model import Layout, step_parts
 from paratrain.bench.plan_ps import loaded_exchange, ps_async_rate, ps_exchange_wait_s
-from paratrain.bench.strategy_model import SHARDED_PARAMETERS
+from paratrain.bench.strategy_model import PS, SHARDED_PARAMETERS
 from paratrain.config import Config
 from paratrain.errors import UsageError
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from ..errors import UsageError
 from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from ..strategies.comm_hooks import HOOKS
-from .plan_model import pays_sync_batchnorm, with_extra_step_s
+from .costmodel import with_extra_step_s
+from .strategy_model import pays_sync_batchnorm
 from .sweep import MODELLED, BenchSpec, finite, plan_runs, run_sweep
 
 DEFAULT_CONFIG = "configs/ptb_small.toml"

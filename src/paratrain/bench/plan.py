@@ -32,12 +32,12 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
-from .plan_memory import PS, memory_per_device
+from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, step_parts
 from .plan_ps import loaded_exchange, ps_message_link, slower
 from .plan_profile import TIMED_S
 from .strategy_model import MODELS as STEP_MODELS
-from .strategy_model import RING, SHARDED_OPTIMIZER, STAGES, TOWERS
+from .strategy_model import PS, RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
 MODELS = (*STEP_MODELS, PS)  # every Strategy.cost_model the plan predicts

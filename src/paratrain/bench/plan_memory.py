@@ -34,10 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
-
-PS = "ps"
-"""The parameter server's formula name (``Strategy.cost_model`` of ps-sync and ps-async)."""
+from .strategy_model import PS, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS
 
 
 @dataclass(frozen=True)

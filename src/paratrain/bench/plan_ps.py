@@ -1,11 +1,14 @@
-"""The parameter server's part of ``paratrain plan``'s model (:mod:`.plan_model`): the servers' update
-(:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`), what an
-exchange waits for a core while the other workers compute on the same ones (:func:`ps_exchange_wait_s`)
-and the rate of asynchronous workers (:func:`ps_async_rate`). Units: seconds, bytes."""
+"""The parameter server's part of ``paratrain plan``'s model (:mod:`.plan_model`): its step
+(:func:`predict_ps`), the servers' update (:func:`ps_update_s`), the link its messages take
+(:func:`ps_message_link`, :func:`slower`), what an exchange waits for a core while the other workers
+compute on the same ones (:func:`ps_exchange_wait_s`) and the rate of asynchronous workers
+(:func:`ps_async_rate`). Units: seconds, bytes."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import UsageError
-from .costmodel import Link, Workload, ps_step_s
+from .costmodel import Link, Prediction, Workload, _check_n, prediction, ps_step_s
 from .costmodel_sharded import piecewise
 
 
@@ -94,7 +97,10 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
                   wait_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
-    workers and k servers (see the module). ``update_s``: seconds a server spends applying its 1/k
+    workers and k servers: each worker steps on its own, so the rate is the smaller of the workers'
+    (n / (local + push + pull + update + wait), :func:`~.costmodel.ps_step_s` of one worker) and the
+    servers' (each receives, applies and sends back 1/k of every update: ``(P/k)(2 beta + gamma) +
+    update`` seconds, P the gradient bytes; Li et al. 2014). ``update_s``: seconds a server spends applying its 1/k
     of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server.
     ``wait_s``: what each exchange waits beyond the link's price for cores the other workers
     compute on (:func:`ps_exchange_wait_s`), in the worker's step only."""
@@ -103,3 +109,31 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
+
+
+def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = True, update_s: float = 0.0,
+               wait_s: float = 0.0, compute_scale: float = 1.0) -> Prediction:
+    """One step of n workers and k parameter servers (Li et al. 2014, "Scaling Distributed Machine
+    Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
+    messages (:func:`ps_message_link`); ``update_s``: a server's update of its 1/k
+    (:func:`ps_update_s`); ``compute_scale`` multiplies the measured times.
+
+    Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel.ps_step_s`)
+    + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
+    device: local + its optimizer. Asynchronous: each worker steps on its own, and the job's rate is
+    :func:`ps_async_rate`'s (``wait_s``: what each exchange waits among computing workers,
+    :func:`ps_exchange_wait_s`), reported as n replicas each taking ``n / rate`` seconds a step (the
+    staleness it implies, about n - 1 versions, is the plan's to show). What processes that meet pay
+    beyond this (a synchronous PS's wait for its last worker, synchronised BatchNorm) is
+    :func:`~.strategy_model.meeting_terms_s`'s. Raises UsageError for n or k < 1."""
+    _check_n(n, "workers")
+    _check_n(k, "servers")
+    s = compute_scale
+    compute = (w.forward_s + w.backward_s + w.data_s) * s
+    if synchronous:
+        optimizer = 0.0 if n > 1 else w.optimizer_s * s
+        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link) + update_s if n > 1 else optimizer)
+        return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)
+    scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
+    rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0)
+    return prediction(w, n, n / rate, compute, "ps", optimizer_s=0.0)

@@ -1,19 +1,24 @@
 """Predictions for every modelled strategy from one measured single-device step: the model's own
 numbers the cost model needs (:func:`strategy_inputs`) and the dispatch to the right formula by the
-strategy's ``cost_model`` (:func:`predict_strategy`: ``ring`` by :mod:`.costmodel`,
-``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP), ``stages`` (a pipeline) and ``towers``
-(one process over several devices) by :mod:`.costmodel_sharded`)."""
+strategy's ``cost_model`` (:func:`predict_model`: ``ring`` by :mod:`.costmodel`,
+``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP) and ``towers`` (one process over
+several devices) by :mod:`.costmodel_sharded`, ``stages`` (a pipeline) by :mod:`.costmodel_pipeline`,
+``ps`` (a parameter server, synchronous or not) by :mod:`.plan_ps`), each with what its processes pay
+for meeting every step (:func:`meeting_terms_s`)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from .costmodel import Link, Prediction, Workload, predict
+from .costmodel import Link, Prediction, Workload, predict, straggle_s, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
 from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
+from .plan_ps import predict_ps, ps_exchange_wait_s, ps_update_s
 
-RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS = (
-    "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers")
-MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS)  # Strategy.cost_model values predicted here
+RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS = (
+    "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers", "ps")
+MODELS = (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS)
+"""``Strategy.cost_model`` values :func:`predict_strategy` (``paratrain predict``) predicts;
+:func:`predict_model` (``paratrain plan``) predicts these and :data:`PS`."""
 STEP_PATHS = {SHARDED_OPTIMIZER: "zero1_step_s", SHARDED_PARAMETERS: "fsdp_step_s"}
 """The profile key (and plan input) holding what each sharded formula's optimizer step adds to
 allreduce's, measured between 2 processes (:func:`~.microbench_sharded.measured_sharded_step`)."""
@@ -24,6 +29,76 @@ def meeting_fns(inputs: dict[str, Any]) -> tuple[Callable[[float], float] | None
     ``inputs["meetings"]`` (the n processes' table) and of ``inputs["path_meetings"]`` (the 2
     processes' the measured paths were timed between); None where not given."""
     return tuple(meeting_seconds(inputs[k]) if inputs.get(k) else None for k in ("meetings", "path_meetings"))
+
+
+def meets_every_step(model: str | None, synchronous: bool) -> bool:
+    """Whether a strategy of cost model ``model`` (``Strategy.cost_model``, None: ``ring``) runs
+    processes that all wait for one another every step: all-reduce, ZeRO-1, FSDP and a synchronous
+    PS do; towers meet in their own process, a pipeline's stages pass micro-batches along, an
+    asynchronous PS's workers never wait for each other. These pay :func:`meeting_terms_s`."""
+    return bool(synchronous) and (model or RING) in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
+
+
+def pays_sync_batchnorm(cls) -> bool:
+    """Whether strategy class ``cls`` pays synchronised BatchNorm's collectives between processes
+    (:func:`meets_every_step`; a pipeline refuses BatchNorm models, an asynchronous PS refuses
+    ``model.sync_batchnorm``)."""
+    return meets_every_step(cls.cost_model, cls.synchronous)
+
+
+def meeting_terms_s(model: str | None, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
+                    synchronous: bool = True, compute_scale: float = 1.0, overlap: bool = True,
+                    backup_workers: int = 0) -> float:
+    """Seconds per step that the processes of a strategy pay for meeting every step, beyond its
+    formula's collectives, all exposed (nothing overlaps them); 0 for n = 1. Where
+    :func:`meets_every_step`:
+
+    * ``inputs["sync_batchnorm_s"]``: synchronised BatchNorm between the processes
+      (:mod:`paratrain.strategies.sync_batchnorm`: each layer's forward all-reduces its count and
+      sums, then its variance, and the backward the gradients of both; four blocking collectives a
+      layer; :func:`~.plan_inputs.sync_batchnorm_s`);
+    * ``inputs["buffer_broadcast_s"]``: DDP's broadcast of rank 0's buffers before every forward
+      (:func:`~.plan_inputs.buffer_broadcast_s`; 0 for other strategies);
+    * the wait for the last rank (:func:`last_rank_wait_s`).
+
+    Towers (``towers``) synchronise BatchNorm in their own process and pay
+    ``inputs["tower_sync_batchnorm_s"]`` instead (their threads meeting inside the forward). A
+    pipeline's stages pass micro-batches along rather than all waiting at once, and the replicas of
+    a hybrid (DP x PP) layout, which do all-reduce every step, are not priced for it either: not
+    modelled. A pipeline refuses BatchNorm models; an asynchronous PS refuses ``model.sync_batchnorm``."""
+    if n < 2:
+        return 0.0
+    if meets_every_step(model, synchronous):
+        return (inputs.get("sync_batchnorm_s", 0.0) + inputs.get("buffer_broadcast_s", 0.0)
+                + last_rank_wait_s(model or RING, n, w, link, inputs, compute_scale=compute_scale, overlap=overlap,
+                                   backup_workers=backup_workers))
+    return inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0
+
+
+def last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
+                     compute_scale: float = 1.0, overlap: bool = True, backup_workers: int = 0) -> float:
+    """What n processes that meet every step wait there for the last of them:
+    :func:`~.costmodel.straggle_s` of the one-device step's spread (``w.local_sd_s`` times
+    ``compute_scale``); for DDP's all-reduce (``ring``, and ZeRO-1's, which wraps the same
+    DDP) and a synchronous PS (its servers answer when the last worker's gradient is in) on this
+    machine's CPU (no overlap), where the profile measured what one blocking collective costs ranks
+    coming from c seconds of compute (``inputs["meetings"]``, :func:`~.costmodel_sharded.meeting_seconds`),
+    the larger of that and the meeting after the step's compute (forward + backward + data) less
+    ``link``'s alpha (the latency the step's own formula counts once: gloo's all-reduce; for the PS
+    the same small latency stands in for its RPC message's, both a fraction of a millisecond here).
+    The meeting measures the wait for the last rank and the waking of gloo's threads on cores that
+    both processes compute on; the one-device runs' spread leaves out both (on the 2-vCPU Xeon,
+    digits_cnn's all-reduce at N = 2 waited 1-2 ms where the spread predicted 0.13 ms). One meeting
+    a step: the waits of further buckets ride on the first, and a strategy that meets several times
+    a step (FSDP's units, synchronised BatchNorm) waits at each, which the spread's term leaves out.
+    A PS with backup workers (``dist.backup_workers``) does not wait for the last worker: the
+    straggle, as before."""
+    wait = straggle_s(n, w.local_sd_s * compute_scale)
+    if (model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings")
+            or (model == PS and backup_workers)):
+        return wait
+    compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
+    return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
 
 
 def predicted() -> list[str]:
@@ -123,19 +198,28 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
     model = STRATEGIES[strategy].cost_model
     if model not in MODELS:
         raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")
-    return predict_model(model, w, n, link, cfg, inputs, compute_scale=compute_scale, bucket_mb=bucket_mb, **kw)
+    return predict_model(model, w, n, link, cfg, inputs, compute_scale=compute_scale, bucket_mb=bucket_mb,
+                         synchronous=STRATEGIES[strategy].synchronous, **kw)
 
 
 def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
                   compute_scale: float = 1.0, bucket_mb: float | None = None, overlap: bool = True,
-                  links: dict[str, Link] | None = None) -> Prediction | None:
-    """:func:`predict_strategy` by the formula's name (a ``Strategy.cost_model`` of :data:`MODELS`).
+                  links: dict[str, Link] | None = None, synchronous: bool = True) -> Prediction | None:
+    """:func:`predict_strategy` by the formula's name (a ``Strategy.cost_model`` of :data:`MODELS`, or
+    :data:`PS`: :func:`~.plan_ps.predict_ps` with ``cfg.dist.num_ps`` servers, ``synchronous`` or
+    not), plus what its processes pay for meeting every step (:func:`meeting_terms_s`, as exposed
+    communication). ``synchronous``: the strategy's (``Strategy.synchronous``; an asynchronous PS's
+    workers never meet).
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
-    ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``), else
-    ``link``'s ring algorithms. ``inputs["memory_copy"]``: measured (bytes, seconds) of memory copies
-    (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join, FSDP2's buffers and ZeRO-1's rows;
-    ``inputs["meetings"]``: measured (compute seconds, seconds) of a blocking collective inside a step
-    (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and FSDP's collectives here;
+    ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``; ``rpc``: the
+    parameter server's messages, :func:`~.plan_ps.ps_message_link`), else ``link``'s ring algorithms.
+    The parameter server's inputs: ``inputs["ps_update_s"]`` (:func:`~.plan_ps.ps_update_s`),
+    ``inputs["ps_loaded"]`` and ``inputs["ps_round_trip_s"]`` (an asynchronous worker's exchange among
+    computing workers, :func:`~.plan_ps.ps_exchange_wait_s`). ``inputs["memory_copy"]``: measured
+    (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join,
+    FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
+    blocking collective inside a step (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and
+    FSDP's collectives here and the wait for the last rank (:func:`last_rank_wait_s`);
     ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
     (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``:
     what ZeRO-1's and FSDP2's optimizer steps add to allreduce's, measured here
@@ -146,17 +230,36 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     the formulas' ``dispatch_s``, unless ``inputs["one_rank_s"]`` (a measured one-rank overhead,
     :func:`~.profile_runs.loop_one_rank_overheads`) holds it."""
     d, links = cfg.dist, links or {}
-    copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
-    meeting_s, path_meeting_s = meeting_fns(inputs)
-    unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     bucket = bucket_mb or d.bucket_mb
     # the DTensors' dispatch measured in one process (the optimizer's; FSDP's guard's norm), unless a
     # measured one-rank overhead holds it
     own = inputs.get("one_rank_s") is not None
     step_dispatch = 0.0 if own else inputs.get("sharded_optimizer_s", 0.0)
     norm_dispatch = 0.0 if own else inputs.get("sharded_norm_s", 0.0)
+    p = _formula(model, w, n, link, d, inputs, compute_scale=compute_scale, bucket=bucket, overlap=overlap,
+                 links=links, synchronous=synchronous, step_dispatch=step_dispatch, norm_dispatch=norm_dispatch)
+    if p is None:
+        return None
+    return with_extra_step_s(p, meeting_terms_s(model, n, w, link, inputs, synchronous=synchronous,
+                                                compute_scale=compute_scale, overlap=overlap,
+                                                backup_workers=getattr(d, "backup_workers", 0)))
+
+
+def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, Any], *, compute_scale: float,
+             bucket: float, overlap: bool, links: dict[str, Link], synchronous: bool, step_dispatch: float,
+             norm_dispatch: float) -> Prediction | None:
+    copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
+    meeting_s, path_meeting_s = meeting_fns(inputs)
+    unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     if model == RING:
         return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
+    if model == PS:
+        compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
+        wait = (ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute)
+                if n > 1 and not synchronous else 0.0)
+        return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
+                          update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous), wait_s=wait,
+                          compute_scale=compute_scale)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
@@ -181,4 +284,4 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
                               shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
                               forward_side_by_side_s=inputs.get("towers_forward_s"))
-    raise ValueError(f"no cost model named {model!r}; use one of {', '.join(MODELS)}")
+    raise ValueError(f"no cost model named {model!r}; use one of {', '.join((*MODELS, PS))}")
