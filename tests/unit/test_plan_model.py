@@ -1121,7 +1121,8 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     from paratrain.bench.plan_validate import markdown
 
     text = markdown({"config": "c", "rows": [], "choice": got})
-    assert "Too close to call by these step errors, as the next plan here will say: allreduce, ps-sync." in text
+    assert ("Too close to call at N = 2 by these step errors (a layout whose predicted rate, raised by its own "
+            "measured error, reaches the recommendation's, lowered by its own): allreduce, ps-sync.") in text
 
 
 def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_minus_off(monkeypatch, capsys):

@@ -206,8 +206,9 @@ def _choice(rows: list[dict]) -> dict:
         return {}
     chosen = two[pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: (r["n"], r["predicted_memory_bytes"]))]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
-    # as the next plan names them (plan.close_calls), with each layout's own measured error here; each
-    # band holds its layout's measured rate, v (1 + e), so it informs the plan and checks nothing
+    # plan.close_calls' rule among the layouts run at N = 2, each with its own measured error here (the
+    # next plan weighs all its layouts, at every N, against its own recommendation); each band holds its
+    # layout's measured rate, v (1 + e), so it informs and checks nothing
     banded = [{"label": r["label"], "n": 2, "units_per_s": r["predicted_units_per_s"], "feasible": True,
                "synchronous": True, "extrapolated": False,
                "measured_error": abs(r["step_error"]) if math.isfinite(r.get("step_error", math.nan)) else None}
@@ -247,7 +248,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
                       f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
         if c.get("close_calls"):  # (by construction these bands hold the measured rates: not a check)
-            lines += [f"Too close to call by these step errors, as the next plan here will say: "
+            lines += [f"Too close to call at N = 2 by these step errors (a layout whose predicted rate, raised by its "
+                      f"own measured error, reaches the recommendation's, lowered by its own): "
                       f"{', '.join(c['close_calls'])}."]
     over = [r for r in result["rows"] if r["n"] <= 2 and math.isfinite(r["step_error"])
             and abs(r["step_error"]) > STEP_TARGET and len(_finite_runs(r)) >= 2]  # runs to compare with
