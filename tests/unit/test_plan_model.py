@@ -132,11 +132,11 @@ def test_the_parameter_servers_formula_by_hand():
         predict_ps(W, 4, 0, link)
 
 
-def test_meeting_terms_by_hand():
+def test_sync_overhead_by_hand():
     """What processes that meet every step add: sync BN + the buffer broadcast + the wait for the last
     rank (here the measured meeting after 0.3 s of compute, 5.333 ms, less alpha); towers their own
     sync BN; a pipeline and an asynchronous PS nothing; one device nothing."""
-    from paratrain.bench.strategy_model import meeting_terms_s
+    from paratrain.bench.strategy_model import sync_overhead_s
 
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
     inputs = {"sync_batchnorm_s": 0.003, "buffer_broadcast_s": 0.001, "tower_sync_batchnorm_s": 0.002,
@@ -144,7 +144,7 @@ def test_meeting_terms_by_hand():
     wait = 0.004 + 0.002 * (0.3 - 0.1) / (0.4 - 0.1) - 1e-5
 
     def terms(model, **kw):
-        return meeting_terms_s(model, 2, W, link, inputs, **{"overlap": False, **kw})
+        return sync_overhead_s(model, 2, W, link, inputs, **{"overlap": False, **kw})
 
     assert terms(RING) == pytest.approx(0.004 + wait) and terms(PS) == pytest.approx(0.004 + wait)
     assert terms(SHARDED_OPTIMIZER) == pytest.approx(0.004 + wait)
@@ -153,31 +153,53 @@ def test_meeting_terms_by_hand():
     assert terms(SHARDED_PARAMETERS) == pytest.approx(0.004)  # its units' meetings are in its formula
     assert terms(RING, overlap=True) == pytest.approx(0.004)  # a cluster: the straggle alone (spread 0 here)
     sd = Workload(**{**W.__dict__, "local_sd_s": 0.01})
-    assert meeting_terms_s(RING, 4, sd, link, inputs) == pytest.approx(0.004 + 0.01 * expected_max_normal(4))
+    assert sync_overhead_s(RING, 4, sd, link, inputs) == pytest.approx(0.004 + 0.01 * expected_max_normal(4))
     assert terms(TOWERS) == 0.002 and terms(STAGES) == 0.0 and terms(PS, synchronous=False) == 0.0
-    assert meeting_terms_s(RING, 1, W, link, inputs, overlap=False) == 0.0
+    assert sync_overhead_s(RING, 1, W, link, inputs, overlap=False) == 0.0
 
 
-def test_every_plan_layouts_step_is_its_formulas_with_the_meeting_terms():
-    """The plan's step parts add nothing to predict_model's step but a measured one-rank overhead:
-    the meeting terms are the formulas' (so paratrain predict and paratrain plan price the same)."""
-    from paratrain.bench.plan_model import replace_dist
-    from paratrain.bench.strategy_model import meeting_terms_s, predict_model
-
+def test_every_plan_layout_pays_its_sync_overhead_once():
+    """Sync BatchNorm, DDP's buffer broadcast and a spread of the one-device step, added to the inputs,
+    raise each plan layout's step and exposed communication by exactly sync_overhead_s: all three
+    for the processes that meet every step (all-reduce, ZeRO-1, FSDP, a synchronous PS), the towers'
+    own sync BN for towers, nothing for a pipeline or an asynchronous PS; once, with or without
+    overlap."""
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
-    inputs = {**INPUTS, "sync_batchnorm_s": 0.003, "buffer_broadcast_s": 0.001, "tower_sync_batchnorm_s": 0.002,
-              "meetings": [[0.1, 0.004], [0.4, 0.006]]}
+    terms = {"sync_batchnorm_s": 0.003, "buffer_broadcast_s": 0.001, "tower_sync_batchnorm_s": 0.002}
+    spread = Workload(**{**W.__dict__, "local_sd_s": 0.01})
+    meets = 0.004 + 0.01 * expected_max_normal(4)  # sync BN + broadcast + the straggle of 4 ranks
+    expected = {RING: meets, SHARDED_OPTIMIZER: meets, SHARDED_PARAMETERS: meets, TOWERS: 0.002, STAGES: 0.0}
     for cls, overrides in LAYOUTS:
+        extra = expected.get(cls.cost_model, meets if cls.synchronous else 0.0)
         for overlap in (False, True):
-            got = step_parts(cls, Layout("x", 4, dict(overrides)), W, link, Config(), inputs, overlap=overlap)
-            d = replace_dist(Config(), **overrides)
-            model = predict_model(cls.cost_model, W, 4, link, d, inputs["stage_profiles"]["2"]
-                                  if cls.cost_model == STAGES else inputs, overlap=overlap, synchronous=cls.synchronous)
-            assert got["step_s"] == pytest.approx(model.step_s, rel=1e-12), cls.cost_model
-            terms = meeting_terms_s(cls.cost_model, 4, W, link, inputs, synchronous=cls.synchronous, overlap=overlap)
-            assert terms > 0 or cls.cost_model == STAGES or not cls.synchronous
-            if cls.cost_model not in (STAGES, TOWERS):
-                assert got["comm_s"] >= terms - 1e-12  # exposed: nothing overlaps them
+            lay = Layout("x", 4, dict(overrides))
+            base = step_parts(cls, lay, W, link, Config(), INPUTS, overlap=overlap)
+            got = step_parts(cls, lay, spread, link, Config(), {**INPUTS, **terms}, overlap=overlap)
+            assert got["step_s"] - base["step_s"] == pytest.approx(extra, abs=1e-12), (cls.cost_model, overlap)
+            assert got["comm_s"] - base["comm_s"] == pytest.approx(extra, abs=1e-12), (cls.cost_model, overlap)
+            assert got["units_per_s"] == pytest.approx(base["units_per_s"] * base["step_s"] / got["step_s"])
+
+
+def test_predict_model_prices_a_parameter_server_with_its_servers_update_and_rpc_link():
+    """predict_model's PS: dist.num_ps servers, the measured update (ps_update_s) and links["rpc"] (the
+    servers' messages) in place of the collectives' link, synchronous or not; by hand."""
+    from paratrain.bench.plan_model import replace_dist
+    from paratrain.bench.plan_ps import predict_ps
+    from paratrain.bench.strategy_model import predict_model
+
+    rpc = Link(name="rpc", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    slow = Link(name="ring", alpha_s=0.0, beta_s_per_byte=1e-6, gamma_s_per_byte=0.0)
+    d = replace_dist(Config(), num_ps=2)
+    inputs = {"ps_update_s": {"sync_1": 0.006, "sync_2": 0.008, "async": 0.0025}}
+    # 4 workers, 2 servers over rpc: 0.3 + 0.16 (as by hand above) + the update, (0.006 + 3 x 0.002) / 2
+    p = predict_model(PS, W, 4, slow, d, inputs, links={"rpc": rpc})
+    assert p.step_s == pytest.approx(0.466) and p.optimizer_s == 0.0
+    # asynchronous, compute twice as slow: 0.6 + 2 x max(20 MB, 40 MB at 1 GB/s) + 0.0025 / 2 = 0.68125 s a
+    # worker, 5.9 updates/s, under each server's 1 / (20 MB x 2 ns + 0.00125 s) = 24.2
+    a = predict_model(PS, W, 4, slow, d, inputs, links={"rpc": rpc}, synchronous=False, compute_scale=2.0)
+    assert a.step_s == pytest.approx(0.68125) and a.words_per_s == pytest.approx(4 * 1000 / 0.68125)
+    # a synchronous step at compute_scale 2: 0.6 + 0.16 (2 workers, 1 server: its 2 x 40 MB at 1 GB/s, twice) + 0.01
+    assert predict_ps(W, 2, 1, rpc, update_s=0.01, compute_scale=2.0).step_s == pytest.approx(0.77)
 
 
 def test_ps_message_link_reproduces_the_measured_exchange():

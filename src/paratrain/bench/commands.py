@@ -224,6 +224,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         w = dataclasses.replace(w, payload_ratio=ratio)
     preds = curve(w)
     if cfg.model_value("sync_batchnorm", False) and pays_sync_batchnorm(cls):
+        # added here once: predict_curve has no such term, and predict_strategy's inputs (strategy_inputs)
+        # carry no sync_batchnorm_s for its sync_overhead_s
         extra = _sync_batchnorm_terms(args, cfg, link, [p.n for p in preds])
         preds = [with_extra_step_s(p, extra[p.n]) for p in preds]
         plain = plain and [with_extra_step_s(p, extra[p.n]) for p in plain]

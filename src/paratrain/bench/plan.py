@@ -2,8 +2,9 @@
 every N on a cluster, mark what does not fit the device memory, rank, and recommend a command.
 
 Layouts per strategy come from the registry (no strategy is named here): ``Strategy.cost_model``
-picks the step formula (:mod:`.plan_model`), ``dist_keys`` the variants: DDP's bucket (the best
-predicted) and a bf16 compression hook where ``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
+picks the step formula (:func:`~.strategy_model.predict_model`, split into parts by :mod:`.plan_model`),
+``dist_keys`` the variants: DDP's bucket (the best predicted) and a bf16 compression hook where
+``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
 ``reshard_after_forward`` is; 2 and 4 stages (2 S micro-batches, 1F1B) where the model pipelines;
 K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies
 are listed with their staleness and never recommended in place of a synchronous one (they train a

@@ -4,7 +4,7 @@ arithmetic on a profile (:mod:`.profile`) and a :class:`~.costmodel.Link`. The s
 their sources, are :func:`~.strategy_model.predict_model`'s: :mod:`.costmodel` (all-reduce),
 :mod:`.costmodel_sharded` (ZeRO-1, FSDP, towers), :mod:`.costmodel_pipeline` and :mod:`.plan_ps`
 (a parameter server, synchronous or asynchronous), each with what its processes pay for meeting
-every step (:func:`~.strategy_model.meeting_terms_s`: synchronised BatchNorm, DDP's buffer
+every step (:func:`~.strategy_model.sync_overhead_s`: synchronised BatchNorm, DDP's buffer
 broadcast, the wait for the last rank). This module splits a layout's prediction into those parts
 and adds the strategy's own work measured as one rank (``one_rank_s``).
 
@@ -50,7 +50,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     the layout does not exist (a model that does not pipeline). The step is
     :func:`~.strategy_model.predict_model`'s for the strategy's cost model (``cls.cost_model``, its
     ``synchronous``) with the layout's ``dist`` keys, ``overlap``, ``links`` and ``inputs`` (its
-    formula's measured terms and :func:`~.strategy_model.meeting_terms_s`'); its optimizer part is
+    formula's measured terms and :func:`~.strategy_model.sync_overhead_s`'); its optimizer part is
     the formula's (:attr:`~.costmodel.Prediction.optimizer_s`), and a pipeline's bubble is its
     schedule less a device's share of the work. ``inputs["one_rank_s"]`` (a GPU's profile, or a
     CPU's on a preset: :func:`~.profile_runs.loop_one_rank_overheads`, this layout's strategy

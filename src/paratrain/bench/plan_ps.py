@@ -1,8 +1,9 @@
-"""The parameter server's part of ``paratrain plan``'s model (:mod:`.plan_model`): its step
-(:func:`predict_ps`), the servers' update (:func:`ps_update_s`), the link its messages take
-(:func:`ps_message_link`, :func:`slower`), what an exchange waits for a core while the other workers
-compute on the same ones (:func:`ps_exchange_wait_s`) and the rate of asynchronous workers
-(:func:`ps_async_rate`). Units: seconds, bytes."""
+"""The parameter server's part of ``paratrain plan``'s model (dispatched by
+:func:`~.strategy_model.predict_model`): its step (:func:`predict_ps`), the servers' update
+(:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`), what an
+exchange waits for a core while the other workers compute on the same ones
+(:func:`ps_exchange_wait_s`) and the rate of asynchronous workers (:func:`ps_async_rate`). Units:
+seconds, bytes."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -125,7 +126,10 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     :func:`ps_exchange_wait_s`), reported as n replicas each taking ``n / rate`` seconds a step (the
     staleness it implies, about n - 1 versions, is the plan's to show). What processes that meet pay
     beyond this (a synchronous PS's wait for its last worker, synchronised BatchNorm) is
-    :func:`~.strategy_model.meeting_terms_s`'s. Raises UsageError for n or k < 1."""
+    :func:`~.strategy_model.sync_overhead_s`'s. (``paratrain predict --algorithm ps`` prices an
+    all-reduce strategy's gradients through k servers with :func:`~.costmodel.predict` instead: the
+    workers step their own optimizer and no server update is measured.) Raises UsageError for n or
+    k < 1."""
     _check_n(n, "workers")
     _check_n(k, "servers")
     s = compute_scale
@@ -133,7 +137,7 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     if synchronous:
         optimizer = 0.0 if n > 1 else w.optimizer_s * s
         step = compute + (ps_step_s(sum(w.param_bytes), n, k, link) + update_s if n > 1 else optimizer)
-        return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)
+        return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
     rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0)
     return prediction(w, n, n / rate, compute, "ps", optimizer_s=0.0)

@@ -4,7 +4,7 @@ strategy's ``cost_model`` (:func:`predict_model`: ``ring`` by :mod:`.costmodel`,
 ``sharded_optimizer`` (ZeRO-1), ``sharded_parameters`` (FSDP) and ``towers`` (one process over
 several devices) by :mod:`.costmodel_sharded`, ``stages`` (a pipeline) by :mod:`.costmodel_pipeline`,
 ``ps`` (a parameter server, synchronous or not) by :mod:`.plan_ps`), each with what its processes pay
-for meeting every step (:func:`meeting_terms_s`)."""
+for meeting every step (:func:`sync_overhead_s`)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -35,7 +35,7 @@ def meets_every_step(model: str | None, synchronous: bool) -> bool:
     """Whether a strategy of cost model ``model`` (``Strategy.cost_model``, None: ``ring``) runs
     processes that all wait for one another every step: all-reduce, ZeRO-1, FSDP and a synchronous
     PS do; towers meet in their own process, a pipeline's stages pass micro-batches along, an
-    asynchronous PS's workers never wait for each other. These pay :func:`meeting_terms_s`."""
+    asynchronous PS's workers never wait for each other. These pay :func:`sync_overhead_s`."""
     return bool(synchronous) and (model or RING) in (RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, PS)
 
 
@@ -46,7 +46,7 @@ def pays_sync_batchnorm(cls) -> bool:
     return meets_every_step(cls.cost_model, cls.synchronous)
 
 
-def meeting_terms_s(model: str | None, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
+def sync_overhead_s(model: str | None, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
                     synchronous: bool = True, compute_scale: float = 1.0, overlap: bool = True,
                     backup_workers: int = 0) -> float:
     """Seconds per step that the processes of a strategy pay for meeting every step, beyond its
@@ -59,7 +59,7 @@ def meeting_terms_s(model: str | None, n: int, w: Workload, link: Link, inputs: 
       layer; :func:`~.plan_inputs.sync_batchnorm_s`);
     * ``inputs["buffer_broadcast_s"]``: DDP's broadcast of rank 0's buffers before every forward
       (:func:`~.plan_inputs.buffer_broadcast_s`; 0 for other strategies);
-    * the wait for the last rank (:func:`last_rank_wait_s`).
+    * the wait for the last rank (:func:`straggler_wait_s`).
 
     Towers (``towers``) synchronise BatchNorm in their own process and pay
     ``inputs["tower_sync_batchnorm_s"]`` instead (their threads meeting inside the forward). A
@@ -70,12 +70,12 @@ def meeting_terms_s(model: str | None, n: int, w: Workload, link: Link, inputs: 
         return 0.0
     if meets_every_step(model, synchronous):
         return (inputs.get("sync_batchnorm_s", 0.0) + inputs.get("buffer_broadcast_s", 0.0)
-                + last_rank_wait_s(model or RING, n, w, link, inputs, compute_scale=compute_scale, overlap=overlap,
+                + straggler_wait_s(model or RING, n, w, link, inputs, compute_scale=compute_scale, overlap=overlap,
                                    backup_workers=backup_workers))
     return inputs.get("tower_sync_batchnorm_s", 0.0) if model == TOWERS else 0.0
 
 
-def last_rank_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
+def straggler_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
                      compute_scale: float = 1.0, overlap: bool = True, backup_workers: int = 0) -> float:
     """What n processes that meet every step wait there for the last of them:
     :func:`~.costmodel.straggle_s` of the one-device step's spread (``w.local_sd_s`` times
@@ -198,8 +198,8 @@ def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs
     model = STRATEGIES[strategy].cost_model
     if model not in MODELS:
         raise ValueError(f"no cost model for strategy {strategy!r}; modelled: {', '.join(predicted())}")
-    return predict_model(model, w, n, link, cfg, inputs, compute_scale=compute_scale, bucket_mb=bucket_mb,
-                         synchronous=STRATEGIES[strategy].synchronous, **kw)
+    kw.setdefault("synchronous", STRATEGIES[strategy].synchronous)
+    return predict_model(model, w, n, link, cfg, inputs, compute_scale=compute_scale, bucket_mb=bucket_mb, **kw)
 
 
 def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
@@ -207,7 +207,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
                   links: dict[str, Link] | None = None, synchronous: bool = True) -> Prediction | None:
     """:func:`predict_strategy` by the formula's name (a ``Strategy.cost_model`` of :data:`MODELS`, or
     :data:`PS`: :func:`~.plan_ps.predict_ps` with ``cfg.dist.num_ps`` servers, ``synchronous`` or
-    not), plus what its processes pay for meeting every step (:func:`meeting_terms_s`, as exposed
+    not), plus what its processes pay for meeting every step (:func:`sync_overhead_s`, as exposed
     communication). ``synchronous``: the strategy's (``Strategy.synchronous``; an asynchronous PS's
     workers never meet).
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
@@ -219,7 +219,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join,
     FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
     blocking collective inside a step (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and
-    FSDP's collectives here and the wait for the last rank (:func:`last_rank_wait_s`);
+    FSDP's collectives here and the wait for the last rank (:func:`straggler_wait_s`);
     ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
     (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``:
     what ZeRO-1's and FSDP2's optimizer steps add to allreduce's, measured here
@@ -240,7 +240,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
                  links=links, synchronous=synchronous, step_dispatch=step_dispatch, norm_dispatch=norm_dispatch)
     if p is None:
         return None
-    return with_extra_step_s(p, meeting_terms_s(model, n, w, link, inputs, synchronous=synchronous,
+    return with_extra_step_s(p, sync_overhead_s(model, n, w, link, inputs, synchronous=synchronous,
                                                 compute_scale=compute_scale, overlap=overlap,
                                                 backup_workers=getattr(d, "backup_workers", 0)))
 

@@ -64,7 +64,7 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
     merged_before_step: bool = True  # .grad holds the merged gradient after backward (not so for a parameter server)
     dist_keys: tuple[str, ...] = ()  # dist.* config keys that only this strategy (and others naming them) reads
     launch_env: dict[str, str] = {}  # environment variables the launcher sets for this strategy's jobs
-    cost_model: str | None = None  # the cost model of its step (paratrain.bench.strategy_model.MODELS)
+    cost_model: str | None = None  # its step's formula: paratrain.bench.strategy_model.MODELS or PS
     sharded: bool = False  # ranks hold different parts of the state: DCP checkpoints written by every rank
     collective_forward: bool = False  # every forward is a collective (fsdp): ranks run as many forwards
 
