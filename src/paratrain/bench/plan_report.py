@@ -182,7 +182,7 @@ def markdown(result: dict) -> str:
     for i, r in enumerate(rows, 1):
         note = []
         if not r["synchronous"]:
-            note.append(f"async: staleness ~{r['staleness']} versions")
+            note.append(f"async: staleness ~{r['staleness']} version{'s' if r['staleness'] != 1 else ''}")
         if r["extrapolated"]:
             note.append("extrapolated")
         if r["reason"]:
