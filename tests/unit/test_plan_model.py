@@ -1120,6 +1120,34 @@ def test_a_plan_row_carries_its_strategys_measured_error_at_its_own_n(tmp_path):
     assert read_validation(tmp_path / "nothing") == {}
 
 
+def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch):
+    """plan_validate.plan_first is the plan's rank at N = 2 (the fastest synchronous layout, of a tie the
+    least memory; an asynchronous one never), and _runs adds it to each strategy's plain layout where
+    it is another (a hook here), once."""
+    from paratrain.bench import plan as pl
+    from paratrain.bench import plan_validate as pv
+
+    lays = [pl.Layout("allreduce", 2, {}, "allreduce"), pl.Layout("allreduce", 2, {"comm_hook": "bf16"},
+                                                                   "allreduce + bf16 hook"),
+            pl.Layout("ps-async", 2, {"num_ps": 1}, "ps-async K=1")]
+    rate = {"allreduce": 1000.0, "allreduce + bf16 hook": 1040.0, "ps-async K=1": 2000.0}
+    monkeypatch.setattr(pl, "layouts", lambda n, prof, cfg: [pl.Layout(x.strategy, n, x.overrides, x.label)
+                                                             for x in lays] if n == 2 else [])
+    monkeypatch.setattr(pl, "refusal", lambda *a: None)
+    monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
+        "label": lay.label, "n": lay.n, "units_per_s": rate[lay.label], "synchronous": lay.strategy != "ps-async",
+        "memory": {"total": 1.0}})
+    first = pv.plan_first({}, None, None, 2, "c.toml", None, [])
+    assert first.label == "allreduce + bf16 hook"  # the asynchronous one is faster and never recommended
+    runs = pv._runs({}, None, [1, 2], "c.toml", None, [], first)
+    assert [(lay.label, n) for lay, n in runs] == [("allreduce", 2), ("ps-async K=1", 2), ("allreduce + bf16 hook", 2)]
+    rate["allreduce"] = 1100.0  # the plain layout first: run once
+    first = pv.plan_first({}, None, None, 2, "c.toml", None, [])
+    assert [(lay.label, n) for lay, n in pv._runs({}, None, [2], "c.toml", None, [], first)] == [
+        ("allreduce", 2), ("ps-async K=1", 2)]
+    assert pv._runs({}, None, [1], "c.toml", None, [], first) == []  # N = 2 not validated: not added
+
+
 def test_the_validation_scores_the_recommendation_the_plan_makes():
     from paratrain.bench.plan_validate import _choice
 
@@ -1130,7 +1158,15 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     # gpt_wt2 on 2026-11-24: allreduce and zero1 predicted 0.07% apart; zero1 keeps less memory
     got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0),
                    row("towers", 900.0, 1747, 800.0)])
-    assert got == {"recommended": "zero1", "measured_fastest": "zero1", "shortfall": 0.0, "close_calls": []}
+    assert got == {"recommended": "zero1", "measured_fastest": "zero1", "shortfall": 0.0, "close_calls": [],
+                   "first_not_run": None}
+    # the plan's own first layout at N = 2, where it was run, is the recommendation scored
+    first = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0)], "allreduce")
+    assert first["recommended"] == "allreduce" and first["shortfall"] == pytest.approx(0.12)
+    assert first["first_not_run"] is None
+    # a validation run before the plan's first layout was (or whose run gave no step time) says so
+    old = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0)], "zero1 + bf16 hook")
+    assert old["recommended"] == "zero1" and old["first_not_run"] == "zero1 + bf16 hook"
     got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 980.0, 900, 1000.0)])
     assert got["recommended"] == "allreduce" and got["shortfall"] == pytest.approx(0.12)
     # digits_cnn without sync BN on 2026-11-27: towers recommended by 1.3% and 2.9%, with step errors

@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.rescore:  # before the plan reads the measured errors, so that it shows the rescored ones
         from .plan_validate import rescore
 
-        rescored = rescore(cfg, prof, out)
+        rescored = rescore(cfg, prof, out, args.config, args.task, args.overrides)
     checked = pl.read_validation(out if args.profile is None else args.profile.parent)  # the profile's machine's
     for r in rows:
         v = checked.get(r["strategy"])

@@ -22,10 +22,12 @@ from . import plan as pl
 from .plan_profile import run_steps
 
 
-def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str]
-          ) -> list[tuple[pl.Layout, int]]:
+def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
+          first: pl.Layout | None = None) -> list[tuple[pl.Layout, int]]:
     """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
-    (N = 1: single)."""
+    (N = 1: single), and ``first`` (:func:`plan_first`, the layout the plan ranks first at N = 2)
+    where it is not one of them (another K, a hook, ZeRO-2), so that the recommendation scored is
+    the plan's own."""
     seen, out = set(), []
     for n in ns:
         for lay in pl.layouts(n, prof, cfg):
@@ -35,7 +37,25 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
             seen.add((lay.strategy, n))
             if pl.refusal(config, task, overrides, lay) is None:  # what the recipe refuses is not run
                 out.append((lay, n))
+    if first is not None and 2 in ns and all(lay.label != first.label for lay, n in out if n == 2):
+        out.append((first, 2))
     return out
+
+
+def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, overrides: list[str]
+               ) -> pl.Layout | None:
+    """The layout ``paratrain plan`` ranks first at ``n`` devices on this machine (its recommendation
+    with ``--nproc n``: :func:`~.plan.rank` of every layout the recipe allows, no memory limit on this
+    machine's CPU), or None where no synchronous layout exists at ``n``."""
+    rows = []
+    for lay in pl.layouts(n, prof, cfg):
+        if pl.refusal(config, task, overrides, lay) is None:
+            row = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
+            if row is not None:
+                rows.append((lay, {**row, "feasible": True}))
+    ranked = pl.rank([row for _, row in rows], "words_per_s")
+    best = next((row for row in ranked if row["synchronous"]), None)
+    return next((lay for lay, row in rows if row is best), None)
 
 
 def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:
@@ -60,7 +80,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
     if skipped:
         print(f"[plan] the profile is of a GPU: --validate runs N = 1 only (N = {', '.join(map(str, skipped))} "
               f"skipped: {GPU_LINK})", flush=True)
-    runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides)
+    first = plan_first(prof, cfg, link, 2, args.config, args.task, args.overrides) if 2 in ns else None
+    runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides, first)
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
           f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
@@ -97,7 +118,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
                   f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({_pct(row['memory_error'])})", flush=True)
     result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows,
-              "choice": _choice(rows)}
+              "choice": _choice(rows, first.label if first else None)}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (out / "validation.md").write_text(text)
@@ -172,24 +193,28 @@ def _predicted(row: dict, pred: dict) -> dict:
     return row
 
 
-def rescore(cfg, prof: dict, out: Path) -> int:
+def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, overrides: list[str] | None = None
+            ) -> int:
     """``paratrain plan --rescore``: predict the layouts of ``out/validation.json`` again from ``prof``
     (the cached profile, or a new one with ``--reprofile``) and the current model, keep the measured
     steps and memory, rewrite ``validation.json`` and ``validation.md``. No training runs. Raises
-    UsageError when a validated layout is no longer planned."""
+    UsageError when a validated layout is no longer planned. ``config``, ``task``, ``overrides``: the
+    command's (what the recipe refuses is not the plan's first layout, :func:`plan_first`)."""
     from ..errors import UsageError
     from .costmodel import Link
 
     path = out / "validation.json"  # there: paratrain plan checks before it profiles
     result = json.loads(path.read_text())
     link = Link(name="measured", **prof["links"]["all_reduce"])
+    first = plan_first(prof, cfg, link, 2, config, task, overrides or [])
     for row in result["rows"]:
         lay = next((x for x in pl.layouts(row["n"], prof, cfg) if x.label == row["label"]), None)
         if lay is None:
             raise UsageError(f"--rescore: layout {row['label']!r} at N = {row['n']} is no longer planned; "
                              f"validate again (--validate)")
         _predicted(row, pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
-    result.update({"link": prof["links"], "choice": _choice(result["rows"]), "rescored": True})
+    result.update({"link": prof["links"], "choice": _choice(result["rows"], first.label if first else None),
+                   "rescored": True})
     path.write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (out / "validation.md").write_text(text)
@@ -197,14 +222,18 @@ def rescore(cfg, prof: dict, out: Path) -> int:
     return 0
 
 
-def _choice(rows: list[dict]) -> dict:
-    """The synchronous layout the plan recommends at N = 2 (the predicted fastest; of predictions
-    within :data:`~.plan.TIE`, the least memory: :func:`~.plan.pick`) against the measured fastest."""
+def _choice(rows: list[dict], first: str | None = None) -> dict:
+    """The synchronous layout the plan recommends at N = 2 against the measured fastest: ``first``, the
+    label of the layout the plan ranks first at N = 2 (:func:`plan_first`), where it was run; else, as
+    for a validation run before the plan's first layout was (``plan_first`` None or not among the
+    rows: ``first_not_run``), the predicted fastest of the layouts run (of predictions within
+    :data:`~.plan.TIE`, the least memory: :func:`~.plan.pick`)."""
     two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"]
            and math.isfinite(r["measured_units_per_s"])]
     if not two:
         return {}
-    chosen = two[pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: (r["n"], r["predicted_memory_bytes"]))]
+    chosen = next((r for r in two if r["label"] == first), None) or two[
+        pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: (r["n"], r["predicted_memory_bytes"]))]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
     # plan.close_calls' rule among the layouts run at N = 2, each with its own measured error here (the
     # next plan weighs all its layouts, at every N, against its own recommendation); each band holds its
@@ -216,7 +245,8 @@ def _choice(rows: list[dict]) -> dict:
     best = next(b for b in banded if b["label"] == chosen["label"])
     return {"recommended": chosen["label"], "measured_fastest": fastest["label"],
             "shortfall": 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"],
-            "close_calls": [b["label"] for b in pl.close_calls(banded, best, "words_per_s")]}
+            "close_calls": [b["label"] for b in pl.close_calls(banded, best, "words_per_s")],
+            "first_not_run": first if first and first != chosen["label"] else None}
 
 
 def _ms(x: float | None) -> str:
@@ -247,6 +277,10 @@ def markdown(result: dict) -> str:
     if c:
         lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
                       f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
+        if c.get("first_not_run"):
+            lines += [f"The plan ranks {c['first_not_run']} first at N = 2, and it was not run here (or gave no step "
+                      f"time): the recommendation above is the predicted fastest of the layouts run. Validate "
+                      f"again to run it."]
         if c.get("close_calls"):  # (by construction these bands hold the measured rates: not a check)
             lines += [f"Too close to call at N = 2 by these step errors (a layout whose predicted rate, raised by its "
                       f"own measured error, reaches the recommendation's, lowered by its own): "
