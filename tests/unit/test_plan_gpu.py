@@ -301,6 +301,8 @@ def test_dist_broadcast_buffers_reaches_ddp_and_sync_batchnorm_turns_it_off_itse
     assert DistConfig().broadcast_buffers is True
     assert "broadcast_buffers" in STRATEGIES["allreduce"].dist_keys and "broadcast_buffers" in STRATEGIES[
         "zero1"].dist_keys
+    import gc
+
     got = {}
     for value in (True, False):
         strategy = STRATEGIES["allreduce"](DistEnv(), bucket_mb=25.0, broadcast_buffers=value)
@@ -308,6 +310,11 @@ def test_dist_broadcast_buffers_reaches_ddp_and_sync_batchnorm_turns_it_off_itse
             ddp = strategy._wrap(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), 0)
             got[value] = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
         finally:
+            # DDP's reducer holds the gloo group: free it while the group exists. Freed after
+            # destroy_process_group (at the next loop or the function's end), ~ProcessGroupGloo hung
+            # on a mutex once in a full suite (2026-11-27, a worker stuck 15 min).
+            ddp = strategy = None
+            gc.collect()
             if dist.is_initialized():
                 dist.destroy_process_group()
     assert got == {True: True, False: False}
