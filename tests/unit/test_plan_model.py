@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paratrain.bench.costmodel import Link, Workload, expected_max_normal, straggle_s
+from paratrain.bench.costmodel import Link, Workload
 from paratrain.bench.mfu import PEAK_TFLOPS, count_flops, mfu, table_peak
 from paratrain.bench.plan_memory import MemoryInputs, memory_per_device
 from paratrain.bench.plan_model import Layout, step_parts
 from paratrain.bench.plan_ps import ps_async_rate
+from paratrain.bench.straggler import expected_max_normal, straggle_s
 from paratrain.config import Config
 from paratrain.errors import UsageError
 from paratrain.bench.strategy_model import PS, RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS

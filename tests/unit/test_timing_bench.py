@@ -97,7 +97,7 @@ def test_successive_difference_sd_leaves_out_a_drift():
 def test_successive_difference_sd_prices_two_ranks_wait_exactly():
     # n = 2: straggle = sd * E[max of 2 normals] = sd / sqrt(pi) = mean |x[i+1] - x[i]| / 2, the mean wait
     # of the faster of two independent draws, here of a non-normal noise (exponential)
-    from paratrain.bench.costmodel import straggle_s
+    from paratrain.bench.straggler import straggle_s
 
     rng = random.Random(1)
     xs = [rng.expovariate(100.0) for _ in range(20000)]

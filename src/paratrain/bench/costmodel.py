@@ -11,9 +11,6 @@ the numbers that go in. Sources:
   clusters of workstations", JPDC 69(2)).
 * Bucketing and overlap of all-reduce with backward as in PyTorch DDP (Li et
   al. 2020, "PyTorch Distributed", VLDB 13(12)).
-* Ranks that meet every step wait for the slowest: the expected maximum of n
-  normal local times (:func:`straggle_s`; Dean & Barroso 2013, "The Tail at
-  Scale"; Chen et al. 2016, "Revisiting Distributed Synchronous SGD").
 
 Units: seconds (``_s``), bytes (``_bytes``/``nbytes``), ``bucket_mb`` in MiB
 (2**20 bytes, as DDP's ``bucket_cap_mb``). ``n`` is world_size (replicas).
@@ -21,7 +18,6 @@ Bad arguments raise :class:`~paratrain.errors.UsageError` naming the value.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
@@ -194,7 +190,7 @@ class Workload:
     fp16/bf16, PowerSGD's measured ratio); buckets are still formed by gradient bytes, as DDP does.
     The hook's own compute (casts, PowerSGD's matrix products) is not modelled. local_sd_s: the
     standard deviation from step to step of the local time (the step less communication), in seconds
-    (:func:`straggle_s`); 0 where not measured.
+    (:func:`~.straggler.straggle_s`); 0 where not measured.
     """
 
     forward_s: float
@@ -367,40 +363,6 @@ def relative_error(predicted: float, measured: float) -> float:
     if measured == 0:
         raise UsageError("relative error against a measured value of 0 is undefined")
     return (predicted - measured) / measured
-
-
-@functools.lru_cache(maxsize=None)
-def expected_max_normal(n: int) -> float:
-    """E[max of n independent standard normal variables]: 0 for n = 1, 1/sqrt(pi) = 0.5642 for 2,
-    1.0294 for 4, 1.4236 for 8, 3.2482 for 1024 (order statistics: Tippett 1925, Harter 1961). The integral
-    ``int x n phi(x) Phi(x)^(n-1) dx`` by Simpson's rule over [-12, 12] (4,800 intervals).
-    Raises ValueError for n < 1."""
-    if n < 1:
-        raise ValueError(f"expected_max_normal needs n >= 1 variables, got {n}")
-    if n == 1:
-        return 0.0
-    lo, hi, m = -12.0, 12.0, 4800
-    h = (hi - lo) / m
-
-    def f(x: float) -> float:
-        return x * n * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * math.erfc(-x / math.sqrt(2))) ** (n - 1)
-
-    total = f(lo) + f(hi) + sum((4 if i % 2 else 2) * f(lo + i * h) for i in range(1, m))
-    return total * h / 3
-
-
-def straggle_s(n: int, local_sd_s: float) -> float:
-    """Seconds per step that n ranks which meet every step wait for the last of them: each rank's
-    local time (its step less communication) varies from step to step with standard deviation
-    ``local_sd_s`` (measured: :meth:`~.timing.RankTimer.summary`'s ``local_jitter_ms`` of the profile's
-    one-device runs, from successive differences: a drift of the machine that all ranks share makes
-    none of them wait), and a collective ends only after the slowest rank arrives, so the step is the
-    mean local time plus ``E[max of n] - mean = local_sd_s * expected_max_normal(n)`` (ranks
-    independent and normal: the straggler effect that backup workers answer, Chen et al. 2016,
-    "Revisiting Distributed Synchronous SGD"; Dean & Barroso 2013, "The Tail at Scale"). One meeting
-    a step: a strategy that meets several times a step (FSDP's units, synchronised BatchNorm) waits at
-    each, which this leaves out. 0 for n = 1."""
-    return expected_max_normal(n) * local_sd_s if n > 1 and local_sd_s > 0 else 0.0
 
 
 def with_extra_step_s(p: Prediction, extra_s: float) -> Prediction:

@@ -50,7 +50,7 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
     rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
     (:func:`~.validate.workload_from_record`) and the standard deviation of its steps' local time from
     step to step (``local_sd_s``: :func:`~.timing.successive_difference_sd`, for
-    :func:`~.costmodel.straggle_s`), keyed by the threads it ran with. One-thread runs go
+    :func:`~.straggler.straggle_s`), keyed by the threads it ran with. One-thread runs go
     ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
     while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
     SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over

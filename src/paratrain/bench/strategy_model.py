@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .costmodel import Link, Prediction, Workload, predict, straggle_s, with_extra_step_s
+from .costmodel import Link, Prediction, Workload, predict, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
 from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
 from .plan_ps import predict_ps, ps_exchange_wait_s, ps_update_s
+from .straggler import straggle_s
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS = (
     "ring", "sharded_optimizer", "sharded_parameters", "stages", "towers", "ps")
@@ -78,7 +79,7 @@ def sync_overhead_s(model: str | None, n: int, w: Workload, link: Link, inputs: 
 def straggler_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[str, Any], *,
                      compute_scale: float = 1.0, overlap: bool = True, backup_workers: int = 0) -> float:
     """What n processes that meet every step wait there for the last of them:
-    :func:`~.costmodel.straggle_s` of the one-device step's spread (``w.local_sd_s`` times
+    :func:`~.straggler.straggle_s` of the one-device step's spread (``w.local_sd_s`` times
     ``compute_scale``); for DDP's all-reduce (``ring``, and ZeRO-1's, which wraps the same
     DDP) and a synchronous PS (its servers answer when the last worker's gradient is in) on this
     machine's CPU (no overlap), where the profile measured what one blocking collective costs ranks

@@ -185,7 +185,7 @@ class RankTimer:
         ``local_sd_ms``: the standard deviation over the measured steps of the step's local time (the
         step less its ``comm`` and ``idle``: what a rank takes between two meetings with the others),
         and ``local_jitter_ms``: the same spread from step to step only, without the run's drift
-        (:func:`successive_difference_sd`; :func:`~.costmodel.straggle_s` prices the waiting it causes)."""
+        (:func:`successive_difference_sd`; :func:`~.straggler.straggle_s` prices the waiting it causes)."""
         n = max(self.measured_steps, 1)
         out = {f"{k}_ms": 1000.0 * v / n for k, v in self.totals.items()}
         out["measured_steps"] = self.measured_steps
