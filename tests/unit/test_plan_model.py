@@ -73,6 +73,8 @@ def test_memory_of_a_parameter_server_worker_and_server():
     assert (m["total"], m["server"]) == (200, 450)
     # asynchronous: one update's gradient and the answer's copy: (300 + 200) / 2
     assert memory_per_device(PS, 4, M, num_ps=2, synchronous_buckets=False)["server"] == 250
+    # the busiest server of 2 holding 0.9 of the bytes (a dominant tensor): (700 + 200) x 0.9, not half
+    assert memory_per_device(PS, 4, M, num_ps=2, server_share=0.9)["server"] == pytest.approx(810)
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block():
@@ -201,6 +203,52 @@ def test_predict_model_prices_a_parameter_server_with_its_servers_update_and_rpc
     assert a.step_s == pytest.approx(0.68125) and a.words_per_s == pytest.approx(4 * 1000 / 0.68125)
     # a synchronous step at compute_scale 2: 0.6 + 0.16 (2 workers, 1 server: its 2 x 40 MB at 1 GB/s, twice) + 0.01
     assert predict_ps(W, 2, 1, rpc, update_s=0.01, compute_scale=2.0).step_s == pytest.approx(0.77)
+
+
+def test_the_busiest_server_holds_whole_parameters_by_hand():
+    """ps_largest_shard_bytes: paratrain's sharding (whole parameters, largest first to the emptiest
+    server), so a dominant tensor sets the busiest server's bytes whatever K; ps_update_s takes that
+    server's share of the bytes (None: 1/k)."""
+    from paratrain.bench.costmodel import ps_largest_shard_bytes
+    from paratrain.bench.plan_ps import ps_update_s
+
+    assert ps_largest_shard_bytes([900, 50, 50], 2) == 900  # 900 | 50 + 50
+    assert ps_largest_shard_bytes([40, 30, 20, 10], 2) == 50  # 40 + 10 | 30 + 20
+    assert ps_largest_shard_bytes([40, 30, 20, 10], 3) == 40  # 40 | 30 | 20 + 10
+    assert ps_largest_shard_bytes([5], 3) == 5 and ps_largest_shard_bytes([4_000_000] * 10, 2) == 20_000_000
+    with pytest.raises(UsageError, match="shards"):
+        ps_largest_shard_bytes([5], 0)
+    measured = {"sync_1": 0.02, "sync_2": 0.03, "async": 0.01}
+    assert ps_update_s(measured, 4, 2, True, share=0.9) == pytest.approx((0.02 + 3 * 0.01) * 0.9)
+    assert ps_update_s(measured, 4, 2, True) == pytest.approx((0.02 + 3 * 0.01) / 2)
+    assert ps_update_s(measured, 4, 2, False, share=0.9) == pytest.approx(0.009)
+
+
+def test_a_dominant_parameter_paces_every_exchange_through_its_server_by_hand():
+    """predict_model's PS with one parameter of 36 of 40 MB: two servers hold 36 and 4 MB, so the busiest
+    one's 36 MB, not 20, sets the exchange, its update (0.9 of the measured) and the asynchronous
+    servers' bound; an even split would price 2 servers like 0.47 s (test above)."""
+    from paratrain.bench.plan_model import replace_dist
+    from paratrain.bench.strategy_model import predict_model
+
+    wd = Workload(forward_s=0.1, backward_s=0.2, data_s=0.0, optimizer_s=0.05, param_bytes=(2e6, 36e6, 2e6),
+                  tokens_per_step=1000)
+    rpc = Link(name="rpc", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    d = replace_dist(Config(), num_ps=2)
+    inputs = {"ps_update_s": {"sync_1": 0.006, "sync_2": 0.008, "async": 0.0025}}
+    # 4 workers: the busiest server's phase 4 x 36 MB at 1 GB/s = 0.144 s (a worker's 40 MB: 0.04), twice,
+    # + its update (0.006 + 3 x 0.002) x 0.9: 0.3 + 0.288 + 0.0108
+    p = predict_model(PS, wd, 4, rpc, d, inputs, links={"rpc": rpc})
+    assert p.step_s == pytest.approx(0.5988)
+    # one server: 0.3 + 2 x 4 x 40 MB + 0.012 = 0.632; the second server saves 5%, not the even split's 25%
+    one = predict_model(PS, wd, 4, rpc, replace_dist(Config(), num_ps=1), inputs, links={"rpc": rpc})
+    assert one.step_s == pytest.approx(0.632)
+    # asynchronous, compute twice as slow: a worker 0.6 + 2 x max(36, 40 MB) + 0.0025 x 0.9 = 0.68225 s; the
+    # busiest server 36 MB x 2 ns + 0.00225 = 0.07425 s an update, 13.5/s: 16 workers (23.5/s) wait for it
+    a = predict_model(PS, wd, 4, rpc, d, inputs, links={"rpc": rpc}, synchronous=False, compute_scale=2.0)
+    assert a.step_s == pytest.approx(0.68225)
+    a16 = predict_model(PS, wd, 16, rpc, d, inputs, links={"rpc": rpc}, synchronous=False, compute_scale=2.0)
+    assert a16.step_s == pytest.approx(16 * 0.07425)
 
 
 def test_ps_message_link_reproduces_the_measured_exchange():
@@ -1047,6 +1095,16 @@ def test_the_recommendation_of_predictions_within_a_tie_is_the_one_with_the_leas
     # a plateau: 16 devices no faster than 8 is not recommended for its smaller shards
     plateau = [_row("fsdp", 1000.0, 100, n=8), _row("fsdp", 999.0, 50, n=16)]
     assert rank(plateau, "words_per_s")[0]["n"] == 8
+
+
+def test_the_recommendation_skips_faster_asynchronous_and_infeasible_rows_and_is_none_without_a_synchronous_fit():
+    from paratrain.bench.plan import rank, recommendation
+
+    rows = [_row("towers", 5000.0, 10, feasible=False), _row("ps-async", 2000.0, 50, synchronous=False),
+            _row("fsdp", 900.0, 100), _row("allreduce", 1000.0, 918)]
+    assert recommendation(rank(rows, "words_per_s"))["label"] == "allreduce"
+    assert recommendation(rows)["label"] == "fsdp"  # the first of the order it is given, as rank leaves it
+    assert recommendation(rank(rows[:2], "words_per_s")) is None  # only an infeasible and an async row
 
 
 def test_the_plan_names_the_layouts_its_measured_errors_cannot_tell_from_the_recommendation():

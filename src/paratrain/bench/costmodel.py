@@ -107,18 +107,33 @@ def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     return 2 * depth * (link.alpha_s + nbytes * link.beta_s_per_byte) + depth * nbytes * link.gamma_s_per_byte
 
 
-def ps_bytes(nbytes: float, workers: int, shards: int) -> dict[str, float]:
-    """Bytes per step through a parameter server with ``shards`` servers, each holding 1/shards of
-    the parameters: a worker pushes its gradient and pulls the parameters (nbytes each way); a
-    server receives and sends workers * nbytes / shards."""
+def ps_largest_shard_bytes(param_bytes: Sequence[float], shards: int) -> float:
+    """Bytes on the busiest of ``shards`` parameter servers as paratrain shards a model: whole
+    parameters, greedy largest-first by bytes (:func:`~paratrain.ps.sharding.shard_by_bytes`, LPT,
+    Graham 1969). A parameter is never split, so one large tensor sets it: gpt_wt2's tied embedding
+    is 17.0 of its 17.8 MB, and its busiest of 2 servers holds 96% of the bytes, not 50%. Equal to
+    ``sum(param_bytes) / shards`` only where the parameters balance. Raises UsageError for shards < 1."""
+    from ..ps.sharding import shard_by_bytes
+
+    _check_n(shards, "shards")
+    sizes = list(param_bytes)
+    return float(max(sum(sizes[i] for i in s) for s in shard_by_bytes(sizes, shards)))
+
+
+def ps_bytes(nbytes: float, workers: int, shards: int, largest_shard_bytes: float | None = None) -> dict[str, float]:
+    """Bytes per step through a parameter server with ``shards`` servers: a worker pushes its
+    gradient and pulls the parameters (nbytes each way); the busiest server receives and sends
+    ``workers x largest_shard_bytes`` (:func:`ps_largest_shard_bytes`; None: nbytes / shards, an
+    even split)."""
     _check_n(workers, "workers")
     _check_n(shards, "shards")
-    server = workers * nbytes / shards
+    server = workers * (nbytes / shards if largest_shard_bytes is None else largest_shard_bytes)
     return {"worker_sent": float(nbytes), "worker_received": float(nbytes),
             "server_received": server, "server_sent": server}
 
 
-def ps_step_s(nbytes: float, workers: int, shards: int, link: Link) -> float:
+def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shard_bytes: float | None = None
+              ) -> float:
     """Seconds of one synchronous push + pull, every machine with its own ``link``.
 
     Push, then the servers reduce and update, then pull. Each phase lasts as long as its busiest
@@ -127,12 +142,14 @@ def ps_step_s(nbytes: float, workers: int, shards: int, link: Link) -> float:
     costs do not overlap), i.e. ``workers (alpha + nbytes/shards beta)``; a worker sends (receives) one message
     per shard, i.e. ``shards alpha + nbytes beta``. The server then sums ``workers`` gradients of
     nbytes/shards and applies the result: ``workers nbytes/shards gamma`` ((workers-1) adds + 1
-    update). Total: ``2 max(server phase, worker phase) + workers nbytes/shards gamma``. (Until
+    update). Total: ``2 max(server phase, worker phase) + workers nbytes/shards gamma``, where the
+    busiest server's ``largest_shard_bytes`` (:func:`ps_largest_shard_bytes`) stands for nbytes/shards
+    where given: its phases are the step's (None: an even split, as before 2026-11-27). (Until
     2026-11-27 the workers' messages counted one alpha at the server, as if handled at once: on the
     2-vCPU Xeon, digits_cnn's ps-sync at N = 2, whose 96 KB messages cost about 0.36 ms of fixed
     handling each, was then 16% under its measured step, and 9% under with the alphas in turn.)
     """
-    b = ps_bytes(nbytes, workers, shards)
+    b = ps_bytes(nbytes, workers, shards, largest_shard_bytes)
     server_phase = workers * link.alpha_s + b["server_received"] * link.beta_s_per_byte
     worker_phase = shards * link.alpha_s + nbytes * link.beta_s_per_byte
     return 2 * max(server_phase, worker_phase) + b["server_received"] * link.gamma_s_per_byte
@@ -272,7 +289,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
 
     "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
     and optimizer are not overlapped); ``bucket_mb`` None picks one with :func:`pick_bucket`.
-    "ps": ``num_ps`` server shards, no overlap: step = local + :func:`ps_step_s`. n == 1 is one
+    "ps": ``num_ps`` server shards, no overlap: step = local + :func:`ps_step_s` (its busiest
+    server's shard: :func:`ps_largest_shard_bytes`). n == 1 is one
     device: no communication for any algorithm. ``compute_scale`` multiplies the four measured
     times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1. ``overlap``:
     see :func:`overlapped_step_s`.
@@ -286,7 +304,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
     compute_s = w.local_s(compute_scale)
     if algorithm == "ps":
         bucket_mb = 0.0
-        step_s = compute_s + (ps_step_s(sum(w.param_bytes), n, num_ps, link) if n > 1 else 0.0)
+        step_s = compute_s + (ps_step_s(sum(w.param_bytes), n, num_ps, link,
+                                        ps_largest_shard_bytes(w.param_bytes, num_ps)) if n > 1 else 0.0)
     else:
         if bucket_mb is None:
             bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale, overlap=overlap)

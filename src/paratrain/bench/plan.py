@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .costmodel import PRESETS, Link
+from .costmodel import PRESETS, Link, ps_largest_shard_bytes
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
@@ -244,7 +244,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                             stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),
                             stage_outputs=stage_outputs(prof, stages, ratio),
                             schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
-                            batch_ratio=ratio, shared_cores=shared_cores)
+                            batch_ratio=ratio, shared_cores=shared_cores,
+                            server_share=ps_largest_shard_bytes(w.param_bytes, servers) / sum(w.param_bytes)
+                            if servers else None)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
@@ -363,6 +365,12 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
     if i > 0:
         out.insert(0, out.pop(out.index(top[i])))
     return out
+
+
+def recommendation(ranked: list[dict]) -> dict | None:
+    """The row :func:`rank` recommends: the first feasible synchronous one of its order, or None
+    where no such row exists (every layout infeasible, or asynchronous only)."""
+    return next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
 
 
 def read_validation(out: Path) -> dict[str, dict]:

@@ -21,9 +21,10 @@ one device, U the largest FSDP unit, all for one replica's batch):
   output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
   M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
   all M micro-batches'; 1F1B: one micro-batch's);
-* parameter server (``ps``): a worker holds P, its gradient and A + T; each of K servers holds
-  P/K and O/K, and in its step the gradients it received (n P/K synchronous, P/K an asynchronous
-  update), the mean's buffer (P/K, synchronous) and the answer's copy (P/K): reported apart;
+* parameter server (``ps``): a worker holds P, its gradient and A + T; the busiest of K servers
+  holds its shard S (whole parameters: S = P/K only where they balance) and O S/P, and in its step
+  the gradients it received (n S synchronous, S an asynchronous update), the mean's buffer (S,
+  synchronous) and the answer's copy (S): reported apart;
 * towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
   loss over every tower's output (n T); CPU virtual devices share one memory: n A;
 * activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
@@ -61,9 +62,12 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                       checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
                       stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
                       stage_outputs: list[float] | None = None, schedule: str = "1f1b",
-                      num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False) -> dict[str, float]:
+                      num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False,
+                      server_share: float | None = None) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
-    ``total``; ``server`` too for a parameter server. ``batch_ratio``: this layout's per-replica
+    ``total``; ``server`` too for a parameter server: the busiest of ``num_ps``, which holds
+    ``server_share`` of the parameter bytes (:func:`~.costmodel.ps_largest_shard_bytes` over the
+    total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
     batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
     on CPU virtual devices (one memory)."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
@@ -87,7 +91,8 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
         # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
         # synchronous, one update's when not), the mean's buffer (kept) and the parameters copied for the answer
         received = n if synchronous_buckets else 1
-        out["server"] = (m.params * (received + 1 + (2 if synchronous_buckets else 1)) + m.optimizer) / num_ps
+        share = 1 / num_ps if server_share is None else server_share
+        out["server"] = (m.params * (received + 1 + (2 if synchronous_buckets else 1)) + m.optimizer) * share
     elif model == TOWERS:
         g_kept = 0.0  # one process, no buckets
         act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory

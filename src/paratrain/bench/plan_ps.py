@@ -9,24 +9,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UsageError
-from .costmodel import Link, Prediction, Workload, _check_n, prediction, ps_step_s
+from .costmodel import Link, Prediction, Workload, _check_n, prediction, ps_largest_shard_bytes, ps_step_s
 from .costmodel_sharded import piecewise
 
 
-def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True) -> float:
-    """Seconds one of k servers spends on an update of its 1/k of the parameters, from the profile's
+def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: bool = True,
+                share: float | None = None) -> float:
+    """Seconds the busiest of k servers spends on an update of its shard, from the profile's
     measurement of one server holding them all (``ps_update_s``,
     :func:`~.microbench_rpc.measured_ps_update`). Synchronous, n workers: the mean of n gradients is
     one copy and n - 1 additions, so the time is linear in n through the one- and two-worker
     measurements, ``sync_1 + (n - 1)(sync_2 - sync_1)``; asynchronous: ``async`` per update. Both
-    over k (each server updates 1/k of the bytes). 0 without a measurement. The servers keep their
+    times ``share``, the busiest server's fraction of the parameter bytes
+    (:func:`~.costmodel.ps_largest_shard_bytes` over the total; None: 1/k, an even split): the update
+    is elementwise, so its time follows the bytes. 0 without a measurement. The servers keep their
     parameters on the CPU, so on a cluster this is this machine's CPU time too (an assumption)."""
     if not measured:
         return 0.0
+    part = 1 / k if share is None else share
     if not synchronous:
-        return measured["async"] / k
+        return measured["async"] * part
     one, two = measured["sync_1"], measured["sync_2"]
-    return (one + (n - 1) * max(0.0, two - one)) / k  # a second gradient never makes it cheaper (noise)
+    return (one + (n - 1) * max(0.0, two - one)) * part  # a second gradient never makes it cheaper (noise)
 
 
 def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: float) -> Link:
@@ -100,14 +104,16 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers: each worker steps on its own, so the rate is the smaller of the workers'
     (n / (local + push + pull + update + wait), :func:`~.costmodel.ps_step_s` of one worker) and the
-    servers' (each receives, applies and sends back 1/k of every update: ``(P/k)(2 beta + gamma) +
-    update`` seconds, P the gradient bytes; Li et al. 2014). ``update_s``: seconds a server spends applying its 1/k
-    of one update (:func:`ps_update_s`); a worker's push waits for it, and it bounds each server.
-    ``wait_s``: what each exchange waits beyond the link's price for cores the other workers
-    compute on (:func:`ps_exchange_wait_s`), in the worker's step only."""
+    busiest server's (it receives, applies and sends back its shard of every update:
+    ``S (2 beta + gamma) + update`` seconds, S its bytes, :func:`~.costmodel.ps_largest_shard_bytes`;
+    P/k for an even split of P; Li et al. 2014). ``update_s``: seconds the busiest server spends
+    applying its shard of one update (:func:`ps_update_s`); a worker's push waits for it, and it
+    bounds that server. ``wait_s``: what each exchange waits beyond the link's price for cores the
+    other workers compute on (:func:`ps_exchange_wait_s`), in the worker's step only."""
     nbytes = sum(w.param_bytes)
-    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link) + update_s + wait_s
-    server_update = nbytes / k * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
+    largest = ps_largest_shard_bytes(w.param_bytes, k)
+    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link, largest) + update_s + wait_s
+    server_update = largest * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
 
@@ -116,8 +122,10 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
                wait_s: float = 0.0, compute_scale: float = 1.0) -> Prediction:
     """One step of n workers and k parameter servers (Li et al. 2014, "Scaling Distributed Machine
     Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
-    messages (:func:`ps_message_link`); ``update_s``: a server's update of its 1/k
-    (:func:`ps_update_s`); ``compute_scale`` multiplies the measured times.
+    messages (:func:`ps_message_link`); ``update_s``: the busiest server's update of its shard
+    (:func:`ps_update_s`); ``compute_scale`` multiplies the measured times. Every exchange is paced
+    by the busiest server, which holds :func:`~.costmodel.ps_largest_shard_bytes` (whole parameters:
+    with one dominant tensor, more servers barely shorten it).
 
     Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel.ps_step_s`)
     + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
@@ -136,7 +144,8 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     compute = (w.forward_s + w.backward_s + w.data_s) * s
     if synchronous:
         optimizer = 0.0 if n > 1 else w.optimizer_s * s
-        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link) + update_s if n > 1 else optimizer)
+        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link, ps_largest_shard_bytes(w.param_bytes, k))
+                          + update_s if n > 1 else optimizer)
         return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
     rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0)

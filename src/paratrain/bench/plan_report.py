@@ -83,7 +83,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         r["measured_error"] = pl.row_error(checked, r["strategy"], r["n"])
         r["extrapolated"] = (v is None) or r["n"] > v["max_n"] or preset is not None
     ranked = pl.rank(rows, args.objective)
-    best = next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
+    best = pl.recommendation(ranked)
     extra = list(args.overrides)
     for r in ranked:
         r["command"] = pl.command_line(r, args.config, extra, cfg.train.batch_size, str(prof["device"]).split(":")[0])

@@ -54,7 +54,7 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
             if row is not None:
                 rows.append((lay, {**row, "feasible": True}))
     ranked = pl.rank([row for _, row in rows], "words_per_s")
-    best = next((row for row in ranked if row["synchronous"]), None)
+    best = pl.recommendation(ranked)
     return next((lay for lay, row in rows if row is best), None)
 
 
