@@ -265,6 +265,11 @@ def test_towers_on_a_gpu_are_listed_but_recommended_only_where_nothing_priced_fi
     # a CPU's towers on a preset: one process' virtual devices, on this machine's cores
     assert unpriced(TOWERS, CPU, on_this_machine=False).startswith("towers on CPUs")
     assert unpriced(RING, CPU, on_this_machine=False) == ""
+    # a 16-bit compression hook on CPUs: its casts and gloo's 16-bit sum are not measured; on GPUs it is priced
+    for here in (True, False):
+        assert unpriced(RING, CPU, on_this_machine=here, comm_hook="bf16").startswith("bf16 hook on CPUs")
+        assert unpriced(RING, {"device": "cuda:0"}, on_this_machine=here, comm_hook="bf16") == ""
+    assert unpriced(RING, CPU, on_this_machine=True, comm_hook="none") == ""
 
     def row(label, units, unpriced="", feasible=True):
         return {"label": label, "units_per_s": units, "n": 8, "feasible": feasible, "synchronous": True,

@@ -253,13 +253,14 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
            "staleness": (n - 1) if not cls.synchronous else 0,
-           "unpriced": unpriced(cls.cost_model, prof, on_this_machine=on_this_machine)}
+           "unpriced": unpriced(cls.cost_model, prof, on_this_machine=on_this_machine,
+                                comm_hook=overrides.get("comm_hook"))}
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
 
 
-def unpriced(model: str | None, prof: dict, *, on_this_machine: bool) -> str:
+def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook: str | None = None) -> str:
     """What the step formula of cost model ``model`` is known to leave out on the profiled device
     ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
     fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
@@ -270,7 +271,14 @@ def unpriced(model: str | None, prof: dict, *, on_this_machine: bool) -> str:
     (benchmarks/RESULTS.md). What two GPUs take is not measured. Towers of a CPU's profile on a
     preset interconnect (``on_this_machine`` false): their devices are one process' virtual CPU
     devices, which share one machine's cores, so a preset's N devices of the profiled machine's
-    speed do not exist for them (the command would run N towers on this machine's cores)."""
+    speed do not exist for them (the command would run N towers on this machine's cores). A 16-bit
+    compression hook (``comm_hook``) on a CPU's profile: the plan prices it as half the bytes on the
+    link fitted to float32 all-reduces, but on CPUs its casts and gloo's 16-bit reduction cost time
+    that the profile does not measure (2026-11-27, the 2-vCPU Xeon: digits_cnn without sync BN, N = 2,
+    allreduce + bf16 hook was predicted 0.1 ms under allreduce's 9.2 ms and measured 0.5 ms over its
+    8.6; gpt_wt2's, 16 ms under it, as its 17.8 MB of gradients halved)."""
+    if comm_hook in ("fp16", "bf16") and prof["device"] == "cpu":
+        return f"{comm_hook} hook on CPUs: its casts and gloo's {comm_hook} reduction are not measured"
     if model == TOWERS and prof["device"] != "cpu":
         return "towers on GPUs: DataParallel's host work is not priced"
     if model == TOWERS and not on_this_machine:
