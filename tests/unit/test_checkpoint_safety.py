@@ -122,3 +122,37 @@ def test_a_step_is_saved_once(tmp_path):
     first = (tmp_path / "checkpoint-00000004.pt").stat().st_mtime_ns
     assert saver.save(pos, None) is None  # the epoch end at the same step: not written again
     assert (tmp_path / "checkpoint-00000004.pt").stat().st_mtime_ns == first
+
+
+class _InterruptsWhilePickled:
+    """Sends this process SIGINT while torch.save pickles it (as a Ctrl-C mid-checkpoint); loads as 7."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return (int, (7,))
+
+
+@pytest.mark.parametrize("writer", ["save", "atomic_torch_save"])
+def test_an_interrupt_during_a_checkpoint_write_lands_after_it_with_the_checkpoint_complete(tmp_path, writer):
+    """A SIGINT that arrives while a checkpoint is written raises KeyboardInterrupt only once the
+    write is done: the new checkpoint is complete and loadable, with its sidecar (checkpoint.save),
+    and no temp file is left. Before, the interrupt landed inside torch.save, whose zip writer then
+    failed the write ("unexpected pos"), and a Ctrl-C was reported as a disk that cannot be written
+    (seen in tests/e2e/test_processes.py's interrupt test on 2026-11-27)."""
+    from paratrain.train import checkpoint
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a script (a pytest worker may differ)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if writer == "save":
+                checkpoint.save(tmp_path, {"x": _InterruptsWhilePickled()}, step=5)
+            else:
+                checkpoint.atomic_torch_save({"x": _InterruptsWhilePickled()}, tmp_path / "state.pt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    finally:
+        signal.signal(signal.SIGINT, before)
+    path = tmp_path / ("checkpoint-00000005.pt" if writer == "save" else "state.pt")
+    assert torch.load(path, weights_only=False)["x"] == 7
+    if writer == "save":
+        assert checkpoint.checksum_path(path).exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left

@@ -24,10 +24,13 @@ whole or absent. It loads under any world size and strategy (:mod:`paratrain.str
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,33 @@ def checksum_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
+@contextlib.contextmanager
+def signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+    """Hold ``signals`` while a checkpoint is written, then deliver them: an interrupt that arrives
+    mid-write stops the run after the write, with the new checkpoint complete, instead of inside
+    ``torch.save``, whose zip writer turns an exception raised in its write callback into a failed
+    write ("unexpected pos"), which was then reported as a disk that cannot be written. Each held
+    signal is raised again (``signal.raise_signal``) under its original handler once the block ends,
+    also when the block raises. Only Python-level handlers can be swapped, so this acts in the main
+    thread on signals whose handler Python installed (a default or a Python function); elsewhere it
+    holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in signals}
+    old = {s: h for s, h in old.items() if h is not None and h is not signal.SIG_IGN}
+    for s in old:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
+
+
 def atomic_torch_save(obj, path: Path) -> None:
     """``torch.save(obj)`` to a temp file beside ``path``, fsync, rename over ``path``: a crash leaves
     either the old file or the complete new one, never a half-written file."""
@@ -91,9 +121,10 @@ def atomic_torch_save(obj, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        _fsync_write(Path(tmp), lambda f: torch.save(obj, f))
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        with signals_held():  # an interrupt mid-write lands after it (see signals_held)
+            _fsync_write(Path(tmp), lambda f: torch.save(obj, f))
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
     finally:
         Path(tmp).unlink(missing_ok=True)
 
@@ -115,21 +146,22 @@ def save(run_dir: Path, state: dict, step: int, keep: int = 3) -> Path:
     os.close(fd)
     side_tmp = Path(tmp + ".sha256")
     try:
-        try:
-            _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
-        except RuntimeError as e:  # torch's zip writer reports a failed write (full disk) as a RuntimeError
-            import errno
-            import shutil
+        with signals_held():  # an interrupt mid-write lands after it, the checkpoint complete (see signals_held)
+            try:
+                _fsync_write(Path(tmp), lambda f: torch.save(payload, f))
+            except RuntimeError as e:  # torch's zip writer reports a failed write (full disk) as a RuntimeError
+                import errno
+                import shutil
 
-            full = shutil.disk_usage(run_dir).free < 1 << 20
-            cause = "No space left on device" if full else str(e).strip().splitlines()[0][:120]
-            raise OSError(errno.ENOSPC if full else errno.EIO, cause, str(path)) from None
-        digest = sha256_of(Path(tmp))
-        _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
-        checksum_path(path).unlink(missing_ok=True)  # a stale sidecar must never describe the new file
-        os.replace(tmp, path)
-        os.replace(side_tmp, checksum_path(path))
-        _fsync_dir(run_dir)
+                full = shutil.disk_usage(run_dir).free < 1 << 20
+                cause = "No space left on device" if full else str(e).strip().splitlines()[0][:120]
+                raise OSError(errno.ENOSPC if full else errno.EIO, cause, str(path)) from None
+            digest = sha256_of(Path(tmp))
+            _fsync_write(side_tmp, lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+            checksum_path(path).unlink(missing_ok=True)  # a stale sidecar must never describe the new file
+            os.replace(tmp, path)
+            os.replace(side_tmp, checksum_path(path))
+            _fsync_dir(run_dir)
     finally:
         for t in (Path(tmp), side_tmp):
             t.unlink(missing_ok=True)
