@@ -249,6 +249,10 @@ def test_a_dominant_parameter_paces_every_exchange_through_its_server_by_hand():
     assert a.step_s == pytest.approx(0.68225)
     a16 = predict_model(PS, wd, 16, rpc, d, inputs, links={"rpc": rpc}, synchronous=False, compute_scale=2.0)
     assert a16.step_s == pytest.approx(16 * 0.07425)
+    # paratrain predict --algorithm ps (workers step their own optimizer): 0.35 + 0.288, not the even split's 0.51
+    from paratrain.bench.costmodel import predict
+
+    assert predict(wd, 4, rpc, algorithm="ps", num_ps=2).step_s == pytest.approx(0.35 + 0.288)
 
 
 def test_ps_message_link_reproduces_the_measured_exchange():

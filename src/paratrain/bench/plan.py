@@ -246,7 +246,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                             schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
                             batch_ratio=ratio, shared_cores=shared_cores,
                             server_share=ps_largest_shard_bytes(w.param_bytes, servers) / sum(w.param_bytes)
-                            if servers else None)
+                            if servers and sum(w.param_bytes) > 0 else None)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,

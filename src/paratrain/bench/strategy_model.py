@@ -258,7 +258,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
         wait = (ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute)
                 if n > 1 and not synchronous else 0.0)
-        share = ps_largest_shard_bytes(w.param_bytes, d.num_ps) / sum(w.param_bytes)  # the busiest server's
+        total = sum(w.param_bytes)  # the busiest server's share (None: no parameters, an even split of 0)
+        share = ps_largest_shard_bytes(w.param_bytes, d.num_ps) / total if total > 0 else None
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
                           wait_s=wait, compute_scale=compute_scale)
