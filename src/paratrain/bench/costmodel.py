@@ -18,6 +18,7 @@ Bad arguments raise :class:`~paratrain.errors.UsageError` naming the value.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
@@ -112,12 +113,17 @@ def ps_largest_shard_bytes(param_bytes: Sequence[float], shards: int) -> float:
     parameters, greedy largest-first by bytes (:func:`~paratrain.ps.sharding.shard_by_bytes`, LPT,
     Graham 1969). A parameter is never split, so one large tensor sets it: gpt_wt2's tied embedding
     is 17.0 of its 17.8 MB, and its busiest of 2 servers holds 96% of the bytes, not 50%. Equal to
-    ``sum(param_bytes) / shards`` only where the parameters balance. Raises UsageError for shards < 1."""
+    ``sum(param_bytes) / shards`` only where the parameters balance. Cached: a plan asks it of the
+    same model for every PS row. Raises UsageError for shards < 1."""
+    _check_n(shards, "shards")
+    return _largest_shard(tuple(param_bytes), shards)
+
+
+@functools.lru_cache(maxsize=64)
+def _largest_shard(sizes: tuple[float, ...], shards: int) -> float:
     from ..ps.sharding import shard_by_bytes
 
-    _check_n(shards, "shards")
-    sizes = list(param_bytes)
-    return float(max(sum(sizes[i] for i in s) for s in shard_by_bytes(sizes, shards)))
+    return float(max(sum(sizes[i] for i in s) for s in shard_by_bytes(list(sizes), shards)))
 
 
 def ps_bytes(nbytes: float, workers: int, shards: int, largest_shard_bytes: float | None = None) -> dict[str, float]:

@@ -33,6 +33,14 @@ def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: 
     return (one + (n - 1) * max(0.0, two - one)) * part  # a second gradient never makes it cheaper (noise)
 
 
+def ps_busiest_share(param_bytes, k: int) -> float | None:
+    """The busiest of k servers' fraction of the parameter bytes
+    (:func:`~.costmodel.ps_largest_shard_bytes` over the total), for :func:`ps_update_s` and the
+    server's memory; None for a model without parameters (an even split of nothing)."""
+    total = sum(param_bytes)
+    return ps_largest_shard_bytes(param_bytes, k) / total if total > 0 else None
+
+
 def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: float) -> Link:
     """The parameter server's link as its exchange measures it: one ``ps-async`` worker's push of
     ``nbytes`` of gradient, the server's update and its answer of ``nbytes`` of parameters took

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .costmodel import Link, Prediction, Workload, predict, ps_largest_shard_bytes, with_extra_step_s
+from .costmodel import Link, Prediction, Workload, predict, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
 from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
-from .plan_ps import predict_ps, ps_exchange_wait_s, ps_update_s
+from .plan_ps import predict_ps, ps_busiest_share, ps_exchange_wait_s, ps_update_s
 from .straggler import straggle_s
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS = (
@@ -258,8 +258,7 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
         wait = (ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute)
                 if n > 1 and not synchronous else 0.0)
-        total = sum(w.param_bytes)  # the busiest server's share (None: no parameters, an even split of 0)
-        share = ps_largest_shard_bytes(w.param_bytes, d.num_ps) / total if total > 0 else None
+        share = ps_busiest_share(w.param_bytes, d.num_ps)
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
                           wait_s=wait, compute_scale=compute_scale)

@@ -1,0 +1,140 @@
+"""``paratrain plan``'s ranking: what a row's formula is known to leave out (:func:`unpriced`), the
+tie (:data:`TIE`) and the pick within it, the order of the rows and the recommendation
+(:func:`rank`, :func:`recommendation`), the layouts the measured errors cannot tell from it
+(:func:`close_calls`), and the errors a ``--validate`` measured (:func:`read_validation`,
+:func:`row_error`). Pure, apart from reading ``validation.json``."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .strategy_model import TOWERS
+
+
+def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook: str | None = None) -> str:
+    """What the step formula of cost model ``model`` is known to leave out on the profiled device
+    ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
+    fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
+    and launches every tower from the one process' threads each step (host work under the GIL),
+    which :func:`~.costmodel_sharded.predict_towers` does not price off a CPU. Two towers on one
+    H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, of
+    which sharing the one GPU explains at most 2x; the formula gives 1.0x for two GPUs
+    (benchmarks/RESULTS.md). What two GPUs take is not measured. Towers of a CPU's profile on a
+    preset interconnect (``on_this_machine`` false): their devices are one process' virtual CPU
+    devices, which share one machine's cores, so a preset's N devices of the profiled machine's
+    speed do not exist for them (the command would run N towers on this machine's cores). A 16-bit
+    compression hook (``comm_hook``) on a CPU's profile: the plan prices it as half the bytes on the
+    link fitted to float32 all-reduces, but on CPUs its casts and gloo's 16-bit reduction cost time
+    that the profile does not measure (2026-11-27, the 2-vCPU Xeon: digits_cnn without sync BN, N = 2,
+    allreduce + bf16 hook was predicted 0.1 ms under allreduce's 9.2 ms and measured 0.5 ms over its
+    8.6; gpt_wt2's, 16 ms under it, as its 17.8 MB of gradients halved)."""
+    if comm_hook in ("fp16", "bf16") and prof["device"] == "cpu":
+        return f"{comm_hook} hook on CPUs: its casts and gloo's {comm_hook} reduction are not measured"
+    if model == TOWERS and prof["device"] != "cpu":
+        return "towers on GPUs: DataParallel's host work is not priced"
+    if model == TOWERS and not on_this_machine:
+        return "towers on CPUs: one process' virtual devices share one machine's cores, not a preset's N devices"
+    return ""
+
+
+TIE = 0.01
+"""Predictions closer than this fraction are a tie: the plan's inputs are medians of runs that spread
+by more than that (the profile's repeats differ by 5-10% on this VM), so it cannot tell such
+layouts apart, and it recommends the one on the fewest devices, then the one that leaves the most device
+memory (:func:`pick`)."""
+
+
+def pick(items: list, value, memory) -> int:
+    """Index of the recommended item: among those whose ``value(item)`` (higher is better) is within
+    :data:`TIE` of the best, the one with the least ``memory(item)`` (a key: fewer devices first,
+    then bytes per device), the faster of equals. -1 for no items."""
+    if not items:
+        return -1
+    best = max(value(x) for x in items)
+    tied = [i for i, x in enumerate(items) if value(x) >= best * (1 - TIE)]
+    return min(tied, key=lambda i: (memory(items[i]), -value(items[i])))
+
+
+def objective_value(row: dict, objective: str) -> float:
+    """What the plan ranks a row by (higher is better): its units/s, or units/s per device for the
+    ``cost`` objective."""
+    return row["units_per_s"] / (row["n"] if objective == "cost" else 1)
+
+
+def close_calls(rows: list[dict], best: dict | None, objective: str) -> list[dict]:
+    """The feasible synchronous rows that the measured errors cannot tell apart from ``best`` (the
+    recommendation), best first: where each row's ``measured_error`` e (its strategy's largest
+    |step error| at its N on the profiled machine, ``--validate``: :func:`row_error`; a layout that
+    was not run itself, another K or hook, carries its strategy's) applies (measured, not
+    extrapolated), its true rate lies in ``[v (1 - e), v (1 + e)]`` around the predicted ``v``
+    (:func:`objective_value`; a step error of e = predicted / measured step - 1 makes the measured rate
+    exactly ``v (1 + e)``); a row is a close call when its band reaches the recommendation's:
+    ``v (1 + e) >= v_best (1 - e_best)``. Empty where ``best`` has no measured error. What "say how
+    sure it is" asks of the recommendation: the plan still recommends ``best`` (:func:`rank`), and says
+    which others may be as fast."""
+    def usable(r: dict) -> bool:
+        return r.get("measured_error") is not None and not r.get("extrapolated", True)
+
+    if best is None or not usable(best):
+        return []
+    floor = objective_value(best, objective) * (1 - best["measured_error"])
+    return sorted((r for r in rows if r is not best and r["feasible"] and r["synchronous"] and usable(r)
+                   and objective_value(r, objective) * (1 + r["measured_error"]) >= floor),
+                  key=lambda r: -objective_value(r, objective))
+
+
+def rank(rows: list[dict], objective: str) -> list[dict]:
+    """Feasible synchronous rows best first by the objective (words/s, or words/s per device for
+    cost; equal: fewer devices), those with a known unpriced term (:func:`unpriced`) after the rest,
+    then the asynchronous ones, then the infeasible ones. The first is the recommendation: of the
+    feasible synchronous rows within :data:`TIE` of the best (the fully priced ones, where any fits),
+    the one on the fewest devices, then with the least memory per device (:func:`pick`)."""
+    def value(r):
+        return objective_value(r, objective)
+
+    out = sorted(rows, key=lambda r: (not r["feasible"], not r["synchronous"], bool(r.get("unpriced")),
+                                      -value(r), r["n"]))
+    top = [r for r in out if r["feasible"] and r["synchronous"]]
+    top = [r for r in top if not r.get("unpriced")] or top
+    i = pick(top, value, lambda r: (r["n"], r["memory"]["total"]))
+    if i > 0:
+        out.insert(0, out.pop(out.index(top[i])))
+    return out
+
+
+def recommendation(ranked: list[dict]) -> dict | None:
+    """The row :func:`rank` recommends: the first feasible synchronous one of its order, or None
+    where no such row exists (every layout infeasible, or asynchronous only)."""
+    return next((r for r in ranked if r["feasible"] and r["synchronous"]), None)
+
+
+def read_validation(out: Path) -> dict[str, dict]:
+    """{strategy: {"error": max |step error| over every N measured, "by_n": {N: max |step error| of
+    its layouts at N}, "memory_error": max |memory error|, "max_n": largest N with a step time}} from
+    a previous ``--validate`` in ``out`` (empty when none; a run without a step time, failed, measures
+    nothing). A plan row at a measured N carries that N's error (:func:`row_error`)."""
+    try:
+        v = json.loads((out / "validation.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    errs: dict[str, dict] = {}
+    for r in v.get("rows", []):
+        e = errs.setdefault(r["strategy"], {"error": 0.0, "memory_error": 0.0, "max_n": 0, "by_n": {}})
+        if math.isfinite(r.get("step_error", math.nan)):
+            e["error"] = max(e["error"], abs(r["step_error"]))
+            e["by_n"][r["n"]] = max(e["by_n"].get(r["n"], 0.0), abs(r["step_error"]))
+            e["max_n"] = max(e["max_n"], r["n"])
+        if math.isfinite(r.get("memory_error", math.nan)):
+            e["memory_error"] = max(e["memory_error"], abs(r["memory_error"]))
+    return errs
+
+
+def row_error(checked: dict[str, dict], strategy: str, n: int) -> float | None:
+    """The measured step error a plan row of ``strategy`` at ``n`` devices carries (``checked``:
+    :func:`read_validation`'s): its strategy's at that N where N was measured, else its largest at any
+    N measured; None where the strategy was not validated or none of its runs gave a step time."""
+    v = checked.get(strategy)
+    if not v or not v.get("by_n"):
+        return None
+    return v["by_n"].get(n, v["error"])
