@@ -166,7 +166,9 @@ def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges
     assert _exchanges(0.0, 150, exchange_s=0.02) == 50  # a larger model's slower exchange: fewer of them
     t0, cpu0 = time.perf_counter(), time.process_time()
     _compute_for(0.05, torch.randn(64, 64))
-    assert time.perf_counter() - t0 >= 0.05 and time.process_time() - cpu0 >= 0.025  # computing, not sleeping
+    # computing, not sleeping: a sleep takes microseconds of CPU; a busy 2-core machine may give this process
+    # under half of the 0.05 s (22 ms of 63 in a fresh-clone run with a core kept busy, 2026-11-27)
+    assert time.perf_counter() - t0 >= 0.05 and time.process_time() - cpu0 >= 0.01
     params = [torch.nn.Parameter(torch.randn(100, 10))]
     got = measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.001, 0.002),
                                          exchanges=20, warmup=1, timeout_s=240)
