@@ -133,6 +133,19 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     uncopied = {k: v for k, v in older.items() if k != "memory_copy"}
     assert (predict_layout(lay, older, cfg, here, on_this_machine=True, global_batch=None)["step_s"]
             > predict_layout(lay, uncopied, cfg, here, on_this_machine=True, global_batch=None)["step_s"])
+    # DDP's bf16 hook measured between 2 processes prices its row here; a cluster's stays unpriced
+    hook = prof["bf16_hook"]
+    assert [b for b, _ in hook["own"]] == [float(4 ** k) for k in range(5, 14)]
+    assert all(t > 0 for key in ("cast", "payload", "hook") for _, t in hook[key])
+    assert hook["payload_link"]["beta_s_per_byte"] > 0
+    lay = Layout("allreduce", 2, {"comm_hook": "bf16"}, "allreduce + bf16 hook")
+    unhooked = {k: v for k, v in prof.items() if k != "bf16_hook"}
+    mine = [predict_layout(lay, p, cfg, here, on_this_machine=True, global_batch=None) for p in (prof, unhooked)]
+    assert mine[0]["unpriced"] == "" and mine[1]["unpriced"].startswith("bf16 hook on CPUs")
+    assert mine[0]["step_s"] != mine[1]["step_s"]
+    there = [predict_layout(lay, p, cfg, PRESETS["ib400"], on_this_machine=False, global_batch=None)
+             for p in (prof, unhooked)]
+    assert there[0]["step_s"] == there[1]["step_s"] and there[0]["unpriced"].startswith("bf16 hook on CPUs")
     # the parameter server's measured exchange sets its link here, and on a cluster it is the floor under
     # the preset's (CPU tensors over RPC, whatever the devices' interconnect; plan_ps.slower)
     assert prof["ps_round_trip_s"] > 0

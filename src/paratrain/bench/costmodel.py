@@ -290,7 +290,8 @@ def _collective(algorithm: str) -> Callable[[float, int, Link], float]:
 
 
 def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_mb: float | None = None,
-            num_ps: int = 1, compute_scale: float = 1.0, overlap: bool = True) -> Prediction:
+            num_ps: int = 1, compute_scale: float = 1.0, overlap: bool = True,
+            bucket_s: Callable[[float], float] | None = None) -> Prediction:
     """Predict one step of ``n`` replicas over ``link``.
 
     "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
@@ -299,7 +300,9 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
     server's shard: :func:`ps_largest_shard_bytes`). n == 1 is one
     device: no communication for any algorithm. ``compute_scale`` multiplies the four measured
     times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1. ``overlap``:
-    see :func:`overlapped_step_s`.
+    see :func:`overlapped_step_s`. ``bucket_s``: seconds of a bucket of b gradient bytes where a
+    compression hook's cost was measured (:func:`~.costmodel_hooks.compress_hook_bucket_s`), in
+    place of the link's all-reduce of its payload.
     """
     _check_n(n)
     _check_n(num_ps, "num_ps")
@@ -320,7 +323,7 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
             forward_s=w.forward_s * compute_scale, backward_s=w.backward_s * compute_scale,
             other_s=(w.data_s + w.optimizer_s) * compute_scale,
             bucket_bytes=make_buckets(w.param_bytes, bucket_mb * MIB),
-            comm_s=lambda b: collective(b * w.payload_ratio, n, link), overlap=overlap)
+            comm_s=bucket_s or (lambda b: collective(b * w.payload_ratio, n, link)), overlap=overlap)
     return prediction(w, n, step_s, compute_s, algorithm, optimizer_s=w.optimizer_s * compute_scale,
                       bucket_mb=bucket_mb)
 

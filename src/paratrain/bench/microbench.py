@@ -51,13 +51,14 @@ def _rank_main(rank: int, workdir: str, world_size: int, sizes_bytes: Sequence[i
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
+            from .microbench_hooks import time_compress_hook
             from .microbench_meetings import _time_meeting, _time_sync_batchnorm
             from .microbench_sharded import time_fsdp_unit, time_sharded_step
 
             timer = {"all_reduce": _time_allreduce, "p2p": _time_p2p, "all_gather": _time_all_gather,
                      "reduce_scatter": _time_reduce_scatter, "sync_batchnorm": _time_sync_batchnorm,
                      "meeting": _time_meeting, "fsdp_unit": time_fsdp_unit,
-                     "sharded_step": time_sharded_step}[op]
+                     "sharded_step": time_sharded_step, "bf16_hook": time_compress_hook}[op]
             # each size by its index: an item (a sharded_step spec, an optimizer's defaults) need not be JSON
             results = [(i, timer(size, repeats, warmup)) for i, size in enumerate(sizes_bytes)]
         finally:
@@ -201,7 +202,9 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     given with :func:`_time_sync_batchnorm`'s seconds;
     ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
     seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`); ``sharded_step``: the items are
-    :func:`~.microbench_sharded.time_sharded_step`'s specs (a model's parameters and optimizer).
+    :func:`~.microbench_sharded.time_sharded_step`'s specs (a model's parameters and optimizer);
+    ``bf16_hook``: a list [cast, payload all-reduce, whole hook] of seconds per bucket size
+    (:func:`~.microbench_hooks.time_compress_hook`).
     """
     if world_size < 2 or repeats < 1 or warmup < 0 or not sizes_bytes:
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
@@ -216,7 +219,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
 
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.rpc",
                 "paratrain.bench.microbench", "paratrain.bench.microbench_meetings", "paratrain.bench.microbench_rpc",
-                "paratrain.bench.microbench_sharded")
+                "paratrain.bench.microbench_sharded", "paratrain.bench.microbench_hooks")
 """What the ranks' fork server imports once (torch's optimizers import torch._dynamo on first use)."""
 
 

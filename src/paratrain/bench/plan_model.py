@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .costmodel import Link, Workload, pick_bucket
+from .costmodel_hooks import compress_hook_bucket_s
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
 from .strategy_model import RING, STAGES, TOWERS, predict_model
 
@@ -57,7 +58,11 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     measured as one rank of ``paratrain train`` less the one-device step: ``step_s``,
     ``compute_s``, ``optimizer_s``) is the strategy's own work around its compute (DDP's reducer,
     ZeRO-1's DTensor step, FSDP2's hooks and copies), added at every n > 1 to the step and to those
-    parts; it holds the DTensors' dispatch, which the formulas then do not add again."""
+    parts; it holds the DTensors' dispatch, which the formulas then do not add again. A bf16
+    compression hook is half the bytes on ``link`` (``Workload.payload_ratio``), or where
+    ``inputs["bf16_hook"]`` holds its cost measured here (a CPU's profile, this machine:
+    :func:`~.microbench_hooks.measured_compress_hook`) that cost per bucket
+    (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
     parts = _step_parts(cls, layout, w, link, cfg, inputs, compute_scale=compute_scale, overlap=overlap, links=links)
     own = (inputs.get("one_rank_s") if layout.n > 1 else None) or {"step_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0}
     if parts is None or not own["step_s"]:
@@ -91,6 +96,8 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     d = replace_dist(cfg, **layout.overrides)
     hook = layout.overrides.get("comm_hook", "none")
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
+    if hook == "bf16" and inputs.get("bf16_hook"):  # measured on this machine's CPUs: priced per bucket
+        inputs = {**inputs, "hook_bucket_s": compress_hook_bucket_s(n, inputs["bf16_hook"])}
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links, synchronous=cls.synchronous)
     optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0

@@ -29,7 +29,9 @@ whole and halved), what a blocking collective costs two processes reaching it fr
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
 two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
-``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`). ``paratrain plan`` adds what allreduce, zero1 and
+``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`) and what DDP's bf16 compression hook
+costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
+``paratrain plan`` adds what allreduce, zero1 and
 fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
 :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of the dispatch terms: a
 GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the two-process terms
@@ -248,6 +250,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         if device.type == "cpu":  # what the processes' sharing of this machine's cores costs
             from ..strategies import modelled
             from .microbench import measure_copies
+            from .microbench_hooks import measured_compress_hook
             from .microbench_meetings import measured_meetings
             from .microbench_rpc import measured_ps_round_trips_loaded
             from .microbench_sharded import measured_fsdp_units, measured_sharded_step
@@ -269,6 +272,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                                   "points": measured_meetings(processes=OVERSUBSCRIBED)}
             out["fsdp_units"] = measured_fsdp_units(units)
+            out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
             for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
                 out[key] = measured_sharded_step(modelled(cost_model)[0], list(model.parameters()), optimizer,
                                                  threads=default_threads(2, out["cores"]))

@@ -214,6 +214,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
     ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``; ``rpc``: the
     parameter server's messages, :func:`~.plan_ps.ps_message_link`), else ``link``'s ring algorithms.
+    ``inputs["hook_bucket_s"]``: a compression hook's measured seconds per bucket of gradient bytes
+    (:func:`~.costmodel_hooks.compress_hook_bucket_s`), in place of ``link``'s all-reduce of its payload.
     The parameter server's inputs: ``inputs["ps_update_s"]`` (:func:`~.plan_ps.ps_update_s`),
     ``inputs["ps_loaded"]`` and ``inputs["ps_round_trip_s"]`` (an asynchronous worker's exchange among
     computing workers, :func:`~.plan_ps.ps_exchange_wait_s`). ``inputs["memory_copy"]``: measured
@@ -253,7 +255,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
     meeting_s, path_meeting_s = meeting_fns(inputs)
     unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
     if model == RING:
-        return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap)
+        return predict(w, n, link, algorithm="ring", bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
+                       bucket_s=inputs.get("hook_bucket_s"))
     if model == PS:
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
         wait = (ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute)

@@ -1,0 +1,121 @@
+"""DDP's bf16 compression hook in ``paratrain plan``: its measured cost on this machine's CPUs
+(:mod:`paratrain.bench.microbench_hooks`), its price per bucket (:mod:`paratrain.bench.costmodel_hooks`)
+and where the plan uses it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paratrain.bench.costmodel import MIB, Link, Workload, make_buckets, predict
+from paratrain.bench.costmodel_hooks import compress_hook_bucket_s
+from paratrain.bench.plan_model import Layout, step_parts
+from paratrain.bench.plan_rank import unpriced
+from paratrain.bench.strategy_model import RING
+from paratrain.config import Config
+
+ROOT = Path(__file__).resolve().parents[2]
+# own: 1 ms at 1 MB, 10 ms at 10 MB (1 ns a byte between them); the payload's link: 0.1 ms, 2 ns a byte
+MEASURED = {"own": [[1e6, 1e-3], [1e7, 1e-2]],
+            "payload_link": {"alpha_s": 1e-4, "beta_s_per_byte": 2e-9, "gamma_s_per_byte": 0.0}}
+W = Workload(forward_s=0.1, backward_s=0.2, data_s=0.0, optimizer_s=0.05, param_bytes=(4_000_000,) * 10,
+             tokens_per_step=1000)
+
+
+def test_a_bucket_under_the_hook_is_its_own_work_plus_the_ring_all_reduce_of_half_its_bytes():
+    at2, at4 = compress_hook_bucket_s(2, MEASURED), compress_hook_bucket_s(4, MEASURED)
+    # 8 MB: own 1 ms + 9 ms x 7/9 = 8 ms; payload 4 MB at n = 2: 2 x 0.1 ms + 2 (1/2) 4e6 x 2e-9 = 8.2 ms
+    assert at2(8e6) == pytest.approx(8e-3 + 8.2e-3, rel=1e-12)
+    # n = 4: the own work stays; the ring: 6 x 0.1 ms + 2 (3/4) 4e6 x 2e-9 = 12.6 ms
+    assert at4(8e6) == pytest.approx(8e-3 + 12.6e-3, rel=1e-12)
+    # below the smallest measured bucket its seconds; above the largest, its seconds per byte
+    assert at2(5e5) == pytest.approx(1e-3 + 2e-4 + 5e5 * 1e-9 * 2 / 2, rel=1e-12)
+    assert at2(2e7) == pytest.approx(2e-2 + 2e-4 + 1e7 * 2e-9, rel=1e-12)
+    assert compress_hook_bucket_s(1, MEASURED)(8e6) == 0.0 and at2(0) == 0.0  # no hook runs
+
+
+def test_predict_charges_each_bucket_its_measured_hook_seconds_without_overlap():
+    link = Link(name="x", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    bucket_mb = 8e6 / MIB  # five buckets of 8 MB
+    assert make_buckets(W.param_bytes, bucket_mb * MIB) == [8_000_000] * 5
+    plain = predict(W, 2, link, bucket_mb=bucket_mb, overlap=False)
+    hooked = predict(W, 2, link, bucket_mb=bucket_mb, overlap=False, bucket_s=compress_hook_bucket_s(2, MEASURED))
+    # plain: 5 x (2 x 0.1 ms + 8e6 x 1 ns) = 41 ms; the hook: 5 x 16.2 ms = 81 ms; local 0.35 s
+    assert plain.step_s == pytest.approx(0.35 + 0.041, rel=1e-12)
+    assert hooked.step_s == pytest.approx(0.35 + 0.081, rel=1e-12)
+    assert hooked.exposed_comm_s == pytest.approx(0.081, rel=1e-12)
+
+
+class _Ring:
+    cost_model, synchronous, name = RING, True, "allreduce"
+
+
+def test_the_plan_prices_a_bf16_layout_by_the_measured_hook_and_otherwise_by_half_the_bytes():
+    link = Link(name="x", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    lay = Layout("allreduce", 4, {"comm_hook": "bf16", "bucket_mb": 8e6 / MIB})
+    halved = step_parts(_Ring(), lay, W, link, Config(), {}, overlap=False)
+    priced = step_parts(_Ring(), lay, W, link, Config(), {"bf16_hook": MEASURED}, overlap=False)
+    # halved: 5 x ring(4 MB, 4) = 5 x (6 x 0.1 ms + 1.5 x 4e6 x 1 ns) = 33 ms; measured: 5 x 20.6 ms
+    assert halved["step_s"] == pytest.approx(0.35 + 0.033, rel=1e-12)
+    assert priced["step_s"] == pytest.approx(0.35 + 0.103, rel=1e-12)
+    assert priced["comm_s"] == pytest.approx(0.103, rel=1e-12)
+    # the measurement is the bf16 hook's alone: the plain layout and an fp16 one do not use it
+    for overrides in ({"bucket_mb": 8e6 / MIB}, {"comm_hook": "fp16", "bucket_mb": 8e6 / MIB}):
+        lay = Layout("allreduce", 4, overrides)
+        assert (step_parts(_Ring(), lay, W, link, Config(), {"bf16_hook": MEASURED}, overlap=False)
+                == step_parts(_Ring(), lay, W, link, Config(), {}, overlap=False))
+
+
+def test_a_cpu_bf16_row_is_priced_only_where_its_hook_was_measured_on_this_machine():
+    cpu, measured = {"device": "cpu"}, {"device": "cpu", "bf16_hook": MEASURED}
+    assert unpriced(RING, measured, on_this_machine=True, comm_hook="bf16") == ""
+    assert unpriced(RING, cpu, on_this_machine=True, comm_hook="bf16").startswith("bf16 hook on CPUs")
+    assert unpriced(RING, measured, on_this_machine=False, comm_hook="bf16").startswith("bf16 hook on CPUs")
+    assert unpriced(RING, measured, on_this_machine=True, comm_hook="fp16").startswith("fp16 hook on CPUs")
+
+
+def test_the_stored_profile_with_a_measured_hook_prices_the_bf16_row_from_it():
+    """The wiring from a profile's ``bf16_hook`` to the plan's row: a hook whose own work is c seconds
+    a bucket and whose payload's link moves b / 2 bytes as the plain link moves b (beta' = 2 beta +
+    gamma, at n = 2) predicts the plain step plus c per bucket, and the row is priced."""
+    from paratrain.bench.plan import predict_layout
+    from paratrain.config import load
+
+    prof = json.loads((ROOT / "benchmarks" / "results" / "plan-xeon" / "ptb_small-v23" / "profile.json").read_text())
+    cfg = load(str(ROOT / "configs" / "ptb_small.toml"), [])
+    ar = prof["links"]["all_reduce"]
+    link = Link(name="measured", **ar)
+    c = 0.004
+    prof = {**prof, "bf16_hook": {"own": [[1.0, c], [1e12, c]], "payload_link": {
+        "alpha_s": ar["alpha_s"], "beta_s_per_byte": 2 * ar["beta_s_per_byte"] + ar["gamma_s_per_byte"],
+        "gamma_s_per_byte": 0.0}}}
+
+    def row(overrides, p=prof, here=True):
+        return predict_layout(Layout("allreduce", 2, overrides, "x"), p, cfg, link, on_this_machine=here,
+                              global_batch=None)
+
+    plain, hooked = row({}), row({"comm_hook": "bf16"})
+    buckets = make_buckets(prof["param_bytes"], plain["overrides"]["bucket_mb"] * MIB)
+    assert hooked["overrides"]["bucket_mb"] == plain["overrides"]["bucket_mb"]
+    assert hooked["step_s"] == pytest.approx(plain["step_s"] + c * len(buckets), rel=1e-9)
+    assert hooked["unpriced"] == "" and plain["unpriced"] == ""
+    without = {k: v for k, v in prof.items() if k != "bf16_hook"}
+    assert row({"comm_hook": "bf16"}, without)["unpriced"].startswith("bf16 hook on CPUs")
+    assert row({"comm_hook": "bf16"}, prof, here=False)["unpriced"].startswith("bf16 hook on CPUs")
+
+
+def test_the_hook_is_measured_between_two_processes_and_its_parts_are_kept():
+    """A real two-process measurement (small buckets, few repeats): every part is a time, ``own`` is the
+    whole hook less its payload's all-reduce, and the payload link is a fit (alpha, beta >= 0)."""
+    from paratrain.bench.microbench_hooks import measured_compress_hook
+
+    got = measured_compress_hook(sizes_bytes=(4096, 1 << 20), repeats=3, warmup=1, timeout_s=120.0)
+    assert [b for b, _ in got["hook"]] == [4096.0, float(1 << 20)]
+    for key in ("cast", "payload", "hook"):
+        assert all(t > 0 for _, t in got[key])
+    for (b, own), (_, pay), (_, whole) in zip(got["own"], got["payload"], got["hook"]):
+        assert own == max(0.0, whole - pay)
+    link = got["payload_link"]
+    assert link["alpha_s"] >= 0 and link["beta_s_per_byte"] >= 0 and link["gamma_s_per_byte"] == 0.0
+    assert link["alpha_s"] + link["beta_s_per_byte"] > 0
