@@ -12,26 +12,27 @@ from paratrain.bench.costmodel import MIB, Link, Workload, make_buckets, predict
 from paratrain.bench.costmodel_hooks import compress_hook_bucket_s
 from paratrain.bench.plan_model import Layout, step_parts
 from paratrain.bench.plan_rank import unpriced
-from paratrain.bench.strategy_model import RING
+from paratrain.bench.strategy_model import RING, SHARDED_OPTIMIZER
 from paratrain.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
-# own: 1 ms at 1 MB, 10 ms at 10 MB (1 ns a byte between them); the payload's link: 0.1 ms, 2 ns a byte
-MEASURED = {"own": [[1e6, 1e-3], [1e7, 1e-2]],
+# the whole hook between 2 ranks: 2 ms at 1 MB, 20 ms at 10 MB (2 ns a byte between them); its payload's
+# link: 0.1 ms, 2 ns a byte
+MEASURED = {"world_size": 2, "hook": [[1e6, 2e-3], [1e7, 2e-2]],
             "payload_link": {"alpha_s": 1e-4, "beta_s_per_byte": 2e-9, "gamma_s_per_byte": 0.0}}
 W = Workload(forward_s=0.1, backward_s=0.2, data_s=0.0, optimizer_s=0.05, param_bytes=(4_000_000,) * 10,
              tokens_per_step=1000)
 
 
-def test_a_bucket_under_the_hook_is_its_own_work_plus_the_ring_all_reduce_of_half_its_bytes():
+def test_a_bucket_under_the_hook_is_the_measured_hook_moved_to_n_by_its_payloads_ring():
     at2, at4 = compress_hook_bucket_s(2, MEASURED), compress_hook_bucket_s(4, MEASURED)
-    # 8 MB: own 1 ms + 9 ms x 7/9 = 8 ms; payload 4 MB at n = 2: 2 x 0.1 ms + 2 (1/2) 4e6 x 2e-9 = 8.2 ms
-    assert at2(8e6) == pytest.approx(8e-3 + 8.2e-3, rel=1e-12)
-    # n = 4: the own work stays; the ring: 6 x 0.1 ms + 2 (3/4) 4e6 x 2e-9 = 12.6 ms
-    assert at4(8e6) == pytest.approx(8e-3 + 12.6e-3, rel=1e-12)
+    # 8 MB at the measured 2 ranks: 2 ms + 18 ms x 7/9 = 16 ms
+    assert at2(8e6) == pytest.approx(16e-3, rel=1e-12)
+    # at 4 ranks its payload (4 MB) rings 6 x 0.1 ms + 2 (3/4) 4e6 x 2e-9 = 12.6 ms instead of
+    # 2 x 0.1 ms + 2 (1/2) 4e6 x 2e-9 = 8.2 ms
+    assert at4(8e6) == pytest.approx(16e-3 + 12.6e-3 - 8.2e-3, rel=1e-12)
     # below the smallest measured bucket its seconds; above the largest, its seconds per byte
-    assert at2(5e5) == pytest.approx(1e-3 + 2e-4 + 5e5 * 1e-9 * 2 / 2, rel=1e-12)
-    assert at2(2e7) == pytest.approx(2e-2 + 2e-4 + 1e7 * 2e-9, rel=1e-12)
+    assert at2(5e5) == pytest.approx(2e-3, rel=1e-12) and at2(2e7) == pytest.approx(4e-2, rel=1e-12)
     assert compress_hook_bucket_s(1, MEASURED)(8e6) == 0.0 and at2(0) == 0.0  # no hook runs
 
 
@@ -41,14 +42,18 @@ def test_predict_charges_each_bucket_its_measured_hook_seconds_without_overlap()
     assert make_buckets(W.param_bytes, bucket_mb * MIB) == [8_000_000] * 5
     plain = predict(W, 2, link, bucket_mb=bucket_mb, overlap=False)
     hooked = predict(W, 2, link, bucket_mb=bucket_mb, overlap=False, bucket_s=compress_hook_bucket_s(2, MEASURED))
-    # plain: 5 x (2 x 0.1 ms + 8e6 x 1 ns) = 41 ms; the hook: 5 x 16.2 ms = 81 ms; local 0.35 s
+    # plain: 5 x (2 x 0.1 ms + 8e6 x 1 ns) = 41 ms; the hook: 5 x 16 ms = 80 ms; local 0.35 s
     assert plain.step_s == pytest.approx(0.35 + 0.041, rel=1e-12)
-    assert hooked.step_s == pytest.approx(0.35 + 0.081, rel=1e-12)
-    assert hooked.exposed_comm_s == pytest.approx(0.081, rel=1e-12)
+    assert hooked.step_s == pytest.approx(0.35 + 0.080, rel=1e-12)
+    assert hooked.exposed_comm_s == pytest.approx(0.080, rel=1e-12)
 
 
 class _Ring:
     cost_model, synchronous, name = RING, True, "allreduce"
+
+
+class _Zero1:
+    cost_model, synchronous, name = SHARDED_OPTIMIZER, True, "zero1"
 
 
 def test_the_plan_prices_a_bf16_layout_by_the_measured_hook_and_otherwise_by_half_the_bytes():
@@ -56,10 +61,14 @@ def test_the_plan_prices_a_bf16_layout_by_the_measured_hook_and_otherwise_by_hal
     lay = Layout("allreduce", 4, {"comm_hook": "bf16", "bucket_mb": 8e6 / MIB})
     halved = step_parts(_Ring(), lay, W, link, Config(), {}, overlap=False)
     priced = step_parts(_Ring(), lay, W, link, Config(), {"bf16_hook": MEASURED}, overlap=False)
-    # halved: 5 x ring(4 MB, 4) = 5 x (6 x 0.1 ms + 1.5 x 4e6 x 1 ns) = 33 ms; measured: 5 x 20.6 ms
+    # halved: 5 x ring(4 MB, 4) = 5 x (6 x 0.1 ms + 1.5 x 4e6 x 1 ns) = 33 ms; measured: 5 x 20.4 ms
     assert halved["step_s"] == pytest.approx(0.35 + 0.033, rel=1e-12)
-    assert priced["step_s"] == pytest.approx(0.35 + 0.103, rel=1e-12)
-    assert priced["comm_s"] == pytest.approx(0.103, rel=1e-12)
+    assert priced["step_s"] == pytest.approx(0.35 + 0.102, rel=1e-12)
+    assert priced["comm_s"] == pytest.approx(0.102, rel=1e-12)
+    # zero1's gradients go through the same buckets and hook: the same 69 ms more
+    halved, priced = [step_parts(_Zero1(), lay, W, link, Config(), {"units": [4_000_000] * 10, **x}, overlap=False)
+                      for x in ({}, {"bf16_hook": MEASURED})]
+    assert priced["step_s"] - halved["step_s"] == pytest.approx(0.069, rel=1e-9)
     # the measurement is the bf16 hook's alone: the plain layout and an fp16 one do not use it
     for overrides in ({"bucket_mb": 8e6 / MIB}, {"comm_hook": "fp16", "bucket_mb": 8e6 / MIB}):
         lay = Layout("allreduce", 4, overrides)
@@ -76,9 +85,9 @@ def test_a_cpu_bf16_row_is_priced_only_where_its_hook_was_measured_on_this_machi
 
 
 def test_the_stored_profile_with_a_measured_hook_prices_the_bf16_row_from_it():
-    """The wiring from a profile's ``bf16_hook`` to the plan's row: a hook whose own work is c seconds
-    a bucket and whose payload's link moves b / 2 bytes as the plain link moves b (beta' = 2 beta +
-    gamma, at n = 2) predicts the plain step plus c per bucket, and the row is priced."""
+    """The wiring from a profile's ``bf16_hook`` to the plan's row: a hook measured at c seconds a bucket
+    over the plain link's all-reduce of the bucket predicts, at n = 2, the plain step plus c per
+    bucket, and the row is priced."""
     from paratrain.bench.plan import predict_layout
     from paratrain.config import load
 
@@ -87,9 +96,11 @@ def test_the_stored_profile_with_a_measured_hook_prices_the_bf16_row_from_it():
     ar = prof["links"]["all_reduce"]
     link = Link(name="measured", **ar)
     c = 0.004
-    prof = {**prof, "bf16_hook": {"own": [[1.0, c], [1e12, c]], "payload_link": {
-        "alpha_s": ar["alpha_s"], "beta_s_per_byte": 2 * ar["beta_s_per_byte"] + ar["gamma_s_per_byte"],
-        "gamma_s_per_byte": 0.0}}}
+    plain_ring = [[b, 2 * ar["alpha_s"] + b * (ar["beta_s_per_byte"] + ar["gamma_s_per_byte"] / 2) + c]
+                  for b in (1.0, 1e8)]  # linear in b: exact between the two points
+    prof = {**prof, "bf16_hook": {"world_size": 2, "hook": plain_ring, "payload_link": {
+        "alpha_s": ar["alpha_s"], "beta_s_per_byte": 3 * ar["beta_s_per_byte"], "gamma_s_per_byte": 0.0}}}
+    # (at the measured n = 2 the payload's link cancels out)
 
     def row(overrides, p=prof, here=True):
         return predict_layout(Layout("allreduce", 2, overrides, "x"), p, cfg, link, on_this_machine=here,
@@ -106,16 +117,32 @@ def test_the_stored_profile_with_a_measured_hook_prices_the_bf16_row_from_it():
 
 
 def test_the_hook_is_measured_between_two_processes_and_its_parts_are_kept():
-    """A real two-process measurement (small buckets, few repeats): every part is a time, ``own`` is the
-    whole hook less its payload's all-reduce, and the payload link is a fit (alpha, beta >= 0)."""
+    """A real two-process measurement (small buckets, few repeats): every part is a time and the
+    payload's link is a fit (alpha, beta >= 0)."""
     from paratrain.bench.microbench_hooks import measured_compress_hook
 
     got = measured_compress_hook(sizes_bytes=(4096, 1 << 20), repeats=3, warmup=1, timeout_s=120.0)
-    assert [b for b, _ in got["hook"]] == [4096.0, float(1 << 20)]
+    assert got["world_size"] == 2
     for key in ("cast", "payload", "hook"):
-        assert all(t > 0 for _, t in got[key])
-    for (b, own), (_, pay), (_, whole) in zip(got["own"], got["payload"], got["hook"]):
-        assert own == max(0.0, whole - pay)
+        assert [b for b, _ in got[key]] == [4096.0, float(1 << 20)] and all(t > 0 for _, t in got[key])
     link = got["payload_link"]
     assert link["alpha_s"] >= 0 and link["beta_s_per_byte"] >= 0 and link["gamma_s_per_byte"] == 0.0
     assert link["alpha_s"] + link["beta_s_per_byte"] > 0
+
+
+def test_the_validation_runs_the_bf16_layouts_at_two_where_the_hook_was_measured(monkeypatch):
+    from paratrain.bench import plan as pl
+    from paratrain.bench import plan_validate as pv
+
+    def lays(n):
+        return [pl.Layout("allreduce", n, {}, "allreduce"), pl.Layout("allreduce", n, {"comm_hook": "bf16"},
+                                                                      "allreduce + bf16 hook"),
+                pl.Layout("allreduce", n, {"comm_hook": "fp16"}, "allreduce + fp16 hook")]
+    monkeypatch.setattr(pl, "layouts", lambda n, prof, cfg: lays(n))
+    monkeypatch.setattr(pl, "refusal", lambda *a: None)
+    measured = {"device": "cpu", "bf16_hook": MEASURED}
+    runs = pv._runs(measured, None, [1, 2, 4], "c.toml", None, [])
+    assert [(lay.label, n) for lay, n in runs] == [("allreduce", 1), ("allreduce", 2), ("allreduce + bf16 hook", 2),
+                                                   ("allreduce", 4)]
+    for prof in ({"device": "cpu"}, {"device": "cuda:0", "bf16_hook": MEASURED}):  # not measured: priced by bytes
+        assert [lay.label for lay, _ in pv._runs(prof, None, [2], "c.toml", None, [])] == ["allreduce"]

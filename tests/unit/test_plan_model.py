@@ -1115,8 +1115,8 @@ def test_the_plan_names_the_layouts_its_measured_errors_cannot_tell_from_the_rec
     """plan.close_calls and the report's line: digits_cnn without sync BN on 2026-11-27 (v23), towers
     predicted 1.3% above allreduce and 2.9% above ps-sync, with step errors of 10.5%, 10.8% and 12.7%
     (measured: allreduce and ps-sync 18% faster than towers). A row's band v (1 +- e) must reach the
-    recommendation's v_best (1 - e_best); rows without a measured error, extrapolated, infeasible or
-    asynchronous are never named; the cost objective compares per device."""
+    recommendation's v_best (1 - e_best); rows without a measured error, extrapolated, infeasible,
+    unpriced or asynchronous are never named; the cost objective compares per device."""
     from paratrain.bench.plan import close_calls
     from paratrain.bench.plan_report import markdown
 
@@ -1129,9 +1129,10 @@ def test_the_plan_names_the_layouts_its_measured_errors_cannot_tell_from_the_rec
     # the recommendation's floor: 1000 x 0.895 = 895; a band of 25% reaches it from 717 (896.25), not from 715
     edge, below = row("zero1", 717.0, 0.25), row("zero1b", 715.0, 0.25)
     unknown = row("pipeline", 999.0, None)
+    unpriced = {**row("allreduce + fp16 hook", 990.0, 0.108), "unpriced": "fp16 hook on CPUs: ..."}
     beyond = row("allreduce", 1990.0, 0.1, n=4, extrapolated=True)
     others = [row("ps-async", 1500.0, 0.15, synchronous=False), row("big", 999.0, 0.1, feasible=False)]
-    rows = [towers, allreduce, ps, far, edge, below, unknown, beyond, *others]
+    rows = [towers, allreduce, ps, far, edge, below, unknown, unpriced, beyond, *others]
     assert [r["label"] for r in close_calls(rows, towers, "words_per_s")] == ["allreduce", "ps-sync", "zero1"]
     assert close_calls(rows, unknown, "words_per_s") == [] and close_calls(rows, None, "words_per_s") == []
     # the extrapolated N = 4 row is named once measured there (1990 words/s, the fastest, is named first)

@@ -1,5 +1,6 @@
 """A DDP compression hook's price per gradient bucket where its cost was measured (a CPU's profile
-on this machine: :mod:`.microbench_hooks`), for :func:`~.costmodel.predict`'s ``bucket_s``.
+on this machine: :mod:`.microbench_hooks`), for :func:`~.costmodel.predict`'s ``bucket_s``
+(``allreduce``'s and ``zero1``'s buckets).
 
 Elsewhere the plan prices a 16-bit hook as its payload alone, half the bucket's bytes on the link
 (``Workload.payload_ratio``): a GPU casts in microseconds and NCCL reduces 16-bit floats natively.
@@ -14,13 +15,20 @@ from .costmodel_sharded import piecewise
 
 def compress_hook_bucket_s(n: int, measured: dict) -> Callable[[float], float]:
     """Seconds of one bucket of b float32 gradient bytes under torch's ``bf16_compress_hook`` among
-    ``n`` ranks: ``own(b) + ring_allreduce_s(b / 2, n, payload_link)``, from ``measured``
-    (:func:`~.microbench_hooks.measured_compress_hook`): the hook's work on its rank (the casts to
-    bfloat16 and back, a fresh payload, the future's callback; ``own``, measured between 2 ranks,
-    linear between the measured bucket sizes, proportional above them), which does not change with
-    n, and the ring all-reduce (Patarasuk & Yuan 2009) of its b / 2 bytes of bfloat16 payload on the
-    link fitted to gloo's bfloat16 all-reduces (its element-wise reduction in beta). At n = 1 no
-    hook runs: 0. Raises UsageError for points that are not (bytes > 0, seconds >= 0)."""
-    own = piecewise(measured["own"], "the hook's own seconds", "bucket bytes", proportional_above=True)
-    link = Link(name="bf16-payload", **measured["payload_link"])
-    return lambda b: (own(b) + ring_allreduce_s(b / 2, n, link)) if n > 1 and b > 0 else 0.0
+    ``n`` ranks, from ``measured`` (:func:`~.microbench_hooks.measured_compress_hook`, between
+    ``measured["world_size"]`` = m ranks): the whole hook as measured at m ranks (``hook``, linear
+    between the measured bucket sizes, proportional above them), moved from m to n ranks by its
+    payload's ring all-reduce (Patarasuk & Yuan 2009) of b / 2 bytes on the link fitted to gloo's
+    bfloat16 all-reduces (its element-wise reduction in beta):
+    ``hook(b) + ring_allreduce_s(b / 2, n, payload_link) - ring_allreduce_s(b / 2, m, payload_link)``.
+    The rest of the hook, its work on its rank (the casts to bfloat16 and back, a fresh payload, the
+    future's callback), does not change with n. At n = 1 no hook runs: 0. Raises UsageError for
+    points that are not (bytes > 0, seconds >= 0)."""
+    hook = piecewise(measured["hook"], "the bf16 hook's seconds", "bucket bytes", proportional_above=True)
+    link, m = Link(name="bf16-payload", **measured["payload_link"]), measured["world_size"]
+
+    def bucket_s(b: float) -> float:
+        if n == 1 or b <= 0:
+            return 0.0
+        return hook(b) + ring_allreduce_s(b / 2, n, link) - ring_allreduce_s(b / 2, m, link)
+    return bucket_s

@@ -55,7 +55,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
                   meeting_s: Callable[[float], float] | None = None,
                   copy_s: Callable[[float], float] | None = None,
                   step_path_s: float | None = None,
-                  path_meeting_s: Callable[[float], float] | None = None, dispatch_s: float = 0.0) -> Prediction:
+                  path_meeting_s: Callable[[float], float] | None = None, dispatch_s: float = 0.0,
+                  bucket_s: Callable[[float], float] | None = None) -> Prediction:
     """One ``zero1`` step of n replicas: allreduce's overlapped step with the optimizer on 1/n of the
     parameters, plus the all-gather of the updated parameters (over ``gather_link`` where all-gathers
     were measured apart, else ``link``). ``meeting_s``: :func:`meeting_seconds`; the ranks reach the
@@ -68,7 +69,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     beyond the plain step's 1/n, per step (the wrap and per-operation dispatch, measured in one
     process: :func:`~.microbench_sharded.measured_sharded_optimizer`), times ``compute_scale``, at
     n > 1, in the step's compute and its optimizer part (0: not known, or already in a measured
-    one-rank overhead).
+    one-rank overhead). ``bucket_s``: a compression hook's measured seconds per bucket, as
+    :func:`~.costmodel.predict`'s (the gradients' all-reduce is allreduce's, hook and all).
 
     ``step_path_s`` (this machine's CPU, ``overlap=False``): what ZeRO-1's optimizer step was measured
     to add to allreduce's between 2 processes of one thread each
@@ -93,7 +95,8 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     nbytes = sum(w.param_bytes)
     if step_path_s is not None and n > 1 and not overlap:
         s = compute_scale
-        whole = predict(w, n, link, algorithm="ring", bucket_mb=bucket_mb, compute_scale=s, overlap=overlap)
+        whole = predict(w, n, link, algorithm="ring", bucket_mb=bucket_mb, compute_scale=s, overlap=overlap,
+                        bucket_s=bucket_s)
         # the path holds the arithmetic of 2 ranks at their measured speed, O (1/2 - 1); here O s (1/n - 1)
         step = (whole.step_s + step_path_s + w.optimizer_s * (s * (1 / n - 1) - (1 / 2 - 1))
                 + ring_allgather_s(nbytes, n, glink) - ring_allgather_s(nbytes, 2, glink))
@@ -107,7 +110,7 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
         optimizer = max(w.optimizer_s * s / n, step - (whole.step_s - w.optimizer_s * s))
         return prediction(w, n, step, compute, "sharded_optimizer", optimizer_s=optimizer, bucket_mb=bucket_mb)
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
-                  compute_scale=compute_scale, overlap=overlap)
+                  compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)
     dispatch = dispatch_s * compute_scale if n > 1 else 0.0
     step = ddp.step_s + dispatch + ring_allgather_s(nbytes, n, glink)
     if meeting_s is not None and n > 1:

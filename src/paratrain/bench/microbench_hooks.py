@@ -11,13 +11,13 @@ bucket took 5.4 ms to cast, and its 8.9 MB payload 9.2 ms to all-reduce, against
 float32 bucket's all-reduce; a 16 MiB bucket's whole hook took 24.6 ms against 15.0 ms plain.
 
 :func:`time_compress_hook` times the three (cast, payload all-reduce, the whole hook) between the
-processes of :func:`~.microbench.run_ranks`; :func:`measured_compress_hook` fits the payload's link
-and keeps the rest of the hook as measured points (:func:`~.costmodel_hooks.compress_hook_bucket_s`
-prices a bucket from them).
+processes of :func:`~.microbench.run_ranks`; :func:`measured_compress_hook` keeps the whole hook's
+points, which price a bucket (:func:`~.costmodel_hooks.compress_hook_bucket_s`), and fits the payload's
+link, which moves that price to other world sizes.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -50,19 +50,20 @@ def time_compress_hook(nbytes: int, repeats: int, warmup: int) -> list[float]:
 
 
 def measured_compress_hook(world_size: int = 2, *, sizes_bytes: Sequence[int] = HOOK_SIZES_BYTES, repeats: int = 10,
-                           warmup: int = 2, timeout_s: float = 120.0) -> dict[str, list | dict]:
+                           warmup: int = 2, timeout_s: float = 120.0) -> dict[str, Any]:
     """The bf16 hook on this machine between ``world_size`` local gloo processes of one thread each
     (:func:`time_compress_hook` per bucket size), seconds by float32 bucket bytes:
 
+    - ``hook``: ``[[bucket bytes, s], ...]``, the whole hook, what
+      :func:`~.costmodel_hooks.compress_hook_bucket_s` prices a bucket by at ``world_size`` ranks;
     - ``payload_link``: {alpha_s, beta_s_per_byte, gamma_s_per_byte} fitted to the payload's
       all-reduces with the ring model of :func:`~.costmodel.ring_allreduce_s` on the payload's bytes
       (bucket bytes / 2), t = 2(n-1) alpha + 2(n-1)/n bytes beta, gloo's reduction in beta (gamma 0;
-      :func:`~.microbench.fit_latency_bandwidth`);
-    - ``own``: ``[[bucket bytes, s], ...]``, the whole hook less its payload's all-reduce (at least 0):
-      the hook's work on its rank, which does not depend on the world size;
-    - ``cast``, ``payload``, ``hook``: the three as measured. The casts alone fall short of ``own``
-      (here by up to 2.6 ms for a 4 MiB bucket): the whole hook also allocates a fresh payload each
-      bucket and copies it back in the future's callback, on gloo's thread.
+      :func:`~.microbench.fit_latency_bandwidth`): what moves the hook to other world sizes;
+    - ``cast``, ``payload``: the two parts as measured, for the record. The whole hook took more than
+      their sum (here by up to 3 ms for a 4 MiB bucket): it also allocates a fresh payload each
+      bucket and copies it back in the future's callback, on gloo's thread;
+    - ``world_size``.
 
     Raises RuntimeError as :func:`~.microbench.measure_allreduce`."""
     from .microbench import fit_latency_bandwidth, measure_allreduce
@@ -71,6 +72,6 @@ def measured_compress_hook(world_size: int = 2, *, sizes_bytes: Sequence[int] = 
                                op="bf16_hook")
     k = 2 * (world_size - 1)
     alpha, beta = fit_latency_bandwidth([k / world_size * b / 2 for b, _ in points], [t[1] for _, t in points])
-    return {"payload_link": {"alpha_s": alpha / k, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0},
-            "own": [[float(b), max(0.0, t[2] - t[1])] for b, t in points],
+    return {"world_size": world_size,
+            "payload_link": {"alpha_s": alpha / k, "beta_s_per_byte": beta, "gamma_s_per_byte": 0.0},
             **{key: [[float(b), t[i]] for b, t in points] for i, key in enumerate(("cast", "payload", "hook"))}}

@@ -74,9 +74,10 @@ def close_calls(rows: list[dict], best: dict | None, objective: str) -> list[dic
     extrapolated), its true rate lies in ``[v (1 - e), v (1 + e)]`` around the predicted ``v``
     (:func:`objective_value`; a step error of e = predicted / measured step - 1 makes the measured rate
     exactly ``v (1 + e)``); a row is a close call when its band reaches the recommendation's:
-    ``v (1 + e) >= v_best (1 - e_best)``. Empty where ``best`` has no measured error. What "say how
-    sure it is" asks of the recommendation: the plan still recommends ``best`` (:func:`rank`), and says
-    which others may be as fast."""
+    ``v (1 + e) >= v_best (1 - e_best)``. An unpriced row (:func:`unpriced`) is never one: its
+    prediction leaves out a known term, so the band does not hold for it. Empty where ``best`` has no
+    measured error. What "say how sure it is" asks of the recommendation: the plan still recommends
+    ``best`` (:func:`rank`), and says which others may be as fast."""
     def usable(r: dict) -> bool:
         return r.get("measured_error") is not None and not r.get("extrapolated", True)
 
@@ -84,7 +85,7 @@ def close_calls(rows: list[dict], best: dict | None, objective: str) -> list[dic
         return []
     floor = objective_value(best, objective) * (1 - best["measured_error"])
     return sorted((r for r in rows if r is not best and r["feasible"] and r["synchronous"] and usable(r)
-                   and objective_value(r, objective) * (1 + r["measured_error"]) >= floor),
+                   and not r.get("unpriced") and objective_value(r, objective) * (1 + r["measured_error"]) >= floor),
                   key=lambda r: -objective_value(r, objective))
 
 

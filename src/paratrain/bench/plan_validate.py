@@ -25,16 +25,20 @@ from .plan_profile import run_steps
 def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
           first: pl.Layout | None = None) -> list[tuple[pl.Layout, int]]:
     """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
-    (N = 1: single), and ``first`` (:func:`plan_first`, the layout the plan ranks first at N = 2)
-    where it is not one of them (another K, a hook, ZeRO-2), so that the recommendation scored is
-    the plan's own."""
+    (N = 1: single); at N = 2 the bf16 hook's layouts too where this CPU's profile measured the
+    hook (``bf16_hook``: their price is that measurement's, :mod:`.costmodel_hooks`); and ``first``
+    (:func:`plan_first`, the layout the plan ranks first at N = 2) where it is not one of them
+    (another K, ZeRO-2), so that the recommendation scored is the plan's own."""
+    hooks_priced = prof.get("device") == "cpu" and bool(prof.get("bf16_hook"))
     seen, out = set(), []
     for n in ns:
         for lay in pl.layouts(n, prof, cfg):
-            if (lay.strategy, n) in seen or any(isinstance(v, bool) for v in lay.overrides.values()) \
-                    or lay.overrides.get("comm_hook"):
+            hook = lay.overrides.get("comm_hook")
+            key = (lay.strategy, n, hook)
+            if key in seen or any(isinstance(v, bool) for v in lay.overrides.values()) \
+                    or (hook and not (hook == "bf16" and n == 2 and hooks_priced)):
                 continue
-            seen.add((lay.strategy, n))
+            seen.add(key)
             if pl.refusal(config, task, overrides, lay) is None:  # what the recipe refuses is not run
                 out.append((lay, n))
     if first is not None and 2 in ns and all(lay.label != first.label for lay, n in out if n == 2):

@@ -269,7 +269,7 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
                              step_path_s=inputs.get("zero1_step_s"), path_meeting_s=path_meeting_s,
-                             dispatch_s=step_dispatch)
+                             dispatch_s=step_dispatch, bucket_s=inputs.get("hook_bucket_s"))
     if model == SHARDED_PARAMETERS:
         return predict_fsdp(w, n, link, unit_bytes=inputs["units"], reshard=d.reshard_after_forward,
                             compute_scale=compute_scale, overlap=overlap, gather_link=links.get("all_gather"),
