@@ -246,6 +246,8 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     got = {(row["strategy"], row["n"]) for row in v["rows"]}
     assert {("single", 1), ("allreduce", 2), ("zero1", 2), ("fsdp", 2), ("pipeline", 2), ("ps-sync", 2),
             ("ps-async", 2), ("replicate", 2)} == got
+    # the bf16 hook's layouts too: this CPU's profile measured the hook, which prices them
+    assert {("allreduce + bf16 hook", 2), ("zero1 + bf16 hook", 2)} <= {(row["label"], row["n"]) for row in v["rows"]}
     for row in v["rows"]:
         assert row["ok"], row
         if row["synchronous"]:  # in 6 steps an asynchronous rank 0 may stop early (the other worker did the updates)
