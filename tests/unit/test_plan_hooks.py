@@ -34,6 +34,10 @@ def test_a_bucket_under_the_hook_is_the_measured_hook_moved_to_n_by_its_payloads
     # below the smallest measured bucket its seconds; above the largest, its seconds per byte
     assert at2(5e5) == pytest.approx(2e-3, rel=1e-12) and at2(2e7) == pytest.approx(4e-2, rel=1e-12)
     assert compress_hook_bucket_s(1, MEASURED)(8e6) == 0.0 and at2(0) == 0.0  # no hook runs
+    # 4 processes on cores for 2 (compute_scale 2): the hook's own work, 16 - 8.2 = 7.8 ms, takes twice as long
+    assert compress_hook_bucket_s(4, MEASURED, compute_scale=2.0)(8e6) == pytest.approx(
+        16e-3 + 7.8e-3 + 12.6e-3 - 8.2e-3, rel=1e-12)
+    assert compress_hook_bucket_s(2, MEASURED, compute_scale=2.0)(8e6) == pytest.approx(16e-3 + 7.8e-3, rel=1e-12)
 
 
 def test_predict_charges_each_bucket_its_measured_hook_seconds_without_overlap():
@@ -65,10 +69,15 @@ def test_the_plan_prices_a_bf16_layout_by_the_measured_hook_and_otherwise_by_hal
     assert halved["step_s"] == pytest.approx(0.35 + 0.033, rel=1e-12)
     assert priced["step_s"] == pytest.approx(0.35 + 0.102, rel=1e-12)
     assert priced["comm_s"] == pytest.approx(0.102, rel=1e-12)
-    # zero1's gradients go through the same buckets and hook: the same 69 ms more
-    halved, priced = [step_parts(_Zero1(), lay, W, link, Config(), {"units": [4_000_000] * 10, **x}, overlap=False)
-                      for x in ({}, {"bf16_hook": MEASURED})]
-    assert priced["step_s"] - halved["step_s"] == pytest.approx(0.069, rel=1e-9)
+    # at compute_scale 2 the local step doubles (0.7 s) and so does each bucket's own work: 5 x 28.2 ms
+    scaled = step_parts(_Ring(), lay, W, link, Config(), {"bf16_hook": MEASURED}, overlap=False, compute_scale=2.0)
+    assert scaled["step_s"] == pytest.approx(0.7 + 0.141, rel=1e-12)
+    # zero1's gradients go through the same buckets and hook: the same 69 ms more, also where its step is
+    # priced by the path measured between 2 processes (this machine's CPU: zero1_step_s)
+    for path in ({}, {"zero1_step_s": 0.01}):
+        halved, priced = [step_parts(_Zero1(), lay, W, link, Config(), {"units": [4_000_000] * 10, **path, **x},
+                                     overlap=False) for x in ({}, {"bf16_hook": MEASURED})]
+        assert priced["step_s"] - halved["step_s"] == pytest.approx(0.069, rel=1e-9), path
     # the measurement is the bf16 hook's alone: the plain layout and an fp16 one do not use it
     for overrides in ({"bucket_mb": 8e6 / MIB}, {"comm_hook": "fp16", "bucket_mb": 8e6 / MIB}):
         lay = Layout("allreduce", 4, overrides)
@@ -116,6 +125,7 @@ def test_the_stored_profile_with_a_measured_hook_prices_the_bf16_row_from_it():
     assert row({"comm_hook": "bf16"}, prof, here=False)["unpriced"].startswith("bf16 hook on CPUs")
 
 
+@pytest.mark.slow
 def test_the_hook_is_measured_between_two_processes_and_its_parts_are_kept():
     """A real two-process measurement (small buckets, few repeats): every part is a time and the
     payload's link is a fit (alpha, beta >= 0)."""

@@ -302,7 +302,7 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
     times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1. ``overlap``:
     see :func:`overlapped_step_s`. ``bucket_s``: seconds of a bucket of b gradient bytes where a
     compression hook's cost was measured (:func:`~.costmodel_hooks.compress_hook_bucket_s`), in
-    place of the link's all-reduce of its payload.
+    place of the link's all-reduce of its payload ("ring"/"tree"; "ps" has no buckets).
     """
     _check_n(n)
     _check_n(num_ps, "num_ps")

@@ -13,7 +13,7 @@ from .costmodel import Link, ring_allreduce_s
 from .costmodel_sharded import piecewise
 
 
-def compress_hook_bucket_s(n: int, measured: dict) -> Callable[[float], float]:
+def compress_hook_bucket_s(n: int, measured: dict, compute_scale: float = 1.0) -> Callable[[float], float]:
     """Seconds of one bucket of b float32 gradient bytes under torch's ``bf16_compress_hook`` among
     ``n`` ranks, from ``measured`` (:func:`~.microbench_hooks.measured_compress_hook`, between
     ``measured["world_size"]`` = m ranks): the whole hook as measured at m ranks (``hook``, linear
@@ -22,7 +22,10 @@ def compress_hook_bucket_s(n: int, measured: dict) -> Callable[[float], float]:
     bfloat16 all-reduces (its element-wise reduction in beta):
     ``hook(b) + ring_allreduce_s(b / 2, n, payload_link) - ring_allreduce_s(b / 2, m, payload_link)``.
     The rest of the hook, its work on its rank (the casts to bfloat16 and back, a fresh payload, the
-    future's callback), does not change with n. At n = 1 no hook runs: 0. Raises UsageError for
+    future's callback: ``hook(b) - ring_allreduce_s(b / 2, m)``, at least 0), does not change with n;
+    it is compute on the rank's cores, so ``compute_scale`` (> 1 where processes take turns on the
+    cores) stretches it as it does the step's compute. At n = 1 no hook runs: 0. n is at least m
+    otherwise (m = 2: :func:`~.microbench_hooks.measured_compress_hook`). Raises UsageError for
     points that are not (bytes > 0, seconds >= 0)."""
     hook = piecewise(measured["hook"], "the bf16 hook's seconds", "bucket bytes", proportional_above=True)
     link, m = Link(name="bf16-payload", **measured["payload_link"]), measured["world_size"]
@@ -30,5 +33,7 @@ def compress_hook_bucket_s(n: int, measured: dict) -> Callable[[float], float]:
     def bucket_s(b: float) -> float:
         if n == 1 or b <= 0:
             return 0.0
-        return hook(b) + ring_allreduce_s(b / 2, n, link) - ring_allreduce_s(b / 2, m, link)
+        at_m = ring_allreduce_s(b / 2, m, link)
+        own = max(0.0, hook(b) - at_m)
+        return hook(b) + (compute_scale - 1) * own + ring_allreduce_s(b / 2, n, link) - at_m
     return bucket_s

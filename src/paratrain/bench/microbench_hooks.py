@@ -6,9 +6,10 @@ bucket to bfloat16 and divides it by the world size, all-reduces the b/2 bytes o
 copies the sum back into the float32 bucket (``default_hooks._compress_hook``). A GPU does the casts
 in microseconds and NCCL reduces bfloat16 natively, so there half the bytes is the whole story. On a
 CPU neither holds: the casts are memory passes on the core that computes, and gloo reduces bfloat16
-element by element through float. On the 2-vCPU Xeon (2026-11-27, 2 processes of 1 thread) a 17.8 MB
-bucket took 5.4 ms to cast, and its 8.9 MB payload 9.2 ms to all-reduce, against 15.8 ms for the
-float32 bucket's all-reduce; a 16 MiB bucket's whole hook took 24.6 ms against 15.0 ms plain.
+element by element through float. On the 2-vCPU Xeon (2026-11-27, 2 processes of 1 thread, gpt_wt2's
+profile in ``benchmarks/results/plan-xeon/gpt_wt2-v25``) a 16 MiB bucket took 8.7 ms to cast, its 8 MiB
+payload 8.8 ms to all-reduce, and the whole hook 22.4 ms, against 13.1 ms for the float32 bucket's
+all-reduce on the fitted link.
 
 :func:`time_compress_hook` times the three (cast, payload all-reduce, the whole hook) between the
 processes of :func:`~.microbench.run_ranks`; :func:`measured_compress_hook` keeps the whole hook's
@@ -60,12 +61,15 @@ def measured_compress_hook(world_size: int = 2, *, sizes_bytes: Sequence[int] = 
       all-reduces with the ring model of :func:`~.costmodel.ring_allreduce_s` on the payload's bytes
       (bucket bytes / 2), t = 2(n-1) alpha + 2(n-1)/n bytes beta, gloo's reduction in beta (gamma 0;
       :func:`~.microbench.fit_latency_bandwidth`): what moves the hook to other world sizes;
-    - ``cast``, ``payload``: the two parts as measured, for the record. The whole hook took more than
-      their sum (here by up to 3 ms for a 4 MiB bucket): it also allocates a fresh payload each
-      bucket and copies it back in the future's callback, on gloo's thread;
+    - ``cast``, ``payload``: the two parts as measured, for the record. The whole hook also
+      allocates a fresh payload each bucket and copies it back in the future's callback, on gloo's
+      thread: in gpt_wt2's v25 profile it took 0.1-0.3 ms more than the sum up to 256 KiB, 1.8 ms at
+      4 MiB and 4.9 ms at 16 MiB (in digits_cnn's, less than the sum at 1, 4 and 64 MiB: three
+      medians of noisy timings);
     - ``world_size``.
 
-    Raises RuntimeError as :func:`~.microbench.measure_allreduce`."""
+    Raises RuntimeError (a rank failed or hung) and ValueError (bad arguments) as
+    :func:`~.microbench.measure_allreduce`."""
     from .microbench import fit_latency_bandwidth, measure_allreduce
 
     points = measure_allreduce(world_size, sizes_bytes, repeats=repeats, warmup=warmup, timeout_s=timeout_s,

@@ -97,7 +97,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     hook = layout.overrides.get("comm_hook", "none")
     ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
     if hook == "bf16" and inputs.get("bf16_hook"):  # measured on this machine's CPUs: priced per bucket
-        inputs = {**inputs, "hook_bucket_s": compress_hook_bucket_s(n, inputs["bf16_hook"])}
+        inputs = {**inputs, "hook_bucket_s": compress_hook_bucket_s(n, inputs["bf16_hook"], compute_scale=s)}
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links, synchronous=cls.synchronous)
     optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0

@@ -28,15 +28,18 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
     (N = 1: single); at N = 2 the bf16 hook's layouts too where this CPU's profile measured the
     hook (``bf16_hook``: their price is that measurement's, :mod:`.costmodel_hooks`); and ``first``
     (:func:`plan_first`, the layout the plan ranks first at N = 2) where it is not one of them
-    (another K, ZeRO-2), so that the recommendation scored is the plan's own."""
-    hooks_priced = prof.get("device") == "cpu" and bool(prof.get("bf16_hook"))
+    (another K, ZeRO-2, a hook), so that the recommendation scored is the plan's own."""
+    hooks_measured = prof.get("device") == "cpu" and bool(prof.get("bf16_hook"))
+
+    def skipped_hook(hook: str | None, n: int) -> bool:  # a hook's layout not priced by its own measurement
+        return bool(hook) and not (hook == "bf16" and n == 2 and hooks_measured)
+
     seen, out = set(), []
     for n in ns:
         for lay in pl.layouts(n, prof, cfg):
             hook = lay.overrides.get("comm_hook")
             key = (lay.strategy, n, hook)
-            if key in seen or any(isinstance(v, bool) for v in lay.overrides.values()) \
-                    or (hook and not (hook == "bf16" and n == 2 and hooks_priced)):
+            if key in seen or any(isinstance(v, bool) for v in lay.overrides.values()) or skipped_hook(hook, n):
                 continue
             seen.add(key)
             if pl.refusal(config, task, overrides, lay) is None:  # what the recipe refuses is not run
