@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import (MIB, PRESETS, Link, Workload, fit_alpha_beta, make_buckets,
-                                       overlapped_step_s, pick_bucket, predict, predict_curve, ps_bytes,
-                                       ps_step_s, relative_error, ring_allreduce_bytes, ring_allreduce_s,
-                                       scaling, tree_allreduce_s)
+                                       overlapped_step_s, pick_bucket, predict, predict_curve, relative_error,
+                                       ring_allreduce_bytes, ring_allreduce_s, scaling, tree_allreduce_s)
+from paratrain.bench.costmodel_ps import ps_bytes, ps_step_s
 from paratrain.errors import UsageError
 
 TOY = Link(name="toy", alpha_s=1.0, beta_s_per_byte=0.5, gamma_s_per_byte=0.25)

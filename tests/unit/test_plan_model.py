@@ -209,7 +209,7 @@ def test_the_busiest_server_holds_whole_parameters_by_hand():
     """ps_largest_shard_bytes: paratrain's sharding (whole parameters, largest first to the emptiest
     server), so a dominant tensor sets the busiest server's bytes whatever K; ps_update_s takes that
     server's share of the bytes (None: 1/k)."""
-    from paratrain.bench.costmodel import ps_largest_shard_bytes
+    from paratrain.bench.costmodel_ps import ps_largest_shard_bytes
     from paratrain.bench.plan_ps import ps_update_s
 
     assert ps_largest_shard_bytes([900, 50, 50], 2) == 900  # 900 | 50 + 50

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paratrain.bench.costmodel import MIB, Link, Workload, ps_step_s, ring_allreduce_s
+from paratrain.bench.costmodel import MIB, Link, Workload, ring_allreduce_s
+from paratrain.bench.costmodel_ps import ps_step_s
 from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_fsdp, unit_paths
 from paratrain.bench.plan_model import Layout, step_parts
 from paratrain.bench.plan_ps import loaded_exchange, ps_async_rate, ps_exchange_wait_s

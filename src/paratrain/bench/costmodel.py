@@ -18,7 +18,6 @@ Bad arguments raise :class:`~paratrain.errors.UsageError` naming the value.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
@@ -106,59 +105,6 @@ def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     _check_n(n)
     depth = math.ceil(math.log2(n))
     return 2 * depth * (link.alpha_s + nbytes * link.beta_s_per_byte) + depth * nbytes * link.gamma_s_per_byte
-
-
-def ps_largest_shard_bytes(param_bytes: Sequence[float], shards: int) -> float:
-    """Bytes on the busiest of ``shards`` parameter servers as paratrain shards a model: whole
-    parameters, greedy largest-first by bytes (:func:`~paratrain.ps.sharding.shard_by_bytes`, LPT,
-    Graham 1969). A parameter is never split, so one large tensor sets it: gpt_wt2's tied embedding
-    is 17.0 of its 17.8 MB, and its busiest of 2 servers holds 96% of the bytes, not 50%. Equal to
-    ``sum(param_bytes) / shards`` only where the parameters balance. Cached: a plan asks it of the
-    same model for every PS row. Raises UsageError for shards < 1."""
-    _check_n(shards, "shards")
-    return _largest_shard(tuple(param_bytes), shards)
-
-
-@functools.lru_cache(maxsize=64)
-def _largest_shard(sizes: tuple[float, ...], shards: int) -> float:
-    from ..ps.sharding import shard_by_bytes
-
-    return float(max(sum(sizes[i] for i in s) for s in shard_by_bytes(list(sizes), shards)))
-
-
-def ps_bytes(nbytes: float, workers: int, shards: int, largest_shard_bytes: float | None = None) -> dict[str, float]:
-    """Bytes per step through a parameter server with ``shards`` servers: a worker pushes its
-    gradient and pulls the parameters (nbytes each way); the busiest server receives and sends
-    ``workers x largest_shard_bytes`` (:func:`ps_largest_shard_bytes`; None: nbytes / shards, an
-    even split)."""
-    _check_n(workers, "workers")
-    _check_n(shards, "shards")
-    server = workers * (nbytes / shards if largest_shard_bytes is None else largest_shard_bytes)
-    return {"worker_sent": float(nbytes), "worker_received": float(nbytes),
-            "server_received": server, "server_sent": server}
-
-
-def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shard_bytes: float | None = None
-              ) -> float:
-    """Seconds of one synchronous push + pull, every machine with its own ``link``.
-
-    Push, then the servers reduce and update, then pull. Each phase lasts as long as its busiest
-    end: a server receives (sends) ``workers`` messages of nbytes/shards and handles them one after
-    another (torch.distributed.rpc runs each request's Python handler under the GIL, so their fixed
-    costs do not overlap), i.e. ``workers (alpha + nbytes/shards beta)``; a worker sends (receives) one message
-    per shard, i.e. ``shards alpha + nbytes beta``. The server then sums ``workers`` gradients of
-    nbytes/shards and applies the result: ``workers nbytes/shards gamma`` ((workers-1) adds + 1
-    update). Total: ``2 max(server phase, worker phase) + workers nbytes/shards gamma``, where the
-    busiest server's ``largest_shard_bytes`` (:func:`ps_largest_shard_bytes`) stands for nbytes/shards
-    where given: its phases are the step's (None: an even split, as before 2026-11-27). (Until
-    2026-11-27 the workers' messages counted one alpha at the server, as if handled at once: on the
-    2-vCPU Xeon, digits_cnn's ps-sync at N = 2, whose 96 KB messages cost about 0.36 ms of fixed
-    handling each, was then 16% under its measured step, and 9% under with the alphas in turn.)
-    """
-    b = ps_bytes(nbytes, workers, shards, largest_shard_bytes)
-    server_phase = workers * link.alpha_s + b["server_received"] * link.beta_s_per_byte
-    worker_phase = shards * link.alpha_s + nbytes * link.beta_s_per_byte
-    return 2 * max(server_phase, worker_phase) + b["server_received"] * link.gamma_s_per_byte
 
 
 def make_buckets(param_bytes_backward_order: Sequence[int], bucket_bytes: float) -> list[int]:
@@ -296,8 +242,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
 
     "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
     and optimizer are not overlapped); ``bucket_mb`` None picks one with :func:`pick_bucket`.
-    "ps": ``num_ps`` server shards, no overlap: step = local + :func:`ps_step_s` (its busiest
-    server's shard: :func:`ps_largest_shard_bytes`). n == 1 is one
+    "ps": ``num_ps`` server shards, no overlap: step = local + :func:`~.costmodel_ps.ps_step_s` (its busiest
+    server's shard: :func:`~.costmodel_ps.ps_largest_shard_bytes`). n == 1 is one
     device: no communication for any algorithm. ``compute_scale`` multiplies the four measured
     times (e.g. > 1 for oversubscribed CPUs); the speedup baseline is n = 1 at scale 1. ``overlap``:
     see :func:`overlapped_step_s`. ``bucket_s``: seconds of a bucket of b gradient bytes where a
@@ -312,6 +258,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
         _collective(algorithm)  # raises with the list of algorithms
     compute_s = w.local_s(compute_scale)
     if algorithm == "ps":
+        from .costmodel_ps import ps_largest_shard_bytes, ps_step_s  # (it imports this module)
+
         bucket_mb = 0.0
         step_s = compute_s + (ps_step_s(sum(w.param_bytes), n, num_ps, link,
                                         ps_largest_shard_bytes(w.param_bytes, num_ps)) if n > 1 else 0.0)

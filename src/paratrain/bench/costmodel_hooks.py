@@ -13,6 +13,13 @@ from .costmodel import Link, ring_allreduce_s
 from .costmodel_sharded import piecewise
 
 
+def measured_hook(prof: dict, on_this_machine: bool) -> dict | None:
+    """The profile's measurement of DDP's bf16 hook where it prices the hook (``prof["bf16_hook"]``,
+    :func:`~.microbench_hooks.measured_compress_hook`): a CPU's profile planned on this machine, whose
+    cores the measurement ran on; else None (a preset, a GPU's profile, a profile before version 25)."""
+    return prof.get("bf16_hook") if on_this_machine and prof.get("device") == "cpu" else None
+
+
 def compress_hook_bucket_s(n: int, measured: dict, compute_scale: float = 1.0) -> Callable[[float], float]:
     """Seconds of one bucket of b float32 gradient bytes under torch's ``bf16_compress_hook`` among
     ``n`` ranks, from ``measured`` (:func:`~.microbench_hooks.measured_compress_hook`, between

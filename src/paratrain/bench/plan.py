@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
+from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
@@ -227,7 +228,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "meetings": meetings(prof, n) if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
-              "bf16_hook": prof.get("bf16_hook") if shared_cores else None,  # the casts and gloo's bf16 reduction
+              "bf16_hook": measured_hook(prof, on_this_machine),  # the casts and gloo's bf16 reduction
               "fsdp_step_s": prof.get("fsdp_step_s") if shared_cores else None,
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,

@@ -66,7 +66,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                       server_share: float | None = None) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
     ``total``; ``server`` too for a parameter server: the busiest of ``num_ps``, which holds
-    ``server_share`` of the parameter bytes (:func:`~.costmodel.ps_largest_shard_bytes` over the
+    ``server_share`` of the parameter bytes (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the
     total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
     batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
     on CPU virtual devices (one memory)."""

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import UsageError
-from .costmodel import Link, Prediction, Workload, _check_n, prediction, ps_largest_shard_bytes, ps_step_s
+from .costmodel import Link, Prediction, Workload, _check_n, prediction
+from .costmodel_ps import ps_largest_shard_bytes, ps_step_s
 from .costmodel_sharded import piecewise
 
 
@@ -21,7 +22,7 @@ def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: 
     one copy and n - 1 additions, so the time is linear in n through the one- and two-worker
     measurements, ``sync_1 + (n - 1)(sync_2 - sync_1)``; asynchronous: ``async`` per update. Both
     times ``share``, the busiest server's fraction of the parameter bytes
-    (:func:`~.costmodel.ps_largest_shard_bytes` over the total; None: 1/k, an even split): the update
+    (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the total; None: 1/k, an even split): the update
     is elementwise, so its time follows the bytes. 0 without a measurement. The servers keep their
     parameters on the CPU, so on a cluster this is this machine's CPU time too (an assumption)."""
     if not measured:
@@ -35,7 +36,7 @@ def ps_update_s(measured: dict[str, float] | None, n: int, k: int, synchronous: 
 
 def ps_busiest_share(param_bytes, k: int) -> float | None:
     """The busiest of k servers' fraction of the parameter bytes
-    (:func:`~.costmodel.ps_largest_shard_bytes` over the total), for :func:`ps_update_s` and the
+    (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the total), for :func:`ps_update_s` and the
     server's memory; None for a model without parameters (an even split of nothing)."""
     total = sum(param_bytes)
     return ps_largest_shard_bytes(param_bytes, k) / total if total > 0 else None
@@ -47,7 +48,7 @@ def ps_message_link(rpc: Link, round_trip_s: float, update_s: float, nbytes: flo
     ``round_trip_s`` (:func:`~.microbench_rpc.measured_ps_round_trip`), of which ``update_s`` is the
     update (:func:`ps_update_s`); so with the echo's latency ``rpc.alpha_s`` (:func:`~.microbench_rpc.measured_rpc`),
     ``round_trip = 2 (alpha + nbytes beta) + update`` gives ``beta = (round_trip - update - 2 alpha) /
-    (2 nbytes)`` (>= 0), and :func:`~.costmodel.ps_step_s` of one worker and one server is the measured round
+    (2 nbytes)`` (>= 0), and :func:`~.costmodel_ps.ps_step_s` of one worker and one server is the measured round
     trip. The beta holds what the echo of one tensor leaves out: the many tensors of a model, the
     server's and the worker's copies and their fresh buffers. Raises UsageError for ``nbytes <= 0``."""
     if not nbytes > 0:
@@ -111,9 +112,9 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
                   wait_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers: each worker steps on its own, so the rate is the smaller of the workers'
-    (n / (local + push + pull + update + wait), :func:`~.costmodel.ps_step_s` of one worker) and the
+    (n / (local + push + pull + update + wait), :func:`~.costmodel_ps.ps_step_s` of one worker) and the
     busiest server's (it receives, applies and sends back its shard of every update:
-    ``S (2 beta + gamma) + update`` seconds, S its bytes, :func:`~.costmodel.ps_largest_shard_bytes`;
+    ``S (2 beta + gamma) + update`` seconds, S its bytes, :func:`~.costmodel_ps.ps_largest_shard_bytes`;
     P/k for an even split of P; Li et al. 2014). ``update_s``: seconds the busiest server spends
     applying its shard of one update (:func:`ps_update_s`); a worker's push waits for it, and it
     bounds that server. ``wait_s``: what each exchange waits beyond the link's price for cores the
@@ -132,10 +133,10 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
     messages (:func:`ps_message_link`); ``update_s``: the busiest server's update of its shard
     (:func:`ps_update_s`); ``compute_scale`` multiplies the measured times. Every exchange is paced
-    by the busiest server, which holds :func:`~.costmodel.ps_largest_shard_bytes` (whole parameters:
+    by the busiest server, which holds :func:`~.costmodel_ps.ps_largest_shard_bytes` (whole parameters:
     with one dominant tensor, more servers barely shorten it).
 
-    Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel.ps_step_s`)
+    Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel_ps.ps_step_s`)
     + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
     device: local + its optimizer. Asynchronous: each worker steps on its own, and the job's rate is
     :func:`ps_async_rate`'s (``wait_s``: what each exchange waits among computing workers,

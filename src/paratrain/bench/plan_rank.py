@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+from .costmodel_hooks import measured_hook
 from .strategy_model import TOWERS
 
 
@@ -25,14 +26,13 @@ def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook:
     devices, which share one machine's cores, so a preset's N devices of the profiled machine's
     speed do not exist for them (the command would run N towers on this machine's cores). A 16-bit
     compression hook (``comm_hook``) on a CPU's profile, unless it is bf16 planned on this machine with
-    its cost measured there (``prof["bf16_hook"]``, profile version 25:
-    :func:`~.microbench_hooks.measured_compress_hook`): priced as half the bytes on the link fitted to
-    float32 all-reduces, it leaves out its casts and gloo's 16-bit reduction, which on CPUs cost more
-    than the halved bytes save (2026-11-27, the 2-vCPU Xeon: digits_cnn without sync BN, N = 2,
-    allreduce + bf16 hook was predicted 0.1 ms under allreduce's 9.2 ms and measured 0.5 ms over its
-    8.6). On a preset interconnect the casts would be this CPU's and the reduction the preset's
-    devices': neither is measured."""
-    measured = comm_hook == "bf16" and on_this_machine and prof.get("bf16_hook")
+    its cost measured there (:func:`~.costmodel_hooks.measured_hook`, profile version 25): priced as
+    half the bytes on the link fitted to float32 all-reduces, it leaves out its casts and gloo's 16-bit
+    reduction, which on CPUs cost more than the halved bytes save (2026-11-27, the 2-vCPU Xeon:
+    digits_cnn without sync BN, N = 2, allreduce + bf16 hook was predicted 0.1 ms under allreduce's 9.2
+    ms and measured 0.5 ms over its 8.6). On a preset interconnect the casts would be this CPU's and the
+    reduction the preset's devices': neither is measured."""
+    measured = comm_hook == "bf16" and measured_hook(prof, on_this_machine)
     if comm_hook in ("fp16", "bf16") and prof["device"] == "cpu" and not measured:
         return f"{comm_hook} hook on CPUs: its casts and gloo's {comm_hook} reduction are not measured"
     if model == TOWERS and prof["device"] != "cpu":

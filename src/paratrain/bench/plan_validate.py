@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import plan as pl
+from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
 
 
@@ -29,7 +30,7 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
     hook (``bf16_hook``: their price is that measurement's, :mod:`.costmodel_hooks`); and ``first``
     (:func:`plan_first`, the layout the plan ranks first at N = 2) where it is not one of them
     (another K, ZeRO-2, a hook), so that the recommendation scored is the plan's own."""
-    hooks_measured = prof.get("device") == "cpu" and bool(prof.get("bf16_hook"))
+    hooks_measured = bool(measured_hook(prof, on_this_machine=True))  # the runs are on this machine
 
     def skipped_hook(hook: str | None, n: int) -> bool:  # a hook's layout not priced by its own measurement
         return bool(hook) and not (hook == "bf16" and n == 2 and hooks_measured)
