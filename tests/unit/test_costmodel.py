@@ -268,10 +268,13 @@ def test_measured_link_on_this_machine():
 
 @pytest.mark.slow
 def test_measure_allreduce_deadline_kills_ranks():
+    """Ranks still running at the deadline are killed and named. Their work, seven all-reduces of
+    256 MiB (about 0.35 s each on the 2-vCPU VM), lasts over ten times the 0.2 s deadline: a 4-byte
+    all-reduce had finished inside it on an idle machine (the forkserver starts ranks in milliseconds)."""
     from paratrain.bench.microbench import measure_allreduce
 
     with pytest.raises(RuntimeError, match="still running after timeout_s = 0.2 s"):
-        measure_allreduce(2, (4,), repeats=1, timeout_s=0.2)
+        measure_allreduce(2, (256 * 2 ** 20,), repeats=5, warmup=2, timeout_s=0.2)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.0625])

@@ -156,3 +156,49 @@ def test_the_validation_runs_the_bf16_layouts_at_two_where_the_hook_was_measured
                                                    ("allreduce", 4)]
     for prof in ({"device": "cpu"}, {"device": "cuda:0", "bf16_hook": MEASURED}):  # not measured: priced by bytes
         assert [lay.label for lay, _ in pv._runs(prof, None, [2], "c.toml", None, [])] == ["allreduce"]
+
+
+def test_the_bucket_of_a_hooked_layout_is_the_one_its_own_step_formula_prices_fastest():
+    """DDP's bucket for a bf16 layout is chosen by the price its step gets (:func:`step_parts`): with a
+    hook of 20 ms a call at 1 MB and 1.1 ms a MB above that (overlapped with the backward, 8 ranks: a
+    preset's cluster), 5 MB buckets (385.0 ms a step) beat the 2 MB (445.3 ms) the plain float32 ring
+    picks; unmeasured, the payload is half the bytes; fp32 without a hook is unchanged."""
+    from paratrain.bench.costmodel import BUCKET_CANDIDATES_MB
+    from paratrain.bench.plan_model import best_bucket
+
+    link = Link(name="x", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    costly = {**MEASURED, "hook": [[1e6, 2e-2], [1e7, 3e-2]]}
+    for n, hook, measured in [(8, "bf16", costly), (2, "bf16", costly), (8, "bf16", MEASURED), (8, "fp16", None),
+                              (8, None, None)]:
+        inputs = {"bf16_hook": measured} if measured else {}
+        steps = {mb: step_parts(_Ring(), Layout("allreduce", n, {"comm_hook": hook or "none", "bucket_mb": mb}), W,
+                                link, Config(), inputs, overlap=True)["step_s"] for mb in BUCKET_CANDIDATES_MB}
+        fastest = min(sorted(steps, reverse=True), key=steps.__getitem__)  # ties to the larger, as pick_bucket
+        assert best_bucket(W, n, link, 1.0, True, hook, measured) == fastest, (n, hook, steps)
+    assert best_bucket(W, 8, link, 1.0, True, "bf16", costly) == 5.0
+    assert best_bucket(W, 8, link, 1.0, True) == 2.0  # the plain ring's choice, which the hooked layout had been given
+    steps8 = {mb: step_parts(_Ring(), Layout("allreduce", 8, {"comm_hook": "bf16", "bucket_mb": mb}), W, link,
+                             Config(), {"bf16_hook": costly}, overlap=True)["step_s"] for mb in (2.0, 5.0)}
+    assert steps8[5.0] < steps8[2.0]
+
+
+def test_paratrain_predict_prices_each_bucket_by_the_measured_hook_at_each_n():
+    """``paratrain predict``'s curve with a measured bf16 hook: at every N each bucket costs
+    :func:`compress_hook_bucket_s` at that N (the ring's formula), not the halved payload,
+    and the bucket it picks is the one that price predicts fastest."""
+    import argparse
+    from dataclasses import replace
+
+    from paratrain.bench.commands import _curve
+    from paratrain.bench.costmodel import pick_bucket
+
+    link = Link(name="x", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    args = argparse.Namespace(strategy="allreduce", algorithm="ring", bucket_mb=None, num_ps=1)
+    preds = _curve(args, Config(), None, link, [1, 2, 4])(W, MEASURED)
+    for p in preds:
+        priced = compress_hook_bucket_s(p.n, MEASURED)
+        assert p.bucket_mb == pick_bucket(W, p.n, link, bucket_s=priced)
+        assert p.step_s == predict(W, p.n, link, bucket_mb=p.bucket_mb, bucket_s=priced).step_s
+    assert preds[0].step_s == pytest.approx(W.local_s())  # one device: no hook runs
+    halved = _curve(args, Config(), None, link, [4])(replace(W, payload_ratio=0.5))
+    assert preds[2].step_s > halved[0].step_s  # the measured hook costs more than half the bytes on this link

@@ -1551,3 +1551,34 @@ def test_validation_shows_each_layouts_runs_and_which_misses_lie_inside_their_ow
             "lies between") in markdown({"config": "c", "rows": [zero1, fine]})
     for rows in ([fine, four], [alone]):  # none over the target; one run each (the default --validate-repeats)
         assert "step target" not in markdown({"config": "c", "rows": rows})
+
+
+def test_validation_scores_each_run_at_the_one_device_speed_of_its_own_round():
+    """``step_error_same_speed``: the predicted slowdown from one device (predicted / the one-device
+    prediction) against the median over rounds of (run r / the one-device run r). Hand-computed: one
+    device predicted 4.0 ms, runs 5.0 and 4.0 (the machine 25% slower in round 0); allreduce predicted
+    10.0, runs 12.0 and 9.0: ratios 2.4 and 2.25, median 2.325, predicted 2.5, error 2.5 / 2.325 - 1 =
+    +7.53%, where its plain error (against 9.0 here, its faster run) moves with the machine's speed."""
+    from paratrain.bench.plan_validate import markdown, same_speed_errors
+
+    def row(strategy, n, predicted, runs, ok=True):
+        return {"strategy": strategy, "label": strategy, "n": n, "ok": ok, "predicted_step_ms": predicted,
+                "measured_step_ms": min(runs), "measured_step_ms_all": runs, "step_error": predicted / min(runs) - 1,
+                "predicted_memory_bytes": 2 ** 20, "measured_memory_bytes": 2 ** 20, "memory_error": 0.0}
+
+    one, ar = row("single", 1, 4.0, [5.0, 4.0]), row("allreduce", 2, 10.0, [12.0, 9.0])
+    failed_round = row("zero1", 2, 11.0, [float("nan"), 10.0])  # round 0 failed: round 1 alone, 11 / 4 vs 10 / 4
+    broken = row("fsdp", 2, 15.0, [20.0, 21.0], ok=False)
+    rows = same_speed_errors([one, ar, failed_round, broken])
+    assert ar["step_error_same_speed"] == pytest.approx(2.5 / 2.325 - 1)
+    assert failed_round["step_error_same_speed"] == pytest.approx((11.0 / 4.0) / (10.0 / 4.0) - 1)
+    assert math.isnan(one["step_error_same_speed"]) and math.isnan(broken["step_error_same_speed"])
+    # a machine uniformly 30% slower in every run than profiled: the plain errors all move, these do not
+    slow = same_speed_errors([row("single", 1, 4.0, [5.2, 5.2]), row("allreduce", 2, 10.0, [13.0, 13.0])])
+    assert slow[1]["step_error"] == pytest.approx(10.0 / 13.0 - 1) and slow[1]["step_error_same_speed"] == 0.0
+    # no one-device row (a validation without N = 1): nothing to pair with
+    assert math.isnan(same_speed_errors([row("allreduce", 2, 10.0, [12.0])])[0]["step_error_same_speed"])
+    text = markdown({"config": "c", "rows": rows})
+    assert "| allreduce | 2 | 10.0 | 9.0 | +11.1% | 9.0-12.0 (33%) | +7.5% |" in text
+    assert "| single | 1 | 4.0 | 4.0 | +0.0% | 4.0-5.0 (25%) | - |" in text
+    assert "the step errors at N <= 2 are within 10.0% (the largest: zero1 at 2)" in text

@@ -71,8 +71,9 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--num-ps", type=int, default=1, help="parameter-server shards for --algorithm ps")
     p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
     p.add_argument("--comm-hook", choices=HOOKS, help="gradient compression (default: the recipe's dist.comm_hook); "
-                   "its all-reduce payload is measured in a short 2-process run, and the table adds the "
-                   "uncompressed prediction")
+                   "its all-reduce payload is measured in a short 2-process run (bf16 with --interconnect "
+                   "measured on a CPU: the whole hook is timed here and prices each bucket), and the table "
+                   "adds the uncompressed prediction")
     p.add_argument("--from-bench", type=Path, metavar="DIR",
                    help="take the single-device step from a bench folder instead of measuring it now")
     p.add_argument("--steps", type=int, default=60, help="steps of the single-device measurement (default 60)")
@@ -213,16 +214,26 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if ns[-1] != args.nproc:
         ns.append(args.nproc)
     curve = _curve(args, cfg, task, link, ns)
-    plain = None
-    if hook != "none":
+    plain, hook_cost = None, None
+    if hook == "bf16" and args.interconnect == "measured" and not _on_gpu(cfg):
+        from .microbench_hooks import measured_compress_hook
+
+        print("[predict] dist.comm_hook bf16: timing torch's bf16_compress_hook between 2 gloo processes here "
+              "(buckets of 1 KiB to 64 MiB: the casts and the bf16 payload's all-reduce)", flush=True)
+        hook_cost = measured_compress_hook()
+        print("[predict] dist.comm_hook bf16: each bucket priced by that measurement, moved to N ranks by its "
+              "payload's ring all-reduce (as paratrain plan prices it on this machine)", flush=True)
+        plain = curve(w)
+    elif hook != "none":
         payload = _hook_payload(args, hook)
         ratio = min(1.0, payload / sum(w.param_bytes))
         print(f"[predict] dist.comm_hook {hook}: all-reduce payload {payload / 2**20:.3f} MiB per step for "
               f"{sum(w.param_bytes) / 2**20:.1f} MiB of gradients (ratio {ratio:.4f}, measured from the hook in a "
-              f"2-process run); the hook's own compute is not modelled", flush=True)
+              f"2-process run); the hook's own compute is not modelled"
+              + (" (a bf16 hook's is, with --interconnect measured on a CPU)" if hook == "bf16" else ""), flush=True)
         plain = curve(w)
         w = dataclasses.replace(w, payload_ratio=ratio)
-    preds = curve(w)
+    preds = curve(w, hook_cost)
     if cfg.model_value("sync_batchnorm", False) and pays_sync_batchnorm(cls):
         # added here once: predict_curve has no such term, and predict_strategy's inputs (strategy_inputs)
         # carry no sync_batchnorm_s for its sync_overhead_s
@@ -278,16 +289,29 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
     return terms
 
 
+def _on_gpu(cfg) -> bool:
+    """Whether the recipe's one-device step runs on a GPU (``dist.device`` cuda, or auto with one here)."""
+    import torch
+
+    return cfg.dist.device != "cpu" and torch.cuda.is_available()
+
+
 def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
-    """Workload -> predictions at each N of ``ns`` for ``--strategy`` (a pipeline: the N that are a
-    multiple of its stages)."""
-    from .costmodel import predict_curve
+    """(workload, a bf16 hook's measured cost or None) -> predictions at each N of ``ns`` for
+    ``--strategy`` (a pipeline: the N that are a multiple of its stages); with the hook's cost
+    (:func:`~.microbench_hooks.measured_compress_hook`) each bucket is priced by it
+    (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N)."""
+    from .costmodel import predict
+    from .costmodel_hooks import compress_hook_bucket_s
     from .strategy_model import STAGES, predict_strategy, strategy_inputs
+
+    def bucket_s(n: int, measured: dict | None):
+        return compress_hook_bucket_s(n, measured) if measured else None
 
     model = STRATEGIES[args.strategy].cost_model
     if model == "ring":
-        return lambda w: predict_curve(w, link, ns, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
-                                       num_ps=args.num_ps)
+        return lambda w, measured=None: [predict(w, n, link, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
+                                                 num_ps=args.num_ps, bucket_s=bucket_s(n, measured)) for n in ns]
     inputs = strategy_inputs(task, cfg)
     if model == STAGES and "activation_bytes" not in inputs:
         raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
@@ -302,8 +326,9 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     if not points:
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
                          f"{cfg.dist.pipeline_stages} processes")
-    return lambda w: [predict_strategy(args.strategy, w, n, link, cfg, inputs, bucket_mb=args.bucket_mb)
-                      for n in points]
+    return lambda w, measured=None: [predict_strategy(args.strategy, w, n, link, cfg,
+                                                      {**inputs, "hook_bucket_s": bucket_s(n, measured)},
+                                                      bucket_mb=args.bucket_mb) for n in points]
 
 
 def _hook_payload(args: argparse.Namespace, hook: str) -> float:

@@ -265,7 +265,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
                                         ps_largest_shard_bytes(w.param_bytes, num_ps)) if n > 1 else 0.0)
     else:
         if bucket_mb is None:
-            bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale, overlap=overlap)
+            bucket_mb = pick_bucket(w, n, link, algorithm, compute_scale=compute_scale, overlap=overlap,
+                                    bucket_s=bucket_s)
         collective = _collective(algorithm)
         step_s, _ = overlapped_step_s(
             forward_s=w.forward_s * compute_scale, backward_s=w.backward_s * compute_scale,
@@ -278,12 +279,13 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
 
 def pick_bucket(w: Workload, n: int, link: Link, algorithm: str = "ring",
                 candidates_mb: Sequence[float] = BUCKET_CANDIDATES_MB, *, compute_scale: float = 1.0,
-                overlap: bool = True) -> float:
-    """The candidate bucket size (MiB) with the least predicted step time; ties go to the larger."""
+                overlap: bool = True, bucket_s: Callable[[float], float] | None = None) -> float:
+    """The candidate bucket size (MiB) with the least predicted step time (:func:`predict`, its
+    ``bucket_s`` too); ties go to the larger."""
     if not candidates_mb:
         raise UsageError("candidates_mb is empty; give at least one bucket size in MiB")
     steps = {mb: predict(w, n, link, algorithm=algorithm, bucket_mb=mb, compute_scale=compute_scale,
-                         overlap=overlap).step_s
+                         overlap=overlap, bucket_s=bucket_s).step_s
              for mb in candidates_mb}
     return float(min(sorted(steps, reverse=True), key=steps.__getitem__))
 

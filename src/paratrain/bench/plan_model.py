@@ -118,6 +118,13 @@ def replace_dist(cfg, **changes: Any) -> SimpleNamespace:
     return SimpleNamespace(train=cfg.train, task=cfg.task, dist=SimpleNamespace(**{**dist, **changes}))
 
 
-def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, overlap: bool = True) -> float:
-    """DDP's bucket (MiB) the model predicts fastest at n (:func:`~.costmodel.pick_bucket`)."""
-    return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap)
+def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, overlap: bool = True,
+                hook: str | None = None, measured_hook: dict | None = None) -> float:
+    """DDP's bucket (MiB) the model predicts fastest at n (:func:`~.costmodel.pick_bucket`), each
+    bucket priced as the layout's step is (:func:`step_parts`): with a compression ``hook`` ("fp16",
+    "bf16") half the bytes on ``link``, or for bf16 where ``measured_hook`` holds its cost measured
+    here (``inputs["bf16_hook"]``) that cost per bucket (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
+    if hook in ("fp16", "bf16"):
+        w = replace(w, payload_ratio=0.5)
+    bucket_s = compress_hook_bucket_s(n, measured_hook, compute_scale) if hook == "bf16" and measured_hook else None
+    return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)
