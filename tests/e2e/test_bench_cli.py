@@ -80,16 +80,23 @@ def test_predict_learns_the_compressed_payload_of_a_comm_hook(tmp_path, tiny_dat
 
 @pytest.mark.slow
 def test_predict_prices_a_bf16_hook_by_its_own_measurement_on_this_cpu(tmp_path, tiny_data):
-    """``--comm-hook bf16 --interconnect measured`` on a CPU times torch's bf16_compress_hook here and
-    prices each bucket by it (as ``paratrain plan`` does), instead of the payload run's halved bytes;
-    N = 1 sends nothing (gain 1)."""
+    """``--comm-hook bf16 --interconnect measured`` on a CPU (float32 gradients) times torch's
+    bf16_compress_hook here and prices each bucket by it (as ``paratrain plan`` does), instead of the
+    payload run's count of bytes; N = 1 sends nothing (gain 1). A float64 recipe (the measurement's
+    buckets are float32) and the tree algorithm measure the payload as before."""
     (tmp_path / "tiny.toml").write_text(TINY)
-    r = paratrain("predict", "tiny.toml", "--nproc", "4", "--steps", "6", "--comm-hook", "bf16",
-                  "--data-dir", tiny_data, cwd=tmp_path, timeout=400)
+    r = paratrain("predict", "tiny.toml", "--nproc", "4", "--steps", "6", "--comm-hook", "bf16", "--set",
+                  'dist.device="cpu"', "--set", 'train.dtype="float32"', "--data-dir", tiny_data, cwd=tmp_path,
+                  timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "each bucket priced by that measurement" in r.stdout and "measuring the payload" not in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(row[0]) for row in rows] == [1, 2, 4] and float(rows[0][-1]) == 1.0
+    for other in (["--set", 'dist.device="cpu"'], ["--set", 'dist.device="cpu"', "--set", 'train.dtype="float32"',
+                                                   "--algorithm", "tree"]):
+        r = paratrain("predict", "tiny.toml", "--nproc", "2", "--steps", "6", "--comm-hook", "bf16", *other,
+                      "--data-dir", tiny_data, cwd=tmp_path, timeout=400)
+        assert r.returncode == 0 and "measuring the payload" in r.stdout and "priced by that" not in r.stdout, other
 
 
 @pytest.mark.parametrize("strategy, ns", [("fsdp", [1, 2, 4]), ("zero1", [1, 2, 4]), ("pipeline", [2, 4])])

@@ -254,6 +254,14 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
             assert row["measured_step_ms"] > 0 and math.isfinite(row["step_error"]), row
             assert row["measured_memory_bytes"] > 0 and math.isfinite(row["memory_error"]), row
     assert v["choice"]["recommended"] and 0 <= v["choice"]["shortfall"] < 1
+    # each layout ran with the dist keys its prediction priced: DDP's bucket too
+    assert all("bucket_mb" in row["overrides"] for row in v["rows"] if row["strategy"] in ("allreduce", "zero1"))
+    # before the round, the profile's one-thread runs side by side were measured again (2 cores: one per core)
+    prof = json.loads((tmp / "p" / "profile.json").read_text())
+    if prof["workloads"].get("1", {}).get("concurrent"):
+        assert v["side_by_side"]["profile_ms"] > 0 and len(v["side_by_side"]["rounds_ms"]) == 1
+        assert all(math.isfinite(row["step_error_same_speed"]) for row in v["rows"]
+                   if row["n"] > 1 and row["synchronous"]), v["rows"]  # (an asynchronous rank 0 may stop early)
     # the next plan shows each strategy's measured error beside its predictions
     again = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2,4", "--out", "p", cwd=tmp,
                       timeout=300)

@@ -160,8 +160,9 @@ def test_the_validation_runs_the_bf16_layouts_at_two_where_the_hook_was_measured
 
 def test_the_bucket_of_a_hooked_layout_is_the_one_its_own_step_formula_prices_fastest():
     """DDP's bucket for a bf16 layout is chosen by the price its step gets (:func:`step_parts`): with a
-    hook of 20 ms a call at 1 MB and 1.1 ms a MB above that (overlapped with the backward, 8 ranks: a
-    preset's cluster), 5 MB buckets (385.0 ms a step) beat the 2 MB (445.3 ms) the plain float32 ring
+    hook of 20 ms a call at 1 MB and 1.1 ms a MB above that (overlapped with the backward, 8 ranks;
+    the plan's own rows of this machine's CPU do not overlap, and there every bucket of a small model
+    ties), 5 MB buckets (385.0 ms a step) beat the 2 MB (445.3 ms) the plain float32 ring
     picks; unmeasured, the payload is half the bytes; fp32 without a hook is unchanged."""
     from paratrain.bench.costmodel import BUCKET_CANDIDATES_MB
     from paratrain.bench.plan_model import best_bucket

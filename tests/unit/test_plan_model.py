@@ -1575,10 +1575,83 @@ def test_validation_scores_each_run_at_the_one_device_speed_of_its_own_round():
     assert math.isnan(one["step_error_same_speed"]) and math.isnan(broken["step_error_same_speed"])
     # a machine uniformly 30% slower in every run than profiled: the plain errors all move, these do not
     slow = same_speed_errors([row("single", 1, 4.0, [5.2, 5.2]), row("allreduce", 2, 10.0, [13.0, 13.0])])
-    assert slow[1]["step_error"] == pytest.approx(10.0 / 13.0 - 1) and slow[1]["step_error_same_speed"] == 0.0
+    assert slow[1]["step_error_same_speed"] == pytest.approx(0.0, abs=1e-12)  # its plain error: 10 / 13 - 1
     # no one-device row (a validation without N = 1): nothing to pair with
     assert math.isnan(same_speed_errors([row("allreduce", 2, 10.0, [12.0])])[0]["step_error_same_speed"])
     text = markdown({"config": "c", "rows": rows})
     assert "| allreduce | 2 | 10.0 | 9.0 | +11.1% | 9.0-12.0 (33%) | +7.5% |" in text
     assert "| single | 1 | 4.0 | 4.0 | +0.0% | 4.0-5.0 (25%) | - |" in text
     assert "the step errors at N <= 2 are within 10.0% (the largest: zero1 at 2)" in text
+
+
+def test_rescore_prices_each_validated_layout_with_the_dist_keys_it_ran_with(tmp_path):
+    """``--rescore`` predicts a kept run with the bucket it ran with (``overrides``), not one picked
+    anew; a row kept before runs recorded them ran the recipe's ``dist.bucket_mb``. gpt_wt2's v25
+    profile (17.8 MiB of gradients, this machine: no overlap): 1 MiB buckets cost more alpha terms
+    than the one bucket of 25 MiB (0.3 ms more)."""
+    import json
+    from pathlib import Path
+
+    from paratrain import config as configuration
+    from paratrain.bench import plan as pl
+    from paratrain.bench.costmodel import Link
+    from paratrain.bench.plan_validate import rescore
+
+    root = Path(__file__).resolve().parents[2]
+    prof = json.loads((root / "benchmarks/results/plan-xeon/gpt_wt2-v25/profile.json").read_text())
+    cfg = configuration.load(root / "configs/gpt_wt2.toml")
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+
+    def row(strategy, n, measured, **kept):
+        return {"strategy": strategy, "label": strategy, "n": n, "ok": True, "measured_step_ms": measured,
+                "measured_step_ms_all": [measured], "measured_memory_bytes": 2 ** 30,
+                "measured_units_per_s": 1000.0 / measured, **kept}
+
+    (tmp_path / "validation.json").write_text(json.dumps(
+        {"config": "configs/gpt_wt2.toml", "rows": [row("single", 1, 580.0), row("allreduce", 2, 1100.0,
+                                                     overrides={"bucket_mb": 1.0}), row("zero1", 2, 1120.0)]}))
+    rescore(cfg, prof, tmp_path, "configs/gpt_wt2.toml")
+    got = {r["strategy"]: r for r in json.loads((tmp_path / "validation.json").read_text())["rows"]}
+
+    def predicted(strategy, bucket_mb):
+        lay = pl.Layout(strategy, 2, {"bucket_mb": bucket_mb}, strategy)
+        return 1000 * pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)["step_s"]
+
+    assert got["allreduce"]["predicted_step_ms"] == pytest.approx(predicted("allreduce", 1.0), rel=1e-12)
+    # more buckets, more alpha terms (the tied embedding, 17.0 of the 17.8 MB, is one bucket at any size)
+    assert predicted("allreduce", 1.0) > predicted("allreduce", 100.0) * (1 + 1e-5)
+    assert cfg.dist.bucket_mb == 25.0
+    assert got["zero1"]["predicted_step_ms"] == pytest.approx(predicted("zero1", 25.0), rel=1e-12)
+
+
+def test_validation_scores_n_gt_1_at_the_compute_speed_measured_again_in_each_round():
+    """With the profile's one-thread runs side by side measured again before each round, an N > 1
+    prediction's work on the cores (compute, optimizer, bubble) is scaled by that round's speed over
+    the profile's; its communication is not. Hand-computed: the profile's side-by-side step 4.8 ms,
+    the rounds' 5.76 and 5.28 (x1.2, x1.1); allreduce predicted 8.2 ms of which 5.0 compute + 0.5
+    optimizer: round 0 8.2 + 0.2 x 5.5 = 9.3 against 9.0 (+3.33%), round 1 8.2 + 0.1 x 5.5 = 8.75
+    against 10.0 (-12.5%): the median (the mean of the two) -4.58%. N = 1 keeps the one-device pairing."""
+    from paratrain.bench.plan_validate import markdown, same_speed_errors, side_by_side_ms
+
+    def row(strategy, n, predicted, runs, parts=None):
+        return {"strategy": strategy, "label": strategy, "n": n, "ok": True, "predicted_step_ms": predicted,
+                "measured_step_ms": min(runs), "measured_step_ms_all": runs, "step_error": predicted / min(runs) - 1,
+                "predicted_memory_bytes": 2 ** 20, "measured_memory_bytes": 2 ** 20, "memory_error": 0.0,
+                "predicted_ms": parts or {}}
+
+    paced = {"profile_ms": 4.8, "rounds_ms": [5.76, 5.28]}
+    one = row("single", 1, 4.0, [4.0, 4.0])
+    ar = row("allreduce", 2, 8.2, [9.0, 10.0], {"compute": 5.0, "comm": 2.7, "bubble": 0.0, "optimizer": 0.5})
+    same_speed_errors([one, ar], paced)
+    assert ar["step_error_same_speed"] == pytest.approx(((9.3 / 9.0 - 1) + (8.75 / 10.0 - 1)) / 2, rel=1e-12)
+    assert math.isnan(one["step_error_same_speed"])
+    # without the rounds' measurement, the one-device pairing: (8.2 / 4.0) / median(9 / 4, 10 / 4) - 1
+    same_speed_errors([one, ar])
+    assert ar["step_error_same_speed"] == pytest.approx(2.05 / 2.375 - 1, rel=1e-12)
+    text = markdown({"config": "c", "rows": same_speed_errors([one, ar], paced), "side_by_side": paced})
+    assert "scaled by that round's one-thread one-device runs side by side" in text and "(5.8, 5.3 ms)" in text
+    # the profile's side-by-side step: a CPU's one-thread runs, one per core; none on a GPU or without them
+    w1 = {"data_s": 1e-4, "forward_s": 2.5e-3, "backward_s": 2.2e-3, "optimizer_s": 5e-4, "concurrent": 2}
+    assert side_by_side_ms({"device": "cpu", "workloads": {"1": w1}}) == pytest.approx(5.3, rel=1e-12)
+    assert side_by_side_ms({"device": "cuda:0", "workloads": {"1": w1}}) is None
+    assert side_by_side_ms({"device": "cpu", "workloads": {"1": {**w1, "concurrent": 0}}}) is None

@@ -72,8 +72,8 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, help="all-reduce bucket size (default: the one predicted best)")
     p.add_argument("--comm-hook", choices=HOOKS, help="gradient compression (default: the recipe's dist.comm_hook); "
                    "its all-reduce payload is measured in a short 2-process run (bf16 with --interconnect "
-                   "measured on a CPU: the whole hook is timed here and prices each bucket), and the table "
-                   "adds the uncompressed prediction")
+                   "measured, the ring and float32 on a CPU: the whole hook is timed here and prices each "
+                   "bucket), and the table adds the uncompressed prediction")
     p.add_argument("--from-bench", type=Path, metavar="DIR",
                    help="take the single-device step from a bench folder instead of measuring it now")
     p.add_argument("--steps", type=int, default=60, help="steps of the single-device measurement (default 60)")
@@ -215,14 +215,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
         ns.append(args.nproc)
     curve = _curve(args, cfg, task, link, ns)
     plain, hook_cost = None, None
-    if hook == "bf16" and args.interconnect == "measured" and not _on_gpu(cfg):
+    if (hook == "bf16" and args.interconnect == "measured" and args.algorithm == "ring" and not _on_gpu(cfg)
+            and cfg.train.dtype == "float32"):  # the measurement's: float32 buckets, gloo's ring, this CPU
         from .microbench_hooks import measured_compress_hook
 
         print("[predict] dist.comm_hook bf16: timing torch's bf16_compress_hook between 2 gloo processes here "
               "(buckets of 1 KiB to 64 MiB: the casts and the bf16 payload's all-reduce)", flush=True)
         hook_cost = measured_compress_hook()
         print("[predict] dist.comm_hook bf16: each bucket priced by that measurement, moved to N ranks by its "
-              "payload's ring all-reduce (as paratrain plan prices it on this machine)", flush=True)
+              "payload's ring all-reduce", flush=True)
         plain = curve(w)
     elif hook != "none":
         payload = _hook_payload(args, hook)
@@ -230,7 +231,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"[predict] dist.comm_hook {hook}: all-reduce payload {payload / 2**20:.3f} MiB per step for "
               f"{sum(w.param_bytes) / 2**20:.1f} MiB of gradients (ratio {ratio:.4f}, measured from the hook in a "
               f"2-process run); the hook's own compute is not modelled"
-              + (" (a bf16 hook's is, with --interconnect measured on a CPU)" if hook == "bf16" else ""), flush=True)
+              + (" (a bf16 hook's is, with --interconnect measured and the ring on a CPU, float32)" if hook == "bf16"
+                 else ""), flush=True)
         plain = curve(w)
         w = dataclasses.replace(w, payload_ratio=ratio)
     preds = curve(w, hook_cost)

@@ -3,7 +3,8 @@ on this machine: :mod:`.microbench_hooks`), for :func:`~.costmodel.predict`'s ``
 (``allreduce``'s and ``zero1``'s buckets).
 
 Elsewhere the plan prices a 16-bit hook as its payload alone, half the bucket's bytes on the link
-(``Workload.payload_ratio``): a GPU casts in microseconds and NCCL reduces 16-bit floats natively.
+(``Workload.payload_ratio``, :func:`hook_payload_ratio`: a quarter of float64's): a GPU casts in
+microseconds and NCCL reduces 16-bit floats natively.
 """
 from __future__ import annotations
 
@@ -16,8 +17,17 @@ from .costmodel_sharded import piecewise
 def measured_hook(prof: dict, on_this_machine: bool) -> dict | None:
     """The profile's measurement of DDP's bf16 hook where it prices the hook (``prof["bf16_hook"]``,
     :func:`~.microbench_hooks.measured_compress_hook`): a CPU's profile planned on this machine, whose
-    cores the measurement ran on; else None (a preset, a GPU's profile, a profile before version 25)."""
-    return prof.get("bf16_hook") if on_this_machine and prof.get("device") == "cpu" else None
+    cores the measurement ran on, of float32 gradients (the measurement's buckets); else None (a preset,
+    a GPU's profile, a float64 recipe, a profile before version 25)."""
+    ok = on_this_machine and prof.get("device") == "cpu" and prof.get("dtype", "float32") == "float32"
+    return prof.get("bf16_hook") if ok else None
+
+
+def hook_payload_ratio(dtype: str) -> float:
+    """Bytes a 16-bit compression hook (fp16, bf16) hands to all-reduce per gradient byte of
+    ``train.dtype``: 2 bytes an element, 0.5 of float32's and 0.25 of float64's
+    (``Workload.payload_ratio``)."""
+    return 2 / {"float32": 4, "float64": 8}[dtype]
 
 
 def compress_hook_bucket_s(n: int, measured: dict, compute_scale: float = 1.0) -> Callable[[float], float]:

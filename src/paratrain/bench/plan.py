@@ -214,7 +214,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         links["rpc"] = exchange if on_this_machine else slower(link, exchange)
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap, overrides.get("comm_hook"),
-                                                      measured_hook(prof, on_this_machine)))
+                                                      measured_hook(prof, on_this_machine), cfg.train.dtype))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .costmodel import Link, Workload, pick_bucket
-from .costmodel_hooks import compress_hook_bucket_s
+from .costmodel_hooks import compress_hook_bucket_s, hook_payload_ratio
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
 from .strategy_model import RING, STAGES, TOWERS, predict_model
 
@@ -59,7 +59,7 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
     ``compute_s``, ``optimizer_s``) is the strategy's own work around its compute (DDP's reducer,
     ZeRO-1's DTensor step, FSDP2's hooks and copies), added at every n > 1 to the step and to those
     parts; it holds the DTensors' dispatch, which the formulas then do not add again. A bf16
-    compression hook is half the bytes on ``link`` (``Workload.payload_ratio``), or where
+    compression hook is 2 bytes an element on ``link`` (``Workload.payload_ratio``: half of float32's), or where
     ``inputs["bf16_hook"]`` holds its cost measured here (a CPU's profile, this machine:
     :func:`~.microbench_hooks.measured_compress_hook`) that cost per bucket
     (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
@@ -95,7 +95,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         return _parts(p.step_s, compute, p.optimizer_s, bubble, p.words_per_s, replicas)
     d = replace_dist(cfg, **layout.overrides)
     hook = layout.overrides.get("comm_hook", "none")
-    ww = replace(w, payload_ratio=0.5) if hook in ("fp16", "bf16") else w
+    ww = replace(w, payload_ratio=hook_payload_ratio(cfg.train.dtype)) if hook in ("fp16", "bf16") else w
     if hook == "bf16" and inputs.get("bf16_hook"):  # measured on this machine's CPUs: priced per bucket
         inputs = {**inputs, "hook_bucket_s": compress_hook_bucket_s(n, inputs["bf16_hook"], compute_scale=s)}
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
@@ -119,12 +119,13 @@ def replace_dist(cfg, **changes: Any) -> SimpleNamespace:
 
 
 def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, overlap: bool = True,
-                hook: str | None = None, measured_hook: dict | None = None) -> float:
+                hook: str | None = None, measured_hook: dict | None = None, dtype: str = "float32") -> float:
     """DDP's bucket (MiB) the model predicts fastest at n (:func:`~.costmodel.pick_bucket`), each
     bucket priced as the layout's step is (:func:`step_parts`): with a compression ``hook`` ("fp16",
-    "bf16") half the bytes on ``link``, or for bf16 where ``measured_hook`` holds its cost measured
-    here (``inputs["bf16_hook"]``) that cost per bucket (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
+    "bf16") 2 bytes an element of ``dtype`` on ``link`` (:func:`~.costmodel_hooks.hook_payload_ratio`),
+    or for bf16 where ``measured_hook`` holds its cost measured here (``inputs["bf16_hook"]``) that
+    cost per bucket (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
     if hook in ("fp16", "bf16"):
-        w = replace(w, payload_ratio=0.5)
+        w = replace(w, payload_ratio=hook_payload_ratio(dtype))
     bucket_s = compress_hook_bucket_s(n, measured_hook, compute_scale) if hook == "bf16" and measured_hook else None
     return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)

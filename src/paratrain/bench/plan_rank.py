@@ -45,8 +45,18 @@ def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook:
 TIE = 0.01
 """Predictions closer than this fraction are a tie: the plan's inputs are medians of runs that spread
 by more than that (the profile's repeats differ by 5-10% on this VM), so it cannot tell such
-layouts apart, and it recommends the one on the fewest devices, then the one that leaves the most device
-memory (:func:`pick`)."""
+layouts apart, and it recommends the one on the fewest processes (devices, and a parameter server's
+servers: :func:`processes`), then the one that leaves the most device memory (:func:`pick`)."""
+
+
+def processes(n: int, overrides: dict | None) -> int:
+    """The processes a layout of ``n`` devices runs: the devices' and a parameter server's K servers
+    (``num_ps``), which hold a host's cores and memory beside them (on one machine's CPU, the same
+    cores). The tie-break of :func:`pick`: a layout within :data:`TIE` of another's rate that needs K
+    more processes is not the simpler choice (digits_cnn on the 2-vCPU VM: ps-sync K=2 at N = 2, 4
+    processes on 2 cores, predicted 1% under allreduce and 0.2 MiB a device lighter, measured 23%
+    slower than it)."""
+    return n + int((overrides or {}).get("num_ps", 0))
 
 
 def pick(items: list, value, memory) -> int:
@@ -94,7 +104,8 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
     cost; equal: fewer devices), those with a known unpriced term (:func:`unpriced`) after the rest,
     then the asynchronous ones, then the infeasible ones. The first is the recommendation: of the
     feasible synchronous rows within :data:`TIE` of the best (the fully priced ones, where any fits),
-    the one on the fewest devices, then with the least memory per device (:func:`pick`)."""
+    the one on the fewest processes (:func:`processes`: devices and servers), then with the least
+    memory per device (:func:`pick`)."""
     def value(r):
         return objective_value(r, objective)
 
@@ -102,7 +113,7 @@ def rank(rows: list[dict], objective: str) -> list[dict]:
                                       -value(r), r["n"]))
     top = [r for r in out if r["feasible"] and r["synchronous"]]
     top = [r for r in top if not r.get("unpriced")] or top
-    i = pick(top, value, lambda r: (r["n"], r["memory"]["total"]))
+    i = pick(top, value, lambda r: (processes(r["n"], r.get("overrides")), r["memory"]["total"]))
     if i > 0:
         out.insert(0, out.pop(out.index(top[i])))
     return out

@@ -10,7 +10,7 @@ the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder;
 ``paratrain plan`` there shows each strategy's error beside its predictions. Targets: |step error|
 <= 15% at N <= 2, |memory error| <= 20%, and the recommended layout at N = 2 measured within 5%
 of the fastest measured one. Beside each step error, the same error at the one-device speed of the
-run's own round (:func:`same_speed_errors`), which a change of the machine's speed does not move.
+run's own round (:func:`same_speed_errors`), which a uniform change of the machine's speed does not move.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from . import plan as pl
 from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
+from .plan_rank import processes
 
 
 def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
@@ -97,6 +98,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
           f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
           f"round the layouts)", flush=True)
+    paced = side_by_side_ms(prof)  # the profile's one-thread runs side by side, repeated in each round
+    rounds: list[float] = []
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
         specs, counts, preds = [], [], []
@@ -104,7 +107,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
             steps = run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
-            # the layout's keys and those its prediction chose (DDP's bucket): the plan's own command
+            # the dist keys the prediction priced (DDP's bucket it chose), after the command's --set: the run
+            # is what was predicted
             overrides = (*device_sets, *args.overrides, *base,
                          *(f"dist.{k}={json.dumps(v)}" for k, v in preds[-1]["overrides"].items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
@@ -114,6 +118,10 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                                     warmup_steps=warmup, overrides=overrides, data_dir=args.data_dir),
                           replicas))
         for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
+            if paced is not None and any(n > 1 for _, n in runs):
+                rounds.append(_side_by_side_now(args, cfg, prof, paced))
+                print(f"[plan] round {r + 1}: {prof['cores']} one-thread one-device runs side by side: step "
+                      f"{rounds[-1]:.1f} ms (the profile's {paced:.1f} ms)", flush=True)
             for i, ((lay, n), (spec, replicas)) in enumerate(zip(runs, specs)):
                 plan = RunPlan(strategy=lay.strategy, n=replicas, global_batch=cfg.train.batch_size * replicas,
                                repeat=r)
@@ -129,8 +137,10 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                   f"{row['measured_step_ms']:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
                   f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({_pct(row['memory_error'])})", flush=True)
-    same_speed_errors(rows)
-    result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows,
+    paced_rounds = {"profile_ms": paced, "rounds_ms": rounds} if rounds else None
+    same_speed_errors(rows, paced_rounds)
+    result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,
+              "side_by_side": paced_rounds,
               "choice": _choice(rows, first.label if first else None)}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
@@ -210,7 +220,8 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
             ) -> int:
     """``paratrain plan --rescore``: predict the layouts of ``out/validation.json`` again from ``prof``
     (the cached profile, or a new one with ``--reprofile``) and the current model, each with the
-    ``dist`` keys it ran with (``overrides``, since 2026-11-28: DDP's bucket), keep the measured
+    ``dist`` keys it ran with (``overrides``, since 2026-11-28: DDP's bucket; before, the recipe's
+    ``dist.bucket_mb``, which those runs had), keep the measured
     steps and memory, rewrite ``validation.json`` and ``validation.md``. No training runs. Raises
     UsageError when a validated layout is no longer planned. ``config``, ``task``, ``overrides``: the
     command's (what the recipe refuses is not the plan's first layout, :func:`plan_first`)."""
@@ -226,9 +237,13 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
         if lay is None:
             raise UsageError(f"--rescore: layout {row['label']!r} at N = {row['n']} is no longer planned; "
                              f"validate again (--validate)")
-        ran = pl.Layout(lay.strategy, lay.n, {**lay.overrides, **row.get("overrides", {})}, lay.label)  # its bucket
+        # the keys it ran with; a run before they were kept had the recipe's bucket (the runs got the layout's keys)
+        kept = row.get("overrides", {"bucket_mb": cfg.dist.bucket_mb})
+        ran = pl.Layout(lay.strategy, lay.n, {**lay.overrides, **kept}, lay.label)
         _predicted(row, pl.predict_layout(ran, prof, cfg, link, on_this_machine=True, global_batch=None))
-    same_speed_errors(result["rows"])
+    if result.get("rounds") or all(len(r.get("measured_step_ms_all") or []) <= 1 for r in result["rows"]):
+        # (before "rounds" was kept, run r of two layouts need not share a round)
+        same_speed_errors(result["rows"], result.get("side_by_side"))
     result.update({"link": prof["links"], "choice": _choice(result["rows"], first.label if first else None),
                    "rescored": True})
     path.write_text(json.dumps(result, indent=1))
@@ -249,7 +264,8 @@ def _choice(rows: list[dict], first: str | None = None) -> dict:
     if not two:
         return {}
     chosen = next((r for r in two if r["label"] == first), None) or two[
-        pl.pick(two, lambda r: r["predicted_units_per_s"], lambda r: (r["n"], r["predicted_memory_bytes"]))]
+        pl.pick(two, lambda r: r["predicted_units_per_s"],
+                lambda r: (processes(r["n"], r.get("overrides")), r["predicted_memory_bytes"]))]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
     # plan.close_calls' rule among the layouts run at N = 2, each with its own measured error here (the
     # next plan weighs all its layouts, at every N, against its own recommendation); each band holds its
@@ -278,7 +294,7 @@ def markdown(result: dict) -> str:
              "Step parts in ms, predicted (compute + comm + bubble + optimizer) and measured on rank 0 "
              "(forward + backward + data, comm, idle, optimizer).", "",
              "| layout | N | predicted step ms | measured step ms | step error | runs ms (spread) | "
-             "step error at the round's one-device speed | "
+             "step error at the round's measured speed | "
              "predicted memory MiB | measured memory MiB | memory error | predicted parts | measured parts |",
              "|" + "---|" * 12]
     for r in result["rows"]:
@@ -322,10 +338,16 @@ def markdown(result: dict) -> str:
     paired = [r for r in result["rows"] if r["n"] <= 2 and math.isfinite(r.get("step_error_same_speed", math.nan))]
     if paired:
         worst = max(paired, key=lambda r: abs(r["step_error_same_speed"]))
-        lines += ["", f"At the one-device speed of each run's own round (the prediction times that round's measured "
-                      f"one-device step over the profile's; the error of the predicted slowdown from one device, "
-                      f"which the machine's own change of speed does not move), the step errors at N <= 2 are within "
-                      f"{100 * abs(worst['step_error_same_speed']):.1f}% (the largest: {worst['label']} at "
+        paced = result.get("side_by_side")
+        how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by that round's "
+               f"one-thread one-device runs side by side, measured again before it "
+               f"({', '.join(f'{x:.1f}' for x in paced['rounds_ms'])} ms), over the profile's "
+               f"({paced['profile_ms']:.1f} ms): the prediction with the compute it would have measured then"
+               if paced else
+               "the prediction times that round's measured one-device step over the profile's; the error of the "
+               "predicted slowdown from one device, which a uniform change of the machine's speed does not move")
+        lines += ["", f"At the machine's measured speed of each run's own round ({how}), the step errors at N <= 2 "
+                      f"are within {100 * abs(worst['step_error_same_speed']):.1f}% (the largest: {worst['label']} at "
                       f"{worst['n']}). The targets are judged on the step errors themselves."]
     return "\n".join(lines) + "\n"
 
@@ -355,24 +377,64 @@ def between_runs(row: dict) -> bool:
     return len(runs) >= 2 and min(runs) <= row["predicted_step_ms"] <= max(runs)
 
 
-def same_speed_errors(rows: list[dict]) -> list[dict]:
-    """Set each row's ``step_error_same_speed``: its step error with the prediction taken at the
-    machine's speed of the same round of runs (``--validate-repeats`` goes round the layouts, so run
-    r of every layout is in round r), the prediction times (the one-device ``single`` row's measured
+def side_by_side_ms(prof: dict) -> float | None:
+    """The profile's one-device step (ms: data, forward, backward, optimizer) of one-thread runs side by
+    side, one per core (:func:`~.profile_runs.loop_workloads`, ``workloads["1"]``): what each of N
+    processes computes on this machine's shared cores, which every N > 1 prediction here prices its
+    compute by. None where the profile has none (a GPU's, one core)."""
+    one = (prof.get("workloads") or {}).get("1") or {}
+    if prof.get("device") != "cpu" or not one.get("concurrent"):
+        return None
+    return 1000 * sum(one[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+
+
+def _side_by_side_now(args: argparse.Namespace, cfg, prof: dict, paced_ms: float) -> float:
+    """:func:`side_by_side_ms` measured again now, the profile's runs repeated (a third warm-up, about
+    ``--timed-seconds`` timed)."""
+    from .profile_runs import loop_workloads
+
+    steps = run_steps(args.validate_steps, paced_ms / 1000, args.timed_seconds)
+    got = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
+                         (1,), concurrent=prof["workloads"]["1"]["concurrent"])["1"]
+    return 1000 * sum(got[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+
+
+def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> list[dict]:
+    """Set each row's ``step_error_same_speed``: its step error at the machine's speed of the run's
+    own round. With ``side_by_side`` (``{"profile_ms", "rounds_ms"}``: the profile's one-thread runs
+    side by side, :func:`side_by_side_ms`, and the same runs repeated before each round of layouts),
+    an N > 1 row's prediction in round r has its work on the cores (the predicted compute, optimizer
+    and bubble parts) scaled by ``rounds_ms[r] / profile_ms``, and the error is the median over the
+    rounds of ``prediction_r / run r - 1``: the model's error with the compute it would have measured
+    then. Otherwise (no such measurement: a GPU's profile, a validation before 2026-11-28, N = 1), its
+    step error with the prediction taken at the machine's speed of the same round of runs
+    (``--validate-repeats`` goes round the layouts, so run r of every layout is in round r), the
+    prediction times (the one-device ``single`` row's measured
     step in that round / its predicted step, the profile's own measurement): the relative error of
     ``predicted / predicted_one`` against the median over the rounds of ``measured / measured_one``
-    (run r of the layout over the one-device run r). A change of the machine's speed between the
-    profile and the runs (:func:`machine_drift`) scales both steps of a round alike and cancels; what
-    remains is the error of the predicted slowdown from one device (the speedup's, inverted), and the
-    one-device run's own noise. NaN for the one-device row itself, a failed row, or without a
-    one-device row. Returns ``rows``."""
+    (run r of the layout over the one-device run r; the mean of the middle two of an even count). A
+    change of the machine's speed between the profile and the runs (:func:`machine_drift`) that
+    scales both steps of a round alike cancels (a uniform change: communication need not slow with
+    compute); what remains is the error of the predicted slowdown from one device (the speedup's,
+    inverted), and the one-device run's own noise. NaN for the one-device row itself, a failed row, or
+    without a one-device row. Returns ``rows``."""
     from .costmodel import relative_error
 
     one = next((r for r in rows if r["n"] == 1 and r["strategy"] == "single" and r["ok"]), None)
     base = (one or {}).get("measured_step_ms_all") or []
+    factors = ([x / side_by_side["profile_ms"] for x in side_by_side["rounds_ms"]]
+               if side_by_side and side_by_side.get("profile_ms") else [])
     for r in rows:
+        if r["n"] > 1 and r["ok"] and factors:
+            on_cores = sum(r.get("predicted_ms", {}).get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
+            errs = [(r["predicted_step_ms"] + (f - 1) * on_cores) / m - 1
+                    for m, f in zip(r.get("measured_step_ms_all") or [], factors)
+                    if m is not None and math.isfinite(m) and m > 0]
+            if errs:
+                r["step_error_same_speed"] = statistics.median(errs)
+                continue
         ratios = [m / s for m, s in zip(r.get("measured_step_ms_all") or [], base)
-                  if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and s > 0]
+                  if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and m > 0 and s > 0]
         ok = r is not one and r["ok"] and ratios and one["predicted_step_ms"] > 0
         r["step_error_same_speed"] = (relative_error(r["predicted_step_ms"] / one["predicted_step_ms"],
                                                      statistics.median(ratios)) if ok else math.nan)
