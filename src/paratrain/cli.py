@@ -180,9 +180,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "launch":
             return cmd_launch(args)
         if args.command in ("bench", "predict"):
-            from .bench import commands
+            from .bench import commands, predict_command
 
-            return commands.cmd_bench(args) if args.command == "bench" else commands.cmd_predict(args)
+            return commands.cmd_bench(args) if args.command == "bench" else predict_command.cmd_predict(args)
         if args.command == "plan":
             from .bench.plan_report import cmd_plan
 

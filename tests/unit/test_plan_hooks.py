@@ -190,7 +190,7 @@ def test_paratrain_predict_prices_each_bucket_by_the_measured_hook_at_each_n():
     import argparse
     from dataclasses import replace
 
-    from paratrain.bench.commands import _curve
+    from paratrain.bench.predict_command import _curve
     from paratrain.bench.costmodel import pick_bucket
 
     link = Link(name="x", alpha_s=1e-4, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)

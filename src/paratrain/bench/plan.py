@@ -212,9 +212,10 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         # a parameter server's messages go through the hosts' RPC (CPU tensors over TensorPipe) on any
         # cluster, not the devices' interconnect: the exchange measured on the profiled host bounds them
         links["rpc"] = exchange if on_this_machine else slower(link, exchange)
+    hook_cost = measured_hook(prof, on_this_machine)  # the casts and gloo's bf16 reduction
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap, overrides.get("comm_hook"),
-                                                      measured_hook(prof, on_this_machine), cfg.train.dtype))
+                                                      hook_cost, cfg.train.dtype))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
@@ -229,7 +230,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "meetings": meetings(prof, n) if shared_cores else None,
               "fsdp_units": prof.get("fsdp_units") if shared_cores else None,
               "zero1_step_s": prof.get("zero1_step_s") if shared_cores else None,
-              "bf16_hook": measured_hook(prof, on_this_machine),  # the casts and gloo's bf16 reduction
+              "bf16_hook": hook_cost,
               "fsdp_step_s": prof.get("fsdp_step_s") if shared_cores else None,
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,

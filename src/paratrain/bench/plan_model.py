@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from .costmodel import Link, Workload, pick_bucket
 from .costmodel_hooks import compress_hook_bucket_s, hook_payload_ratio
@@ -94,10 +94,9 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         bubble = max(0.0, pipelined - s * whole / stages)
         return _parts(p.step_s, compute, p.optimizer_s, bubble, p.words_per_s, replicas)
     d = replace_dist(cfg, **layout.overrides)
-    hook = layout.overrides.get("comm_hook", "none")
-    ww = replace(w, payload_ratio=hook_payload_ratio(cfg.train.dtype)) if hook in ("fp16", "bf16") else w
-    if hook == "bf16" and inputs.get("bf16_hook"):  # measured on this machine's CPUs: priced per bucket
-        inputs = {**inputs, "hook_bucket_s": compress_hook_bucket_s(n, inputs["bf16_hook"], compute_scale=s)}
+    ww, bucket_s = hooked(w, n, layout.overrides.get("comm_hook"), inputs.get("bf16_hook"), cfg.train.dtype, s)
+    if bucket_s is not None:  # measured on this machine's CPUs: priced per bucket
+        inputs = {**inputs, "hook_bucket_s": bucket_s}
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links, synchronous=cls.synchronous)
     optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0
@@ -125,7 +124,17 @@ def best_bucket(w: Workload, n: int, link: Link, compute_scale: float = 1.0, ove
     "bf16") 2 bytes an element of ``dtype`` on ``link`` (:func:`~.costmodel_hooks.hook_payload_ratio`),
     or for bf16 where ``measured_hook`` holds its cost measured here (``inputs["bf16_hook"]``) that
     cost per bucket (:func:`~.costmodel_hooks.compress_hook_bucket_s`)."""
+    w, bucket_s = hooked(w, n, hook, measured_hook, dtype, compute_scale)
+    return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)
+
+
+def hooked(w: Workload, n: int, hook: str | None, measured_hook: dict | None, dtype: str, compute_scale: float
+           ) -> tuple[Workload, Callable[[float], float] | None]:
+    """How a layout's compression ``hook`` is priced, for its step (:func:`step_parts`) and its bucket
+    (:func:`best_bucket`) alike: (the workload, 2 bytes an element of ``dtype`` on the link for "fp16"
+    and "bf16", :func:`~.costmodel_hooks.hook_payload_ratio`; a bucket's seconds where bf16's cost was
+    measured here, ``measured_hook``: :func:`~.costmodel_hooks.compress_hook_bucket_s`, else None)."""
     if hook in ("fp16", "bf16"):
         w = replace(w, payload_ratio=hook_payload_ratio(dtype))
-    bucket_s = compress_hook_bucket_s(n, measured_hook, compute_scale) if hook == "bf16" and measured_hook else None
-    return pick_bucket(w, n, link, "ring", compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)
+    measured = hook == "bf16" and measured_hook
+    return w, (compress_hook_bucket_s(n, measured_hook, compute_scale) if measured else None)
