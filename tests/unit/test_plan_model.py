@@ -415,6 +415,14 @@ def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores(
     assert side.step_s == pytest.approx(0.25 + 4 * 0.2 + 0.05)
     apart = predict_towers(W, 4, link, output_bytes=1e6, forward_side_by_side_s=0.25)  # own devices: ignored
     assert apart.step_s == pytest.approx(p.step_s)
+    # the forward measured with the join in it (profile version 26): the copy is not added again
+    copy = {"output_bytes": 1e6, "shared_cores": True, "copy_s": lambda b: 1e-5 + 2.5e-10 * b}
+    measured = predict_towers(W, 4, link, forward_side_by_side_s=0.25, joined=True, **copy)
+    assert measured.step_s == pytest.approx(0.25 + 4 * 0.2 + 0.05) and measured.exposed_comm_s == 0
+    alone = predict_towers(W, 4, link, forward_side_by_side_s=0.25, **copy)  # an older profile: forwards alone
+    assert alone.step_s == pytest.approx(0.25 + 4 * 0.2 + 0.05 + 0.00101)
+    unmeasured = predict_towers(W, 4, link, joined=True, **copy)  # no measured forward: the join is priced
+    assert unmeasured.step_s == pytest.approx(4 * 0.3 + 0.05 + 0.00101)
 
 
 def test_towers_forward_side_by_side_is_the_concurrent_one_thread_forward_times_n_over_cores():
@@ -439,10 +447,12 @@ def test_towers_forward_side_by_side_is_the_threads_measurement_where_the_profil
     assert towers_forward_s(prof, 1) is None
 
 
-def test_the_towers_forward_microbenchmark_runs_the_forwards_side_by_side_after_a_full_thread_step():
-    """Three forwards that each sleep 50 ms (a sleep, which a busy machine does not shorten) take
-    about 50 ms side by side, not 150 in a row; each runs in its own thread with one intra-op thread,
-    on its own replica; every step before them has the process' threads."""
+def test_the_towers_forward_microbenchmark_times_cpu_towers_forward_with_the_join_after_a_full_thread_step():
+    """Three towers whose forwards each sleep 50 ms (a sleep, which a busy machine does not shorten):
+    the timed loss runs through CPUTowers, so each tower gets its third of the batch in its own
+    thread, with its share of the intra-op threads, on its own replica, side by side (about 50 ms,
+    not 150 in a row), and the loss sees the joined outputs of the whole batch; every step before
+    them has the process' threads, and so does the caller after."""
     import threading
     import time
 
@@ -450,21 +460,36 @@ def test_the_towers_forward_microbenchmark_runs_the_forwards_side_by_side_after_
 
     from paratrain.bench.microbench_towers import measured_towers_forward
 
-    model = torch.nn.Linear(3, 3)
-    seen, steps = [], []
+    seen, steps, joined = [], [], []
 
-    def forward(module):
-        seen.append((threading.get_ident(), torch.get_num_threads(), id(module)))
-        time.sleep(0.05)
+    class Sleepy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            seen.append((threading.get_ident(), torch.get_num_threads(), id(self), x.shape[1]))
+            time.sleep(0.05)
+            return self.lin(x)
+
+    model = Sleepy()
+    x = torch.randn(4, 6, 3)  # batch dimension 1, as the LSTM's (T, B) inputs
+
+    def loss_of(engine):
+        y = engine(x)
+        joined.append(tuple(y.shape))
+        return y.sum()
 
     threads = torch.get_num_threads()
-    got = measured_towers_forward(model, forward, lambda: steps.append(torch.get_num_threads()), 3,
+    got = measured_towers_forward(model, loss_of, lambda: steps.append(torch.get_num_threads()), 3, 1,
                                   repeats=3, warmup=1)
     assert 0.05 <= got < 0.1
     assert steps == [threads] * 4 and torch.get_num_threads() == threads
-    assert {n for _, n, _ in seen} == {1}
-    assert len({m for _, _, m in seen}) == 3 and id(model) in {m for _, _, m in seen}
-    assert len({t for t, _, _ in seen[:3]}) == 3
+    assert joined == [(4, 6, 3)] * 4  # the loss on the joined outputs
+    assert {b for *_, b in seen} == {2}  # each tower its third of the batch
+    assert {n for _, n, _, _ in seen} == {max(1, threads // 3)}
+    assert len({m for _, _, m, _ in seen}) == 3 and id(model) in {m for _, _, m, _ in seen}
+    assert len({t for t, *_ in seen[:3]}) == 3
 
 
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
@@ -1383,7 +1408,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         measured = {processes: 0.03, towers: 0.01} if replicas == 2 else {processes: 0.085}
         return {k: v for k, v in measured.items() if k not in failing}
 
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress: {
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "buffer_bytes": 920, "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
                                        "optimizer_s": 0.002}}})
@@ -1477,7 +1502,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     calls = []
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress: {
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
         "device": "cpu", "cores": cores, "default_threads": cores, "batchnorm_inputs": [], "buffer_bytes": 920,
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
                                               "optimizer_s": 0.0005}}})

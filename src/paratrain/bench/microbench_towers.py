@@ -68,36 +68,31 @@ def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int =
     return total
 
 
-def measured_towers_forward(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
-                            step: Callable[[], None], towers: int, *, repeats: int = 5, warmup: int = 2) -> float:
-    """Seconds of ``towers`` forwards of one replica's batch side by side in threads of this process,
-    each thread with one intra-op thread, right after a training step at this process' threads: what
-    CPU towers (:class:`~paratrain.strategies.towers.CPUTowers`) run on this machine's cores, in the
-    same threads (:func:`~paratrain.strategies.towers.run_threads`, tower 0 in this thread) and after
-    the same full-thread backward and optimizer step. ``forward(module)``: one replica's loss through
-    ``module`` (kept until the thread ends, as a tower's graph is); ``step()``: one training step of
-    ``model``. Median of ``repeats`` after ``warmup``. Processes of one thread each, the profile's
-    other measurement of a side-by-side forward, were up to 30% faster than these threads here (ptb_small:
-    38 against 46-53 ms), which the towers' prediction must not assume."""
-    from ..strategies.towers import run_threads, shallow_replica
+def measured_towers_forward(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module], Any],
+                            step: Callable[[], None], towers: int, batch_dim: int, *, repeats: int = 5,
+                            warmup: int = 2) -> float:
+    """Seconds of the training loop's forward of ``towers`` CPU towers, right after a training step
+    at this process' threads: ``loss_of(engine)``, the loss of the towers' whole batch (``towers``
+    replicas' batches) through :class:`~paratrain.strategies.towers.CPUTowers` around ``model``,
+    split along ``batch_dim``. That is what ``replicate`` times as its forward: the buffers copied
+    to the replicas, the split, each tower's forward side by side in a thread with its share of
+    the intra-op threads under its own random generator, the join of their outputs and the loss on
+    the joined outputs with every thread. ``step()``: one training step of ``model``. Median of
+    ``repeats`` after ``warmup``; every thread the towers start ends before it returns.
 
-    replicas = [model] + [shallow_replica(model) for _ in range(towers - 1)]
-    threads = torch.get_num_threads()
+    The towers' forwards alone, each with its own loss in its thread (this measurement until
+    profile version 26), were 25-40% under the loop's forward on a 2-vCPU Xeon (gpt_wt2: 420 against
+    585 ms; 2026-11-28): the join, the loss on the joined logits and the towers' per-operation
+    random-generator mode were left out. Processes of one thread each were up to 30% under the
+    threads (ptb_small: 38 against 46-53 ms)."""
+    from ..strategies.towers import CPUTowers
 
-    def tower(module: torch.nn.Module) -> Callable[[], None]:
-        def call() -> None:
-            torch.set_num_threads(1)
-            forward(module)
-        return call
-
+    engine = CPUTowers(model, towers, batch_dim, torch.get_num_threads())
     times = []
     for i in range(warmup + repeats):
         step()
         start = time.perf_counter()
-        try:
-            run_threads([tower(m) for m in replicas])
-        finally:  # tower 0 ran in this thread: the next step gets every thread back
-            torch.set_num_threads(threads)
+        loss_of(engine)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

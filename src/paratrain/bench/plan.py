@@ -235,6 +235,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
+              # a profile since version 26 measured the towers' join and loss in their forward
+              "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined")),
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
               # CPU's on a preset (this machine's CPU rows price it between two processes: zero1_step_s, fsdp_units)
               "one_rank_s": (None if shared_cores else (prof.get("loop_one_rank_s") or {}).get(layout.strategy))}

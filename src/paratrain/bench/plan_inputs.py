@@ -156,9 +156,11 @@ def meetings(prof: dict, n: int) -> list | None:
 
 def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
     """Seconds of n CPU towers' forwards side by side on this machine's cores, each tower thread with
-    its share of the threads: the profile's ``cores`` forwards side by side in threads of one process
-    after a training step (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`;
-    from an older profile, its one-thread forward measured ``concurrent`` = cores processes at once),
+    its share of the threads: the profile's forward of ``cores`` towers after a training step
+    (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`; since version
+    26 ``joined``: with the join of their outputs and the loss on it; before, the towers' forwards
+    alone; from an older profile still, its one-thread forward measured ``concurrent`` = cores
+    processes at once),
     times n / cores (n >= cores: each core runs n / cores towers in turn), the batch scaled by
     ``ratio``. None where neither was measured or n < cores (towers of several threads each)."""
     got = prof.get("towers_forward_threads")

@@ -7,6 +7,7 @@ and how many steps a run of the profile or of ``--validate`` takes (:func:`run_s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -32,6 +33,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     from ..consistency import config_text
     from ..env import available_cores
+    from ..runs import build_task
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import sends_buffers
@@ -52,7 +54,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 bar.set_postfix_str(what)
                 bar.update(min(1, phases - bar.n))
 
-            prof = profile_model(task, cfg, progress=progress)
+            prof = profile_model(task, cfg, progress=progress, towers_task=lambda batch: build_task(
+                dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch)), args.data_dir,
+                world_size=1))
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())

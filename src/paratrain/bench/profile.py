@@ -49,8 +49,10 @@ cores, between two towers of one process (``tower_sync_batchnorm_s``,
 Each layer's meetings there follow the compute that precedes them in the step: the step's forward and
 backward, split evenly over the BatchNorm calls (for towers, their forwards side by side, below).
 Every meeting pair of a layer pays the ranks' drift over that compute, not only the layer's first.
-On a CPU of several cores, one forward per core side by side in this process' threads, right after a
-training step, as CPU towers run them (``towers_forward_threads``, :func:`~.microbench_towers.measured_towers_forward`).
+On a CPU of several cores, the forward of one tower per core as the training loop runs it, right after a
+training step: :class:`~paratrain.strategies.towers.CPUTowers` on every tower's batch, the join of their
+outputs and the loss on it included (``towers_forward_threads``, ``joined``,
+:func:`~.microbench_towers.measured_towers_forward`).
 
 :func:`~.profile_cache.cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
@@ -167,10 +169,12 @@ def _memory_peak(model, optimizer, step: Callable[[], None]) -> dict[str, float]
 
 
 def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Callable[[str], None] = print,
-                  links: bool = True) -> dict[str, Any]:
+                  links: bool = True, towers_task: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Measure the task's model on one device (see the module). ``task``: built for one rank
-    holding the whole global batch (``build_task(..., world_size=1)``). ``progress(what)`` is told
-    of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
+    holding the whole global batch (``build_task(..., world_size=1)``). ``towers_task(batch)``: the
+    same task built for one rank holding a global batch of ``batch``, for CPU towers' forward (None:
+    not measured; the plan then prices the towers' forwards one after the other). ``progress(what)``
+    is told of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
     import platform
 
     from ..consistency import config_text
@@ -276,12 +280,19 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
                 out[key] = measured_sharded_step(modelled(cost_model)[0], list(model.parameters()), optimizer,
                                                  threads=default_threads(2, out["cores"]))
-    if device.type == "cpu" and out["cores"] > 1:  # CPU towers: one forward per core, in this process' threads
+    if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
         from .microbench_towers import measured_towers_forward
 
-        progress("CPU towers' forwards side by side")
-        out["towers_forward_threads"] = {"towers": out["cores"], "seconds": measured_towers_forward(
-            model, lambda m: loss_fn(draw(), m), one_step, out["cores"])}
+        progress("CPU towers' forward")
+        whole = towers_task(out["cores"] * cfg.train.batch_size)  # every tower's batch, in one process
+        first = next(iter(whole.train_steps(0, 0)))
+        batches = [_to(mb, device) for mb in first.micro_batches]
+
+        def loss_of(engine: torch.nn.Module) -> torch.Tensor:
+            return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
+
+        out["towers_forward_threads"] = {"towers": out["cores"], "joined": True, "seconds": measured_towers_forward(
+            model, loss_of, one_step, out["cores"], task.batch_dim)}
     return out
 
 
