@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 
 PROFILE_VERSION = 26  # 26: a CPU's towers_forward_threads is CPUTowers' forward with its join and loss
-# ("joined"; was: the towers' forwards alone, each with its own loss); 25: a CPU's bf16_hook (DDP's bf16 compression hook between 2 ranks);
+# ("joined"; was: the towers' forwards alone, each with its own loss);
+# 25: a CPU's bf16_hook (DDP's bf16 compression hook between 2 ranks);
 # 24: a CPU's ps_round_trips_loaded_4 (the same exchange among 4 workers);
 # 23: a CPU's ps_round_trips_loaded (an async PS exchange among computing workers)
 # and fsdp_step_s (FSDP2's optimizer step between 2 ranks); 22: a CPU's loop_one_rank_s too (for presets);
