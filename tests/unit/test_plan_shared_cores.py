@@ -159,22 +159,26 @@ class SlowAsyncSGD(torch.optim.SGD):
 def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges():
     """Two workers and a server in three processes: the idle phase's mean and one mean per stretch of
     compute, in order; each exchange holds the server's update (30 ms slower here: a sleep a busy
-    machine does not shorten). The workers' compute between exchanges keeps a core busy for its
-    stretch; the counts follow the exchange's estimate."""
-    from paratrain.bench.microbench_rpc import _compute_for, _exchanges, measured_ps_round_trips_loaded
+    machine does not shorten); and for each stretch what the compute took longer among exchanges
+    than side by side (at least 0). The workers' compute is a fixed number of products, which a
+    busy core stretches; the counts follow the exchange's estimate."""
+    from paratrain.bench.microbench_rpc import _exchanges, _products, _products_per_s, measured_ps_round_trips_loaded
 
     assert _exchanges(0.001, 150) == 150 and _exchanges(0.016, 150) == 56 and _exchanges(0.064, 150) == 20
     assert _exchanges(0.0, 150, exchange_s=0.02) == 50  # a larger model's slower exchange: fewer of them
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    _compute_for(0.05, torch.randn(64, 64))
-    # computing, not sleeping: a sleep takes microseconds of CPU; a busy 2-core machine may give this process
-    # under half of the 0.05 s (22 ms of 63 in a fresh-clone run with a core kept busy, 2026-11-27)
-    assert time.perf_counter() - t0 >= 0.05 and time.process_time() - cpu0 >= 0.01
+    a = torch.randn(64, 64)
+    per_s = _products_per_s(a)
+    cpu0 = time.process_time()
+    took = _products(round(0.05 * per_s), a)
+    # computing, not sleeping: a sleep takes microseconds of CPU; a busy 2-core machine may stretch the
+    # wall time, so the CPU time is bounded below only loosely
+    assert took > 0 and time.process_time() - cpu0 >= 0.01
     params = [torch.nn.Parameter(torch.randn(100, 10))]
     got = measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.001, 0.002),
                                          exchanges=20, warmup=1, timeout_s=240)
-    assert [c for c, _ in got["points"]] == [0.001, 0.002]
+    assert [c for c, _ in got["points"]] == [0.001, 0.002] and [c for c, _ in got["stolen"]] == [0.001, 0.002]
     assert 0.03 <= got["idle_s"] < 0.5 and all(0.03 <= s < 0.5 for _, s in got["points"])
+    assert all(0 <= s < 0.5 for _, s in got["stolen"])
     with pytest.raises(UsageError):
         measured_ps_round_trips_loaded(params, SlowAsyncSGD(params, lr=0.5), computes=(0.0,))
 
@@ -217,3 +221,57 @@ def test_an_async_ps_layout_reads_the_exchange_measured_with_its_number_of_worke
     # at N = 4 the compute stretch is above the last point (0.064 s): both tables' last values, 48.5 - 26.1 ms
     last2 = v23["ps_round_trips_loaded"]["points"][-1][1]
     assert step(v24, 4) - step(v23, 4) == pytest.approx(0.0485 - last2, rel=1e-9)
+
+
+def test_a_towers_forward_measured_with_its_join_prices_no_join_copy_on_this_machine():
+    """plan.predict_layout on a stored profile (gpt_wt2, version 25: the towers' forwards alone,
+    its logits joined by a measured memory copy): marked ``joined`` (version 26),
+    the towers' forward is the measurement, the join's copy is not added to it again; on another
+    cluster (own devices) the measurement is not used, joined or not."""
+    import json
+    from pathlib import Path
+
+    from paratrain.bench.costmodel import PRESETS
+    from paratrain.bench.costmodel_sharded import copy_seconds
+    from paratrain.bench.plan import Layout, predict_layout
+    from paratrain.config import load
+
+    root = Path(__file__).resolve().parents[2]
+    v25 = json.loads((root / "benchmarks" / "results" / "plan-xeon" / "gpt_wt2-v25d" / "profile.json").read_text())
+    v26 = {**v25, "towers_forward_threads": {**v25["towers_forward_threads"], "joined": True}}
+    cfg = load(str(root / "configs" / "gpt_wt2.toml"), [])
+    link = Link(name="measured", **v25["links"]["all_reduce"])
+
+    def row(prof, n, on_this_machine=True, at=link):
+        return predict_layout(Layout("replicate", n, {}, "replicate (towers)"), prof, cfg, at,
+                              on_this_machine=on_this_machine, global_batch=None)
+
+    join = copy_seconds(v25["memory_copy"])(2 * v25["output_bytes"])
+    assert join > 0.05  # gpt_wt2's logits: a copy of about a tenth of its step
+    assert row(v25, 2)["step_s"] - row(v26, 2)["step_s"] == pytest.approx(join, rel=1e-9)
+    assert row(v26, 2)["comm_s"] == pytest.approx(0, abs=1e-12)
+    assert row(v25, 2)["comm_s"] == pytest.approx(join, rel=1e-9)
+    assert row(v26, 2)["compute_s"] == row(v25, 2)["compute_s"]  # the same measured forward
+    for n in (2, 8):  # own devices: the links' formula, whichever the profile measured
+        assert row(v26, n, False, PRESETS["nvlink"])["step_s"] == row(v25, n, False, PRESETS["nvlink"])["step_s"]
+
+
+def test_an_async_workers_compute_among_exchanges_is_the_measured_stolen_time_linear_and_flat_outside():
+    """plan_ps.ps_compute_stolen_s against hand computation, and predict_ps: the stolen seconds join
+    an async worker's compute and step at n > 1, not a synchronous PS's, not one device's."""
+    from paratrain.bench.plan_ps import predict_ps, ps_compute_stolen_s
+
+    loaded = {**LOADED, "stolen": [[0.001, 1e-3], [0.004, 1.6e-3], [0.016, 2.2e-3]]}
+    assert ps_compute_stolen_s(loaded, 0.0025) == pytest.approx(1.3e-3, rel=1e-12)  # halfway: 1 + 0.6 / 2 ms
+    assert ps_compute_stolen_s(loaded, 0.010) == pytest.approx(1.9e-3, rel=1e-12)
+    assert ps_compute_stolen_s(loaded, 0.0005) == pytest.approx(1e-3) and ps_compute_stolen_s(loaded, 1.0) == 2.2e-3
+    assert ps_compute_stolen_s(LOADED, 0.01) == 0.0 and ps_compute_stolen_s(None, 0.01) == 0.0  # not measured
+    with pytest.raises(UsageError):
+        ps_compute_stolen_s({"stolen": [[0.0, 1e-3]]}, 0.01)
+    plain = predict_ps(W, 2, 1, LINK, synchronous=False)
+    stolen = predict_ps(W, 2, 1, LINK, synchronous=False, stolen_s=2e-3)
+    assert stolen.step_s - plain.step_s == pytest.approx(2e-3, rel=1e-9)
+    assert stolen.compute_s - plain.compute_s == pytest.approx(2e-3, rel=1e-9)
+    one = [predict_ps(W, 1, 1, LINK, synchronous=False, stolen_s=x).step_s for x in (2e-3, 0.0)]
+    assert one[0] == one[1]  # one worker: no other exchanges
+    assert predict_ps(W, 2, 1, LINK, stolen_s=2e-3).step_s == predict_ps(W, 2, 1, LINK).step_s  # synchronous

@@ -176,14 +176,27 @@ IDLE_SLEEP_S = 0.004
 """The sleep between exchanges of its baseline phase: the same exchanges with no core taken."""
 
 
-def _compute_for(seconds: float, a: torch.Tensor) -> None:
-    """Keep this process' intra-op threads busy for ``seconds`` (products of ``a``, a worker's compute;
-    a 64 x 64 product takes some microseconds, so the stretch ends within them of ``seconds``)."""
+def _products_per_s(a: torch.Tensor, count: int = 200) -> float:
+    """Products of ``a`` per second that this process computes now (after ``count`` // 4 to warm up)."""
     import time
 
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    for _ in range(count // 4):
         torch.mm(a, a)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        torch.mm(a, a)
+    return count / max(time.perf_counter() - t0, 1e-9)
+
+
+def _products(k: int, a: torch.Tensor) -> float:
+    """Seconds that ``k`` products of ``a`` take here now: a fixed amount of work, which takes longer
+    while other processes' threads hold this core."""
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(k):
+        torch.mm(a, a)
+    return time.perf_counter() - t0
 
 
 def _exchanges(stretch_s: float, most: int, exchange_s: float = 0.002, seconds: float = 1.0) -> int:
@@ -211,9 +224,11 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
                     exchange_s: float, warmup: int, timeout_s: float) -> None:
     """One of ``workers`` + 1 RPC agents (:func:`~.microbench.run_ranks`): rank 0 serves one asynchronous
     :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, phase by phase (a barrier
-    before each, :func:`_meet`), sleep :data:`IDLE_SLEEP_S` and then, for each stretch c in
-    ``computes``, compute for c, before each exchange with it (push, update, answer, load),
-    ``warmup`` + :func:`_exchanges` times, timing the exchanges (:func:`measured_ps_round_trips_loaded`).
+    before each, :func:`_meet`), sleep :data:`IDLE_SLEEP_S` before each exchange with it (push,
+    update, answer, load), and then, for each stretch c in ``computes``, compute the products that
+    took each worker c seconds when it started (:func:`_products_per_s`), first with no exchange
+    (the workers side by side) and then before each exchange, ``warmup`` + :func:`_exchanges` times
+    each, timing the exchanges and both phases' compute (:func:`measured_ps_round_trips_loaded`).
     Each worker writes its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
     import time
 
@@ -225,27 +240,46 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
             rpc_api.register(ShardServer(0, workers, "async", timeout_s=timeout_s))
             rpc_api.init_shard(0, _zeros(shapes), opt_cls, defaults)
         _start_rpc(rank, workdir, threads, timeout_s, world_size=workers + 1)
-        phases = [(False, IDLE_SLEEP_S)] + [(True, c) for c in computes]  # (computes?, seconds between)
         if rank > 0:
             params, grads = _worker_tensors(shapes)
             a = torch.randn(64, 64)
-            version, times = 0, []
-            for phase, (computes_between, c) in enumerate(phases):
-                _meet(workdir, phase, rank, workers, timeout_s)
-                got = []
-                for i in range(warmup + _exchanges(c, exchanges, exchange_s)):
-                    _compute_for(c, a) if computes_between else time.sleep(c)
-                    t0 = time.perf_counter()
-                    version = _exchange("agent0", rank - 1, version, params, grads, defaults.get("lr"))
-                    if i >= warmup:
-                        got.append(time.perf_counter() - t0)
-                times.append(got)
-            (Path(workdir) / f"times-{rank}.json").write_text(json.dumps(times))
+            per_s = _products_per_s(a)
+            version, times, alone, loaded = 0, [], [], []
+
+            def exchange() -> float:
+                nonlocal version
+                t0 = time.perf_counter()
+                version = _exchange("agent0", rank - 1, version, params, grads, defaults.get("lr"))
+                return time.perf_counter() - t0
+
+            _meet(workdir, 0, rank, workers, timeout_s)
+            got = []
+            for i in range(warmup + _exchanges(IDLE_SLEEP_S, exchanges, exchange_s)):
+                time.sleep(IDLE_SLEEP_S)
+                got.append(exchange())
+            times.append(got[warmup:])
+            for phase, c in enumerate(computes):
+                k, count = max(1, round(c * per_s)), warmup + _exchanges(c, exchanges, exchange_s)
+                _meet(workdir, 2 * phase + 1, rank, workers, timeout_s)
+                alone.append([_products(k, a) for _ in range(count)][warmup:])
+                _meet(workdir, 2 * phase + 2, rank, workers, timeout_s)
+                got, busy = [], []
+                for _ in range(count):
+                    busy.append(_products(k, a))
+                    got.append(exchange())
+                times.append(got[warmup:])
+                loaded.append(busy[warmup:])
+            (Path(workdir) / f"times-{rank}.json").write_text(json.dumps([times, alone, loaded]))
 
         def result() -> dict:  # rank 0, after rpc.shutdown: every worker has written its times
             got = [json.loads((Path(workdir) / f"times-{r}.json").read_text()) for r in range(1, workers + 1)]
-            means = [statistics.fmean(t for w in got for t in w[i]) for i in range(len(phases))]
-            return {"idle_s": means[0], "points": [[c, m] for c, m in zip(computes, means[1:])]}
+
+            def means(part: int) -> list[float]:
+                return [statistics.fmean(t for w in got for t in w[part][i]) for i in range(len(got[0][part]))]
+
+            exchanged = means(0)
+            return {"idle_s": exchanged[0], "points": [[c, m] for c, m in zip(computes, exchanged[1:])],
+                    "stolen": [[c, max(0.0, b - a)] for c, a, b in zip(computes, means(1), means(2))]}
 
         _stop_rpc(rank, workdir, result)
     except BaseException:
@@ -260,19 +294,26 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
                                    computes: Sequence[float] = LOADED_COMPUTE_S, exchanges: int = 150,
                                    exchange_s: float = 0.002, warmup: int = 5,
                                    timeout_s: float = 300.0) -> dict:
-    """``{"idle_s": s, "points": [[c, seconds], ...]}``: the mean seconds of one ``ps-async`` worker's
-    exchange (:func:`measured_ps_round_trip`'s: push, the server's update, answer, load) while
-    ``workers`` workers share this machine's cores with their server, each computing for c seconds
-    (products of a 64 x 64 matrix at ``threads`` intra-op threads) between its exchanges, for each c
-    in ``computes``; ``idle_s``, the same workers' mean exchange when they sleep
+    """``{"idle_s": s, "points": [[c, seconds], ...], "stolen": [[c, seconds], ...]}``: the mean
+    seconds of one ``ps-async`` worker's exchange (:func:`measured_ps_round_trip`'s: push, the
+    server's update, answer, load) while ``workers`` workers share this machine's cores with their
+    server, each computing about c seconds (the products of a 64 x 64 matrix at ``threads`` intra-op
+    threads that took it c seconds at its start) between its exchanges, for each c in ``computes``;
+    ``stolen``, what that compute took longer then than the same products of the same workers side
+    by side with no exchanges (the mean, at least 0): the cores that the other workers' exchanges and
+    the server's answers hold while a worker computes (:func:`~.plan_ps.ps_compute_stolen_s`);
+    ``idle_s``, the same workers' mean exchange when they sleep
     :data:`IDLE_SLEEP_S` between exchanges instead (no core taken: what their exchanges meeting at
     the server and a mean's tail add to one worker's median exchange alone, apart from the cores'
     contention; a diagnostic, :func:`~.plan_ps.ps_exchange_wait_s`). ``workers`` + 1 local processes
     (:func:`~.microbench.run_ranks`), the workers starting each phase together; about 1 s of
     exchanges timed per worker and phase (20 to ``exchanges``, at ``exchange_s`` an exchange, the
-    idle one's estimate) after ``warmup``: about 7 s in all for a small model. The mean, not the
+    idle one's estimate) after ``warmup``: about 11 s in all for a small model. The mean, not the
     median: the exchanges that wait for a core are a long tail, and a worker's steps add them all
-    up. On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange (96 KB each way) took 1.4-1.8 ms
+    up. Until profile version 27 the workers computed for c seconds by the clock, so a stretch
+    held less work where exchanges took its core, and ``stolen`` was not measured: digits_cnn's
+    two ps-async workers computed 1.4-2.0 ms more a step in training than the plan's 4.4-6.3 ms
+    (2026-11-28). On the 2-vCPU Xeon on 2026-11-27, digits_cnn's exchange (96 KB each way) took 1.4-1.8 ms
     with one worker (median), a mean of 1.9 ms with two that slept between exchanges, and a mean of
     2.7-3.2 ms after 1-4 ms of compute and 3.3-4.1 ms after 64 ms with two workers computing: what
     two ``ps-async`` workers' steps measured in training (3.0-3.3 ms), and what
@@ -286,7 +327,8 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
                          f"got workers={workers}, computes={list(computes)}")
     shapes, defaults = _ps_spec(params, optimizer)
     estimate = sum((warmup + _exchanges(c, exchanges, exchange_s)) * (c + exchange_s)
-                   for c in (IDLE_SLEEP_S, *computes))
+                   for c in (IDLE_SLEEP_S, *computes)) + sum((warmup + _exchanges(c, exchanges, exchange_s)) * c
+                                                             for c in computes)  # the side-by-side phases
     timeout_s = max(timeout_s, 3 * estimate)
     return run_ranks(_ps_loaded_main, workers + 1, (shapes, type(optimizer), defaults, workers, threads,
                                                    tuple(computes), exchanges, exchange_s, warmup, timeout_s),

@@ -108,8 +108,23 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
     return max(0.0, mean(compute_s) - idle_s)
 
 
+def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
+    """Seconds longer that one ``ps-async`` worker's ``compute_s`` of compute takes among workers
+    that exchange with their server on the same cores than side by side with none: the threads of
+    the other workers' exchanges, the server's handlers and its update hold a core the worker
+    computes on. ``loaded["stolen"]``: measured after each stretch c of compute
+    (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`, since profile version 27), linear in c
+    between the points and the nearest end's value outside them (the cores an exchange takes are
+    bounded by the exchange, not the stretch). 0 without it (a GPU's profile, an older one, a
+    preset: each worker on its own machine). Raises UsageError for malformed points."""
+    if not loaded or not loaded.get("stolen"):
+        return 0.0
+    return piecewise(loaded["stolen"], "ps_round_trips_loaded stolen", "compute seconds",
+                     proportional_above=False)(compute_s)
+
+
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
-                  wait_s: float = 0.0) -> tuple[float, float]:
+                  wait_s: float = 0.0, stolen_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers: each worker steps on its own, so the rate is the smaller of the workers'
     (n / (local + push + pull + update + wait), :func:`~.costmodel_ps.ps_step_s` of one worker) and the
@@ -118,17 +133,19 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     P/k for an even split of P; Li et al. 2014). ``update_s``: seconds the busiest server spends
     applying its shard of one update (:func:`ps_update_s`); a worker's push waits for it, and it
     bounds that server. ``wait_s``: what each exchange waits beyond the link's price for cores the
-    other workers compute on (:func:`ps_exchange_wait_s`), in the worker's step only."""
+    other workers compute on (:func:`ps_exchange_wait_s`), in the worker's step only; ``stolen_s``: what
+    its compute takes longer for the cores the others' exchanges hold (:func:`ps_compute_stolen_s`),
+    likewise."""
     nbytes = sum(w.param_bytes)
     largest = ps_largest_shard_bytes(w.param_bytes, k)
-    worker_step = w.local_s() + ps_step_s(nbytes, 1, k, link, largest) + update_s + wait_s
+    worker_step = w.local_s() + stolen_s + ps_step_s(nbytes, 1, k, link, largest) + update_s + wait_s
     server_update = largest * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
 
 
 def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = True, update_s: float = 0.0,
-               wait_s: float = 0.0, compute_scale: float = 1.0) -> Prediction:
+               wait_s: float = 0.0, stolen_s: float = 0.0, compute_scale: float = 1.0) -> Prediction:
     """One step of n workers and k parameter servers (Li et al. 2014, "Scaling Distributed Machine
     Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
     messages (:func:`ps_message_link`); ``update_s``: the busiest server's update of its shard
@@ -140,13 +157,14 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
     device: local + its optimizer. Asynchronous: each worker steps on its own, and the job's rate is
     :func:`ps_async_rate`'s (``wait_s``: what each exchange waits among computing workers,
-    :func:`ps_exchange_wait_s`), reported as n replicas each taking ``n / rate`` seconds a step (the
-    staleness it implies, about n - 1 versions, is the plan's to show). What processes that meet pay
-    beyond this (a synchronous PS's wait for its last worker, synchronised BatchNorm) is
-    :func:`~.strategy_model.sync_overhead_s`'s. (``paratrain predict --algorithm ps`` prices an
-    all-reduce strategy's gradients through k servers with :func:`~.costmodel.predict` instead: the
-    workers step their own optimizer and no server update is measured.) Raises UsageError for n or
-    k < 1."""
+    :func:`ps_exchange_wait_s`; ``stolen_s``: what each worker's compute takes longer among exchanging
+    workers, :func:`ps_compute_stolen_s`, part of its compute), reported as n replicas each taking
+    ``n / rate`` seconds a step (the staleness it implies, about n - 1 versions, is the plan's to
+    show). What processes that meet pay beyond this (a synchronous PS's wait for its last worker,
+    synchronised BatchNorm) is :func:`~.strategy_model.sync_overhead_s`'s. (``paratrain predict
+    --algorithm ps`` prices an all-reduce strategy's gradients through k servers with
+    :func:`~.costmodel.predict` instead: the workers step their own optimizer and no server update
+    is measured.) Raises UsageError for n or k < 1."""
     _check_n(n, "workers")
     _check_n(k, "servers")
     s = compute_scale
@@ -157,5 +175,6 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
                           + update_s if n > 1 else optimizer)
         return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
-    rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0)
-    return prediction(w, n, n / rate, compute, "ps", optimizer_s=0.0)
+    stolen = stolen_s if n > 1 else 0.0
+    rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0, stolen)
+    return prediction(w, n, n / rate, compute + stolen, "ps", optimizer_s=0.0)

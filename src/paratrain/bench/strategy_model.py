@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .costmodel import Link, Prediction, Workload, predict, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
 from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
-from .plan_ps import predict_ps, ps_busiest_share, ps_exchange_wait_s, ps_update_s
+from .plan_ps import predict_ps, ps_busiest_share, ps_compute_stolen_s, ps_exchange_wait_s, ps_update_s
 from .straggler import straggle_s
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS = (
@@ -218,7 +218,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (:func:`~.costmodel_hooks.compress_hook_bucket_s`), in place of ``link``'s all-reduce of its payload.
     The parameter server's inputs: ``inputs["ps_update_s"]`` (:func:`~.plan_ps.ps_update_s`),
     ``inputs["ps_loaded"]`` and ``inputs["ps_round_trip_s"]`` (an asynchronous worker's exchange among
-    computing workers, :func:`~.plan_ps.ps_exchange_wait_s`). ``inputs["memory_copy"]``: measured
+    computing workers, :func:`~.plan_ps.ps_exchange_wait_s`, and its compute among exchanging workers,
+    :func:`~.plan_ps.ps_compute_stolen_s`). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
     holds it), FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
@@ -260,12 +261,13 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
                        bucket_s=inputs.get("hook_bucket_s"))
     if model == PS:
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
-        wait = (ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute)
-                if n > 1 and not synchronous else 0.0)
+        among = n > 1 and not synchronous  # an async worker among others on these cores
+        wait = ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute) if among else 0.0
+        stolen = ps_compute_stolen_s(inputs.get("ps_loaded"), compute) if among else 0.0
         share = ps_busiest_share(w.param_bytes, d.num_ps)
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
-                          wait_s=wait, compute_scale=compute_scale)
+                          wait_s=wait, stolen_s=stolen, compute_scale=compute_scale)
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
