@@ -67,6 +67,14 @@ def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_excha
     sync = SimpleNamespace(cost_model=PS, synchronous=True)  # ps-sync's workers exchange together
     assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_loaded": LOADED}) == step_parts(
         sync, lay, W, LINK, Config(), inputs)
+    # what the others' exchanges take of its 8 ms of compute (1.9 ms, between the 4 and 16 ms points) is compute
+    stolen = {**LOADED, "stolen": [[0.004, 1.6e-3], [0.016, 2.5e-3]]}
+    robbed = step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen})
+    assert robbed["step_s"] == pytest.approx(loaded["step_s"] + 1.9e-3, rel=1e-12)
+    assert robbed["compute_s"] == pytest.approx(loaded["compute_s"] + 1.9e-3, rel=1e-12)
+    assert robbed["comm_s"] == pytest.approx(loaded["comm_s"], rel=1e-12)
+    assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen}) == step_parts(
+        sync, lay, W, LINK, Config(), inputs)
 
 
 def test_fsdps_measured_step_replaces_its_optimizer_share_and_the_norms_collective():

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from .costmodel import Link, Workload, pick_bucket
 from .costmodel_hooks import compress_hook_bucket_s, hook_payload_ratio
 from .costmodel_pipeline import pipeline_schedule_s, stage_microbatch_s
-from .strategy_model import RING, STAGES, TOWERS, predict_model
+from .strategy_model import PS, RING, STAGES, TOWERS, predict_model
 
 
 @dataclass
@@ -102,6 +102,8 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer
+    elif model == PS and not cls.synchronous:  # an async worker's: with what the others' exchanges take of it
+        compute = p.compute_s
     return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
 
 

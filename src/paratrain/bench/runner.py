@@ -56,7 +56,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | str | None = None) -> tuple[int, float]:
     """Run ``cmd`` in its own process group with output to ``log``; kill it and everything below it
-    on timeout.
+    on timeout, and when this process is interrupted while it runs (Ctrl-C, or SIGTERM raised as an
+    exception: ``paratrain``'s handler), before the interrupt goes on: the run's own session does not
+    get the terminal's or the caller's signal, so it would outlive ``paratrain plan`` or ``bench``.
 
     Returns (exit code, wall seconds); exit code 124 means timed out.
     """
@@ -71,4 +73,7 @@ def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | 
         except subprocess.TimeoutExpired:
             kill_tree(proc)
             rc = 124
+        except BaseException:  # interrupted here: end the run and everything below it too
+            kill_tree(proc)
+            raise
     return rc, time.perf_counter() - t0
