@@ -176,16 +176,19 @@ IDLE_SLEEP_S = 0.004
 """The sleep between exchanges of its baseline phase: the same exchanges with no core taken."""
 
 
-def _products_per_s(a: torch.Tensor, count: int = 200) -> float:
-    """Products of ``a`` per second that this process computes now (after ``count`` // 4 to warm up)."""
+def _products_per_s(a: torch.Tensor, windows: int = 5, count: int = 100) -> float:
+    """Products of ``a`` per second that this process computes now: the best of ``windows`` windows of
+    ``count`` products each (after one to warm up), so that one preemption does not set the rate."""
     import time
 
-    for _ in range(count // 4):
-        torch.mm(a, a)
-    t0 = time.perf_counter()
-    for _ in range(count):
-        torch.mm(a, a)
-    return count / max(time.perf_counter() - t0, 1e-9)
+    best = 0.0
+    for w in range(windows + 1):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, a)
+        if w:
+            best = max(best, count / max(time.perf_counter() - t0, 1e-9))
+    return best
 
 
 def _products(k: int, a: torch.Tensor) -> float:
@@ -219,6 +222,19 @@ def _meet(workdir: str, phase: int, rank: int, workers: int, timeout_s: float) -
         time.sleep(0.001)
 
 
+def _loaded_result(computes: Sequence[float], got: Sequence[Sequence[Sequence[Sequence[float]]]]) -> dict:
+    """:func:`measured_ps_round_trips_loaded`'s answer from each worker's ``[exchanges, alone,
+    loaded]`` seconds (``exchanges``: the idle phase's, then one list per stretch in ``computes``;
+    ``alone`` and ``loaded``: one list of compute stretches per c, side by side and among exchanges):
+    the means over every worker's samples; ``stolen`` is loaded less alone, at least 0."""
+    def means(part: int) -> list[float]:
+        return [statistics.fmean(t for w in got for t in w[part][i]) for i in range(len(got[0][part]))]
+
+    exchanged, alone, loaded = means(0), means(1), means(2)
+    return {"idle_s": exchanged[0], "points": [[c, m] for c, m in zip(computes, exchanged[1:])],
+            "stolen": [[c, max(0.0, b - a)] for c, a, b in zip(computes, alone, loaded)]}
+
+
 def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, ...], str]], opt_cls: type,
                     defaults: dict, workers: int, threads: int, computes: Sequence[float], exchanges: int,
                     exchange_s: float, warmup: int, timeout_s: float) -> None:
@@ -226,9 +242,10 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
     :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, phase by phase (a barrier
     before each, :func:`_meet`), sleep :data:`IDLE_SLEEP_S` before each exchange with it (push,
     update, answer, load), and then, for each stretch c in ``computes``, compute the products that
-    took each worker c seconds when it started (:func:`_products_per_s`), first with no exchange
-    (the workers side by side) and then before each exchange, ``warmup`` + :func:`_exchanges` times
-    each, timing the exchanges and both phases' compute (:func:`measured_ps_round_trips_loaded`).
+    took each worker c seconds after the start line (:func:`_products_per_s`), with no exchange (the
+    workers side by side) and before each exchange, in turn twice, half of :func:`_exchanges` each
+    time after ``warmup``, timing the exchanges and both phases' compute
+    (:func:`measured_ps_round_trips_loaded`).
     Each worker writes its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
     import time
 
@@ -243,7 +260,6 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
         if rank > 0:
             params, grads = _worker_tensors(shapes)
             a = torch.randn(64, 64)
-            per_s = _products_per_s(a)
             version, times, alone, loaded = 0, [], [], []
 
             def exchange() -> float:
@@ -253,33 +269,34 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
                 return time.perf_counter() - t0
 
             _meet(workdir, 0, rank, workers, timeout_s)
+            per_s = _products_per_s(a)  # after the start line: every worker calibrates side by side
             got = []
             for i in range(warmup + _exchanges(IDLE_SLEEP_S, exchanges, exchange_s)):
                 time.sleep(IDLE_SLEEP_S)
                 got.append(exchange())
             times.append(got[warmup:])
-            for phase, c in enumerate(computes):
-                k, count = max(1, round(c * per_s)), warmup + _exchanges(c, exchanges, exchange_s)
-                _meet(workdir, 2 * phase + 1, rank, workers, timeout_s)
-                alone.append([_products(k, a) for _ in range(count)][warmup:])
-                _meet(workdir, 2 * phase + 2, rank, workers, timeout_s)
-                got, busy = [], []
-                for _ in range(count):
-                    busy.append(_products(k, a))
-                    got.append(exchange())
-                times.append(got[warmup:])
-                loaded.append(busy[warmup:])
+            phase = 1
+            for c in computes:
+                k, half = max(1, round(c * per_s)), max(10, _exchanges(c, exchanges, exchange_s) // 2)
+                side, busy, got = [], [], []
+                for _ in range(2):  # side by side, then among exchanges, twice: the machine's drift falls on both
+                    _meet(workdir, phase, rank, workers, timeout_s)
+                    side += [_products(k, a) for _ in range(warmup + half)][warmup:]
+                    _meet(workdir, phase + 1, rank, workers, timeout_s)
+                    for i in range(warmup + half):
+                        took, waited = _products(k, a), exchange()
+                        if i >= warmup:
+                            busy.append(took)
+                            got.append(waited)
+                    phase += 2
+                times.append(got)
+                alone.append(side)
+                loaded.append(busy)
             (Path(workdir) / f"times-{rank}.json").write_text(json.dumps([times, alone, loaded]))
 
         def result() -> dict:  # rank 0, after rpc.shutdown: every worker has written its times
-            got = [json.loads((Path(workdir) / f"times-{r}.json").read_text()) for r in range(1, workers + 1)]
-
-            def means(part: int) -> list[float]:
-                return [statistics.fmean(t for w in got for t in w[part][i]) for i in range(len(got[0][part]))]
-
-            exchanged = means(0)
-            return {"idle_s": exchanged[0], "points": [[c, m] for c, m in zip(computes, exchanged[1:])],
-                    "stolen": [[c, max(0.0, b - a)] for c, a, b in zip(computes, means(1), means(2))]}
+            return _loaded_result(computes, [json.loads((Path(workdir) / f"times-{r}.json").read_text())
+                                             for r in range(1, workers + 1)])
 
         _stop_rpc(rank, workdir, result)
     except BaseException:
@@ -308,7 +325,8 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
     contention; a diagnostic, :func:`~.plan_ps.ps_exchange_wait_s`). ``workers`` + 1 local processes
     (:func:`~.microbench.run_ranks`), the workers starting each phase together; about 1 s of
     exchanges timed per worker and phase (20 to ``exchanges``, at ``exchange_s`` an exchange, the
-    idle one's estimate) after ``warmup``: about 11 s in all for a small model. The mean, not the
+    idle one's estimate) after ``warmup``, and as many stretches side by side: about 11 s in all for
+    a small model. The mean, not the
     median: the exchanges that wait for a core are a long tail, and a worker's steps add them all
     up. Until profile version 27 the workers computed for c seconds by the clock, so a stretch
     held less work where exchanges took its core, and ``stolen`` was not measured: digits_cnn's
@@ -326,9 +344,9 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
         raise UsageError(f"measured_ps_round_trips_loaded needs workers >= 1 and compute stretches > 0, "
                          f"got workers={workers}, computes={list(computes)}")
     shapes, defaults = _ps_spec(params, optimizer)
-    estimate = sum((warmup + _exchanges(c, exchanges, exchange_s)) * (c + exchange_s)
-                   for c in (IDLE_SLEEP_S, *computes)) + sum((warmup + _exchanges(c, exchanges, exchange_s)) * c
-                                                             for c in computes)  # the side-by-side phases
+    estimate = (warmup + _exchanges(IDLE_SLEEP_S, exchanges, exchange_s)) * (IDLE_SLEEP_S + exchange_s) + sum(
+        2 * (warmup + max(10, _exchanges(c, exchanges, exchange_s) // 2)) * (2 * c + exchange_s)  # alone, loaded
+        for c in computes)
     timeout_s = max(timeout_s, 3 * estimate)
     return run_ranks(_ps_loaded_main, workers + 1, (shapes, type(optimizer), defaults, workers, threads,
                                                    tuple(computes), exchanges, exchange_s, warmup, timeout_s),

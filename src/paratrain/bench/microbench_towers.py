@@ -1,6 +1,7 @@
 """In-process micro-benchmarks of CPU towers (threads of one process): what synchronised BatchNorm's
 meetings between the tower threads cost a training step (:func:`measured_tower_sync_batchnorm`), and
-the towers' forwards side by side in their threads (:func:`measured_towers_forward`).
+the towers' forward as ``replicate`` runs it: split, side by side in their threads, joined, with the
+loss on the joined outputs (:func:`measured_towers_forward`).
 The collectives between processes are in :mod:`.microbench`."""
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def measured_towers_forward(model: torch.nn.Module, loss_of: Callable[[torch.nn.
     for i in range(warmup + repeats):
         step()
         start = time.perf_counter()
-        loss_of(engine)
+        loss = loss_of(engine)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+        del loss  # its graph is freed outside the timed forward, as training frees it in the backward
     return statistics.median(times)

@@ -2,7 +2,8 @@
 :func:`~.strategy_model.predict_model`): its step (:func:`predict_ps`), the servers' update
 (:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`), what an
 exchange waits for a core while the other workers compute on the same ones
-(:func:`ps_exchange_wait_s`) and the rate of asynchronous workers (:func:`ps_async_rate`). Units:
+(:func:`ps_exchange_wait_s`), what the others' exchanges take of a worker's compute
+(:func:`ps_compute_stolen_s`) and the rate of asynchronous workers (:func:`ps_async_rate`). Units:
 seconds, bytes."""
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
     gives it (:func:`ps_async_rate`'s ``ps_step_s`` over the exchange's link,
     :func:`ps_message_link`, is the median exchange of one worker alone,
     :func:`~.microbench_rpc.measured_ps_round_trip`). ``loaded["points"]``: the mean exchange of
-    ``loaded["workers"]`` workers that compute c seconds each between exchanges
+    ``loaded["workers"]`` workers that compute about c seconds each between exchanges
     (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), linear in c between the measured
     points and the nearest end's value outside them; at least 0. What it holds beyond ``idle_s``: the
     hand-offs of an exchange (the worker's and the server's RPC threads, the handler) waiting for a

@@ -18,8 +18,8 @@ server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_
 ``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
 :func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`; on a
 CPU also the mean exchange of two, and of four, workers that compute between exchanges on the same
-cores, ``ps_round_trips_loaded`` and ``ps_round_trips_loaded_4``,
-:func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
+cores, and what those exchanges take of the workers' compute (``stolen``), ``ps_round_trips_loaded``
+and ``ps_round_trips_loaded_4``, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
 optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
 :func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
 on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
@@ -47,7 +47,7 @@ processes here
 cores, between two towers of one process (``tower_sync_batchnorm_s``,
 :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
 Each layer's meetings there follow the compute that precedes them in the step: the step's forward and
-backward, split evenly over the BatchNorm calls (for towers, their forwards side by side, below).
+backward, split evenly over the BatchNorm calls (for towers, their forward as ``replicate`` runs it, below).
 Every meeting pair of a layer pays the ranks' drift over that compute, not only the layer's first.
 On a CPU of several cores, the forward of one tower per core as the training loop runs it, right after a
 training step: :class:`~paratrain.strategies.towers.CPUTowers` on every tower's batch, the join of their
@@ -281,19 +281,42 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                 out[key] = measured_sharded_step(modelled(cost_model)[0], list(model.parameters()), optimizer,
                                                  threads=default_threads(2, out["cores"]))
     if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
-        from .microbench_towers import measured_towers_forward
-
         progress("CPU towers' forward")
-        whole = towers_task(out["cores"] * cfg.train.batch_size)  # every tower's batch, in one process
-        first = next(iter(whole.train_steps(0, 0)))
-        batches = [_to(mb, device) for mb in first.micro_batches]
-
-        def loss_of(engine: torch.nn.Module) -> torch.Tensor:
-            return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
-
-        out["towers_forward_threads"] = {"towers": out["cores"], "joined": True, "seconds": measured_towers_forward(
-            model, loss_of, one_step, out["cores"], task.batch_dim)}
+        towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size)
+        if towers:
+            out["towers_forward_threads"] = towers
     return out
+
+
+def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step: Callable[[], None],
+                   towers_task: Callable[[int], Any], towers: int, batch: int) -> dict[str, Any] | None:
+    """The profile's ``towers_forward_threads``: ``{"towers", "joined": True, "seconds"}``, the forward
+    of ``towers`` CPU towers of ``model`` as ``replicate`` runs it
+    (:func:`~.microbench_towers.measured_towers_forward`) on the first training step of
+    ``towers_task(towers x batch)`` (the task built for one process holding every tower's batch of
+    ``batch``), split along the task's ``batch_dim`` (0 where it has none), right after
+    ``one_step()``. None, with a line, where that task cannot be built or gives no step (e.g. fewer
+    training examples than the towers' batch): the plan then prices the towers' forwards one after
+    the other."""
+    from ..errors import UsageError
+    from ..tasks import optional
+    from .microbench_towers import measured_towers_forward
+
+    whole_batch = towers * batch
+    try:
+        whole = towers_task(whole_batch)
+        first = next(iter(whole.train_steps(0, 0)))
+    except (UsageError, StopIteration) as e:
+        print(f"[plan] CPU towers' forward not measured: the task gives no training step of {whole_batch} "
+              f"({e or 'no batches'}); the towers' forwards are priced one after the other", flush=True)
+        return None
+    batches = [_to(mb, device) for mb in first.micro_batches]
+
+    def loss_of(engine: torch.nn.Module) -> torch.Tensor:
+        return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
+
+    return {"towers": towers, "joined": True,
+            "seconds": measured_towers_forward(model, loss_of, one_step, towers, optional(task, "batch_dim"))}
 
 
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 27  # 27: a CPU's ps_round_trips_loaded(_4) "stolen", an async worker's compute among
+PROFILE_VERSION = 28  # 28: the loaded exchange's stretches calibrated after the workers' start line
+# (the best of 5 windows) and timed alone and among exchanges in turn, twice;
+# 27: a CPU's ps_round_trips_loaded(_4) "stolen", an async worker's compute among
 # exchanges (its stretches are fixed work, were seconds by the clock);
 # 26: a CPU's towers_forward_threads is CPUTowers' forward with its join and loss
 # ("joined"; was: the towers' forwards alone, each with its own loss);
@@ -34,12 +36,12 @@ PROFILE_VERSION = 27  # 27: a CPU's ps_round_trips_loaded(_4) "stolen", an async
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {20: "cpu", 21: "cpu", 22: "cpu", 23: "cpu", 24: "cpu", 25: "cpu", 26: "cpu", 27: "cpu"}
+DEVICE_ONLY_CHANGES = {v: "cpu" for v in range(20, 29)}
 """Profile versions whose change touched the profiles of one device type only (20: the loop's sync
 BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
 one-rank runs, which a GPU's profile had since 19; 23: a CPU's loaded PS exchange and FSDP2 step; 24:
-a CPU's loaded PS exchange among 4 workers; 25: a CPU's bf16 hook; 26: a CPU's towers' forward; 27:
-a CPU's loaded PS compute): a profile of an older version and another device type holds the same
+a CPU's loaded PS exchange among 4 workers; 25: a CPU's bf16 hook; 26: a CPU's towers' forward; 27,
+28: a CPU's loaded PS compute): a profile of an older version and another device type holds the same
 measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 

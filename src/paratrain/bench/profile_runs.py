@@ -230,7 +230,8 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     meetings and the next, as in its step: this process' forward and backward split evenly over the
     BatchNorm calls) unless the loop measured the processes' strategy, and between CPU towers
     (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
-    forwards side by side split over the layers) unless it measured the towers' strategy. Nothing
+    forward split over the layers, as the profile measured it: since version 26 with their join and
+    the loss on it) unless it measured the towers' strategy. Nothing
     without BatchNorm inputs or links (``profile.profile_model(links=False)``); the towers' only
     where their forwards were measured (a CPU of several cores). ``progress`` is told which runs, for
     the profile's progress bar. Call in the profiling process, at its default threads."""

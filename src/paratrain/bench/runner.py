@@ -54,6 +54,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
             continue
 
 
+def _kill_now(proc: subprocess.Popen, below: list[int]) -> None:
+    """SIGKILL the run's process group, ``below`` and what is below the run now, without waiting."""
+    for target in [proc.pid, *dict.fromkeys([*below, *descendants(proc.pid)])]:
+        try:
+            os.killpg(target, signal.SIGKILL) if target == proc.pid else os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | str | None = None) -> tuple[int, float]:
     """Run ``cmd`` in its own process group with output to ``log``; kill it and everything below it
     on timeout, and when this process is interrupted while it runs (Ctrl-C, or SIGTERM raised as an
@@ -74,6 +83,11 @@ def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | 
             kill_tree(proc)
             rc = 124
         except BaseException:  # interrupted here: end the run and everything below it too
-            kill_tree(proc)
+            below = descendants(proc.pid)
+            try:
+                kill_tree(proc)
+            except BaseException:  # interrupted again while it waited: no more waiting
+                _kill_now(proc, below)
+                raise
             raise
     return rc, time.perf_counter() - t0
