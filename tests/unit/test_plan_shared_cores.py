@@ -303,7 +303,7 @@ def test_the_profiles_towers_forward_builds_the_towers_batch_and_skips_a_task_th
     """profile.towers_forward: the task is built for towers x the recipe's batch; its first step's loss
     goes through CPUTowers split along the task's batch dimension (0 for a task without one); a task
     that cannot be built for that batch, or gives no step, leaves the measurement out with a line."""
-    from paratrain.bench.profile import towers_forward
+    from paratrain.bench.microbench_towers import towers_forward
     from paratrain.errors import UsageError
     from paratrain.tasks.base import TrainStep
 

@@ -208,6 +208,12 @@ def _exchanges(stretch_s: float, most: int, exchange_s: float = 0.002, seconds: 
     return max(20, min(most, round(seconds / (stretch_s + exchange_s))))
 
 
+def _stretches(c: float, most: int, exchange_s: float) -> int:
+    """How many stretches of ``c`` :func:`_ps_loaded_main` times in each of its two turns, alone and
+    among exchanges: half of :func:`_exchanges`, at least 10."""
+    return max(10, _exchanges(c, most, exchange_s) // 2)
+
+
 def _meet(workdir: str, phase: int, rank: int, workers: int, timeout_s: float) -> None:
     """A barrier of the workers (ranks 1..``workers``) before ``phase``, through files in ``workdir``:
     every worker starts each phase's exchanges with the others (none still in the previous one).
@@ -277,7 +283,7 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
             times.append(got[warmup:])
             phase = 1
             for c in computes:
-                k, half = max(1, round(c * per_s)), max(10, _exchanges(c, exchanges, exchange_s) // 2)
+                k, half = max(1, round(c * per_s)), _stretches(c, exchanges, exchange_s)
                 side, busy, got = [], [], []
                 for _ in range(2):  # side by side, then among exchanges, twice: the machine's drift falls on both
                     _meet(workdir, phase, rank, workers, timeout_s)
@@ -345,7 +351,7 @@ def measured_ps_round_trips_loaded(params: Sequence[torch.Tensor], optimizer: to
                          f"got workers={workers}, computes={list(computes)}")
     shapes, defaults = _ps_spec(params, optimizer)
     estimate = (warmup + _exchanges(IDLE_SLEEP_S, exchanges, exchange_s)) * (IDLE_SLEEP_S + exchange_s) + sum(
-        2 * (warmup + max(10, _exchanges(c, exchanges, exchange_s) // 2)) * (2 * c + exchange_s)  # alone, loaded
+        2 * (warmup + _stretches(c, exchanges, exchange_s)) * (2 * c + exchange_s)  # alone, loaded
         for c in computes)
     timeout_s = max(timeout_s, 3 * estimate)
     return run_ranks(_ps_loaded_main, workers + 1, (shapes, type(optimizer), defaults, workers, threads,

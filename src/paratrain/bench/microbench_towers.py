@@ -1,7 +1,7 @@
 """In-process micro-benchmarks of CPU towers (threads of one process): what synchronised BatchNorm's
 meetings between the tower threads cost a training step (:func:`measured_tower_sync_batchnorm`), and
 the towers' forward as ``replicate`` runs it: split, side by side in their threads, joined, with the
-loss on the joined outputs (:func:`measured_towers_forward`).
+loss on the joined outputs (:func:`measured_towers_forward`; the profile's entry, :func:`towers_forward`).
 The collectives between processes are in :mod:`.microbench`."""
 from __future__ import annotations
 
@@ -98,3 +98,34 @@ def measured_towers_forward(model: torch.nn.Module, loss_of: Callable[[torch.nn.
             times.append(time.perf_counter() - start)
         del loss  # its graph is freed outside the timed forward, as training frees it in the backward
     return statistics.median(times)
+
+
+def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step: Callable[[], None],
+                   towers_task: Callable[[int], Any], towers: int, batch: int) -> dict[str, Any] | None:
+    """The profile's ``towers_forward_threads``: ``{"towers", "joined": True, "seconds"}``, the forward
+    of ``towers`` CPU towers of ``model`` as ``replicate`` runs it
+    (:func:`~.microbench_towers.measured_towers_forward`) on the first training step of
+    ``towers_task(towers x batch)`` (the task built for one process holding every tower's batch of
+    ``batch``), split along the task's ``batch_dim`` (0 where it has none), right after
+    ``one_step()``. None, with a line, where that task cannot be built or gives no step (e.g. fewer
+    training examples than the towers' batch): the plan then prices the towers' forwards one after
+    the other."""
+    from ..data.batching import move_to
+    from ..errors import UsageError
+    from ..tasks import optional
+
+    whole_batch = towers * batch
+    try:
+        whole = towers_task(whole_batch)
+        first = next(iter(whole.train_steps(0, 0)))
+    except (UsageError, StopIteration) as e:
+        print(f"[plan] CPU towers' forward not measured: the task gives no training step of {whole_batch} "
+              f"({e or 'no batches'}); the towers' forwards are priced one after the other", flush=True)
+        return None
+    batches = [move_to(mb, device, non_blocking=False) for mb in first.micro_batches]  # as the loop moves them
+
+    def loss_of(engine: torch.nn.Module) -> torch.Tensor:
+        return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
+
+    return {"towers": towers, "joined": True,
+            "seconds": measured_towers_forward(model, loss_of, one_step, towers, optional(task, "batch_dim"))}

@@ -282,41 +282,12 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                                                  threads=default_threads(2, out["cores"]))
     if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
         progress("CPU towers' forward")
+        from .microbench_towers import towers_forward
+
         towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size)
         if towers:
             out["towers_forward_threads"] = towers
     return out
-
-
-def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step: Callable[[], None],
-                   towers_task: Callable[[int], Any], towers: int, batch: int) -> dict[str, Any] | None:
-    """The profile's ``towers_forward_threads``: ``{"towers", "joined": True, "seconds"}``, the forward
-    of ``towers`` CPU towers of ``model`` as ``replicate`` runs it
-    (:func:`~.microbench_towers.measured_towers_forward`) on the first training step of
-    ``towers_task(towers x batch)`` (the task built for one process holding every tower's batch of
-    ``batch``), split along the task's ``batch_dim`` (0 where it has none), right after
-    ``one_step()``. None, with a line, where that task cannot be built or gives no step (e.g. fewer
-    training examples than the towers' batch): the plan then prices the towers' forwards one after
-    the other."""
-    from ..errors import UsageError
-    from ..tasks import optional
-    from .microbench_towers import measured_towers_forward
-
-    whole_batch = towers * batch
-    try:
-        whole = towers_task(whole_batch)
-        first = next(iter(whole.train_steps(0, 0)))
-    except (UsageError, StopIteration) as e:
-        print(f"[plan] CPU towers' forward not measured: the task gives no training step of {whole_batch} "
-              f"({e or 'no batches'}); the towers' forwards are priced one after the other", flush=True)
-        return None
-    batches = [_to(mb, device) for mb in first.micro_batches]
-
-    def loss_of(engine: torch.nn.Module) -> torch.Tensor:
-        return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
-
-    return {"towers": towers, "joined": True,
-            "seconds": measured_towers_forward(model, loss_of, one_step, towers, optional(task, "batch_dim"))}
 
 
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:
