@@ -75,6 +75,83 @@ def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_excha
     assert robbed["comm_s"] == pytest.approx(loaded["comm_s"], rel=1e-12)
     assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen}) == step_parts(
         sync, lay, W, LINK, Config(), inputs)
+    # measured in the training loop's job instead (3.2 ms): it replaces the micro-benchmark's 1.9 ms
+    in_loop = step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen, "ps_stolen_s": 3.2e-3})
+    assert in_loop["compute_s"] == pytest.approx(loaded["compute_s"] + 3.2e-3, rel=1e-12)
+    assert in_loop["step_s"] == pytest.approx(loaded["step_s"] + 3.2e-3, rel=1e-12)
+    assert step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen, "ps_stolen_s": 0.0}) == loaded
+    assert step_parts(cls, one, W, LINK, Config(), {**inputs, "ps_stolen_s": 3.2e-3}) == step_parts(
+        cls, one, W, LINK, Config(), inputs)  # one worker: nobody exchanges beside its compute
+    assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_stolen_s": 3.2e-3}) == step_parts(
+        sync, lay, W, LINK, Config(), inputs)
+
+
+def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price():
+    """plan_ps.loop_stolen: the loop's 2-worker measurement for ps-async at n = 2 and 3 (the 2 workers'
+    tables), not at n = 1, not at 4 and more where the profile holds the 4 workers' table (at any n
+    >= 2 where it does not), not for another strategy, and not from a profile without it."""
+    from paratrain.bench.plan_ps import loop_stolen
+
+    prof = {"loop_ps_async_stolen_s": {"ps-async": 2.5e-3}, "ps_round_trips_loaded": {"points": []},
+            "ps_round_trips_loaded_4": {"points": []}}
+    assert [loop_stolen(prof, n, "ps-async") for n in (1, 2, 3, 4, 8)] == [None, 2.5e-3, 2.5e-3, None, None]
+    two_only = {k: v for k, v in prof.items() if k != "ps_round_trips_loaded_4"}
+    assert [loop_stolen(two_only, n, "ps-async") for n in (2, 4, 8)] == [2.5e-3, 2.5e-3, 2.5e-3]
+    assert loop_stolen(prof, 2, "ps-sync") is None
+    assert loop_stolen({"ps_round_trips_loaded": {"points": []}}, 2, "ps-async") is None
+    assert loop_stolen({**prof, "loop_ps_async_stolen_s": {}}, 2, "ps-async") is None  # its run failed
+
+
+def test_loop_ps_async_stolen_is_the_jobs_compute_less_side_by_side_one_thread_runs(monkeypatch, capsys):
+    """profile_runs.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
+    workers of the recipe's batch (global batch 2 B), then 2 one-thread single runs of batch B at once;
+    the answer is the median of the job's rank-0 timed compute (data + forward + backward + compute,
+    not its exchange) less the median of the rounds' side-by-side means, at least 0. A recipe the
+    strategy refuses (sync BatchNorm) or a failed run leaves it out with a line."""
+    from pathlib import Path
+
+    from paratrain.bench import report, runner, sweep
+    from paratrain.bench.profile_runs import loop_ps_async_stolen
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    job = [12.0, 13.0, 11.5]  # ms of timed compute; medians 12.0 and (8.0 + 9.0) / 2 = 8.5
+    side = [7.0, 9.0, 8.0, 9.0, 8.5, 9.5]
+    commands, ok = [], [True]
+
+    def run_cmd(cmd, log, timeout_s, env):
+        commands.append(cmd)
+        return 0, None
+
+    def record(i):
+        cmd = commands[i]
+        k = sum(1 for c in commands[:i + 1] if ("ps-async" in c) == ("ps-async" in cmd)) - 1
+        ms = job[k] if "ps-async" in cmd else side[k]
+        timing = {"data_ms": 0.5, "forward_ms": (ms - 0.5) / 2, "backward_ms": (ms - 0.5) / 2, "compute_ms": 0.0,
+                  "comm_ms": 6.0, "optimizer_ms": 1.0}
+        return {"ok": ok[0], "units_per_step": 64, "rank0_timing_ms": timing}
+
+    monkeypatch.setattr(runner, "run_cmd", run_cmd)
+    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: len(commands) - 1)
+    monkeypatch.setattr(report, "run_record", record)
+    sets = ("model.sync_batchnorm=false",)
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == pytest.approx({"ps-async": 3.5e-3})
+    assert len(commands) == 9  # 3 rounds x (the job, 2 side by side)
+    jobs = [c for c in commands if "ps-async" in c]
+    for cmd in jobs:
+        assert "dist.nproc=2" in cmd and "train.batch_size=128" in cmd and "train.max_steps=12" in cmd
+    for cmd in (c for c in commands if "ps-async" not in c):
+        assert cmd[cmd.index("--strategy") + 1] == "single" and "train.batch_size=64" in cmd
+        assert cmd[cmd.index("--threads") + 1] == "1"
+    job[:] = [8.0, 8.0, 8.0]  # no slower than side by side: 0, not a negative term
+    commands.clear()
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == {"ps-async": 0.0}
+    commands.clear()
+    assert loop_ps_async_stolen(recipe, None, (), None, 64, 12) == {} and not commands  # sync BatchNorm: refused
+    assert "ps-async's compute in the loop: left out (sync_batchnorm needs workers that step together" in \
+        capsys.readouterr().out
+    ok[0] = False  # a failed job: left out with a line (the micro-benchmark prices it)
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
+    assert "ps-async's compute in the loop: left out (its run failed" in capsys.readouterr().out
 
 
 def test_fsdps_measured_step_replaces_its_optimizer_share_and_the_norms_collective():

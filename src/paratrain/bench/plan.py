@@ -36,7 +36,7 @@ from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_out
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, step_parts
-from .plan_ps import loaded_exchange, ps_busiest_share, ps_message_link, slower
+from .plan_ps import loaded_exchange, loop_stolen, ps_busiest_share, ps_message_link, slower
 from .plan_profile import TIMED_S
 from .plan_rank import (TIE, close_calls, objective_value, pick, rank, read_validation,  # noqa: F401 (API)
                         recommendation, row_error, unpriced)
@@ -225,6 +225,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
               "ps_loaded": loaded_exchange(prof, n) if shared_cores else None,
               "ps_round_trip_s": prof.get("ps_round_trip_s"),
+              # an async worker's compute among the others' exchanges, measured in the loop (plan_ps.loop_stolen)
+              "ps_stolen_s": loop_stolen(prof, n, layout.strategy) if shared_cores else None,
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
               "meetings": meetings(prof, n) if shared_cores else None,

@@ -37,15 +37,17 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import sends_buffers
-    from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
-                               loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+    from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_ps_async_stolen,
+                               loop_sync_batchnorm, loop_workloads, sync_batchnorm_fallbacks,
+                               sync_batchnorm_strategies)
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 11  # the most progress() calls: the profile's 6, the loop's 3 (the one-rank runs; sync BatchNorm's
-    # or DDP's buffer broadcast: a recipe with sync BatchNorm sends no buffers), the fallbacks' 2 (a GPU: the
+    phases = 12  # the most progress() calls: the profile's 6, the loop's 4 (the one-rank runs; sync
+    # BatchNorm's or DDP's buffer broadcast: a recipe with sync BatchNorm sends no buffers; the async PS), the
+    # fallbacks' 2 (a GPU: the
     # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
 
     def measure() -> dict:
@@ -86,6 +88,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
                 prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
                     *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+            if prof["device"] == "cpu" and prof["cores"] > 1:  # the workers share the cores with their server
+                progress("an async PS worker's compute in the loop's steps: 2 workers")
+                prof["loop_ps_async_stolen_s"] = loop_ps_async_stolen(*recipe, steps, repeats=args.profile_repeats)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

@@ -109,6 +109,19 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
     return max(0.0, mean(compute_s) - idle_s)
 
 
+def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
+    """What ``strategy``'s workers' compute was measured to take longer in the training loop's job of
+    2 workers than side by side (``loop_ps_async_stolen_s``,
+    :func:`~.profile_runs.loop_ps_async_stolen`, a CPU's profile since version 29), for ``n`` workers
+    where :func:`loaded_exchange` prices them from the 2 workers' tables (fewer than 4 where the
+    profile holds the 4 workers' table); None elsewhere (n = 1, more workers, an older profile, a
+    GPU's, or a run that failed): :func:`ps_compute_stolen_s` of the micro-benchmark then prices it."""
+    measured = (prof.get("loop_ps_async_stolen_s") or {}).get(strategy)
+    if measured is None or n < 2 or (prof.get(LOADED_PS_KEYS[4]) and n >= 4):
+        return None
+    return float(measured)
+
+
 def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
     """Seconds longer that one ``ps-async`` worker's ``compute_s`` of compute takes among workers
     that exchange with their server on the same cores than side by side with none: the threads of
@@ -117,7 +130,10 @@ def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
     (:func:`~.microbench_rpc.measured_ps_round_trips_loaded`, since profile version 27), linear in c
     between the points and the nearest end's value outside them (the cores an exchange takes are
     bounded by the exchange, not the stretch). 0 without it (a GPU's profile, an older one, a
-    preset: each worker on its own machine). Raises UsageError for malformed points."""
+    preset: each worker on its own machine). Where the training loop measured it
+    (:func:`loop_stolen`), the plan uses that instead: the micro-benchmark's compute (products of a
+    64 x 64 matrix) fits in the first-level cache, and lost 0.2-0.5 ms where digits_cnn's workers lost
+    2-4 ms (2-vCPU EPYC VM, 2026-11-28). Raises UsageError for malformed points."""
     if not loaded or not loaded.get("stolen"):
         return 0.0
     return piecewise(loaded["stolen"], "ps_round_trips_loaded stolen", "compute seconds",

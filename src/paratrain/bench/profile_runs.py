@@ -6,7 +6,9 @@ and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many repli
 (:func:`sync_batchnorm_fallbacks`); for a recipe whose DDP broadcasts the model's buffers (no sync
 BatchNorm), what that broadcast adds to the loop's two-replica steps (:func:`loop_buffer_broadcast`;
 both pair runs through :func:`_paired_runs`); what each strategy's own work adds to the step as one rank
-(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets). Each run goes through
+(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets); on a CPU of several
+cores, what an asynchronous parameter server's workers compute longer in their job than side by side
+(:func:`loop_ps_async_stolen`). Each run goes through
 :func:`_loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
@@ -338,3 +340,80 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
         compute = min(step, max(0.0, compute))
         out[strategy] = {"step_s": step, "compute_s": compute, "optimizer_s": min(step - compute, max(0.0, optimizer))}
     return out
+
+
+def async_ps_strategies() -> tuple[str, ...]:
+    """The registry's asynchronous parameter-server strategies (the ``ps`` cost model, not
+    synchronous): those whose workers' compute :func:`loop_ps_async_stolen` measures."""
+    from ..strategies import STRATEGIES, modelled
+    from .strategy_model import PS
+
+    return tuple(s for s in modelled(PS) if not STRATEGIES[s].synchronous)
+
+
+def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                         batch: int, steps: int, repeats: int = 1, workers: int = 2) -> dict[str, float]:
+    """{strategy: seconds per step that an asynchronous parameter server's worker computes longer
+    (forward + backward + data, rank 0) in ``paratrain train``'s own job of ``workers`` workers of
+    batch ``batch`` each and the recipe's servers than one-thread one-device runs of the same batch,
+    as many side by side, at the same moment}, for :func:`async_ps_strategies`. Each of ``repeats``
+    rounds runs the job, then the side-by-side runs; the median of each, the difference at least 0.
+    For :func:`~.plan_ps.ps_compute_stolen_s` on a CPU of fewer cores than the job's processes.
+
+    What it holds: while one worker computes, the other workers' exchanges run on the same cores
+    (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
+    for a core and finds its caches emptied. A micro-benchmark's compute (products of a 64 x 64
+    matrix, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache and
+    misses the second. On the 2-vCPU EPYC VM (2026-11-28) digits_cnn's two ps-async workers computed
+    12.3 ms a step against 7.9 ms side by side, where the products lost 0.2-0.5 ms; the workers' main
+    threads waited for a core 10% of the time (``/proc/*/task/*/schedstat``) and spent 35% more CPU
+    time on the same compute (benchmarks/RESULTS.md). The recipe's keys at its batch per worker: the
+    plan applies it unchanged at other batches (``--global-batch``). A strategy the recipe does not
+    allow (model.sync_batchnorm) or whose run fails is left out, with a line: the plan then prices
+    it from the micro-benchmark."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..errors import UsageError
+    from ..strategies import REFERENCE
+    from .plan import refusal
+    from .plan_model import Layout
+    from .sweep import RunPlan
+
+    strategies = async_ps_strategies()
+    left_out = {s: why for s in strategies
+                if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
+    seen: dict[str, list[float]] = {}
+    if len(left_out) < len(strategies):
+        spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong",
+                          steps)
+        with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-async-") as tmp:
+            for r in range(repeats):
+                for strategy in (*strategies, REFERENCE):
+                    if strategy in left_out or (strategy == REFERENCE and len(left_out) == len(strategies)):
+                        continue  # the side-by-side runs only for a job that ran
+                    if strategy == REFERENCE:  # side by side, one thread each, as the job's workers
+                        plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
+                                         repeat=r * workers + c) for c in range(workers)]
+                    else:
+                        plans = [RunPlan(strategy=strategy, n=workers, global_batch=batch * workers, repeat=r)]
+                    with ThreadPoolExecutor(len(plans)) as pool:
+                        done = list(pool.map(lambda p: _loop_run(spec, p, Path(tmp) / p.name), plans))
+                    computes = []
+                    for rec, rc, said in done:
+                        if not rec["ok"]:
+                            if strategy == REFERENCE:
+                                raise UsageError(f"the one-device run for the profile failed (exit {rc}): {said}")
+                            left_out[strategy] = f"its run failed (exit {rc}): {said}"
+                            break
+                        t = rec["rank0_timing_ms"]  # the timed parts: a worker's step also holds its exchange
+                        computes.append((t["data_ms"] + t["forward_ms"] + t["backward_ms"] + t["compute_ms"]) / 1000)
+                    else:
+                        seen.setdefault(strategy, []).append(statistics.fmean(computes))
+    for strategy, why in left_out.items():
+        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it from the "
+              f"micro-benchmark", flush=True)
+    if REFERENCE not in seen:
+        return {}
+    base = statistics.median(seen[REFERENCE])
+    return {s: max(0.0, statistics.median(seen[s]) - base) for s in strategies if s not in left_out}
