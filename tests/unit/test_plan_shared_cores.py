@@ -247,12 +247,13 @@ def test_the_loaded_exchange_microbenchmark_times_each_compute_lengths_exchanges
     machine does not shorten); and for each stretch what the compute took longer among exchanges
     than side by side (at least 0). The workers' compute is a fixed number of products, which a
     busy core stretches; the counts follow the exchange's estimate."""
-    from paratrain.bench.microbench_rpc import _exchanges, _products, _products_per_s, measured_ps_round_trips_loaded
+    from paratrain.bench.microbench_meetings import products_per_s
+    from paratrain.bench.microbench_rpc import _exchanges, _products, measured_ps_round_trips_loaded
 
     assert _exchanges(0.001, 150) == 150 and _exchanges(0.016, 150) == 56 and _exchanges(0.064, 150) == 20
     assert _exchanges(0.0, 150, exchange_s=0.02) == 50  # a larger model's slower exchange: fewer of them
     a = torch.randn(64, 64)
-    assert _products_per_s(a) > 0
+    assert products_per_s(a) > 0
     cpu0 = time.process_time()
     took = _products(1000, a)
     # computing, not sleeping: a sleep takes microseconds of CPU, 1000 products of 64 x 64 some ms of it

@@ -16,13 +16,25 @@ import torch
 from .microbench import all_gather_single, measure_allreduce
 
 
+def products_per_s(a: torch.Tensor, windows: int = 5, count: int = 100) -> float:
+    """Products ``a @ a`` per second that this process computes now on its intra-op threads: the best
+    of ``windows`` windows of ``count`` products each (after one to warm up), so that one preemption
+    does not set the rate."""
+    best = 0.0
+    for w in range(windows + 1):
+        t0 = time.perf_counter()
+        for _ in range(count):
+            torch.mm(a, a)
+        if w:
+            best = max(best, count / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
 def products_for(a: torch.Tensor, seconds: float) -> int:
-    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1): the
-    compute a micro-benchmark puts before a layer, as inside a training step."""
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
+    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1;
+    :func:`products_per_s`): the compute a micro-benchmark puts before a layer, as inside a training
+    step."""
+    return max(1, round(seconds * products_per_s(a)))
 
 
 def _products_everywhere(a: torch.Tensor, seconds: float) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from .costmodel import Link
 from .microbench import DEFAULT_SIZES_BYTES, FLOAT32_BYTES, fit_latency_bandwidth, median_seconds, run_ranks
+from .microbench_meetings import products_per_s
 
 
 def _echo(x: torch.Tensor) -> torch.Tensor:
@@ -176,21 +177,6 @@ IDLE_SLEEP_S = 0.004
 """The sleep between exchanges of its baseline phase: the same exchanges with no core taken."""
 
 
-def _products_per_s(a: torch.Tensor, windows: int = 5, count: int = 100) -> float:
-    """Products of ``a`` per second that this process computes now: the best of ``windows`` windows of
-    ``count`` products each (after one to warm up), so that one preemption does not set the rate."""
-    import time
-
-    best = 0.0
-    for w in range(windows + 1):
-        t0 = time.perf_counter()
-        for _ in range(count):
-            torch.mm(a, a)
-        if w:
-            best = max(best, count / max(time.perf_counter() - t0, 1e-9))
-    return best
-
-
 def _products(k: int, a: torch.Tensor) -> float:
     """Seconds that ``k`` products of ``a`` take here now: a fixed amount of work, which takes longer
     while other processes' threads hold this core."""
@@ -248,9 +234,9 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
     :class:`~paratrain.ps.server.ShardServer`; ranks 1.. are workers that, phase by phase (a barrier
     before each, :func:`_meet`), sleep :data:`IDLE_SLEEP_S` before each exchange with it (push,
     update, answer, load), and then, for each stretch c in ``computes``, compute the products that
-    took each worker c seconds after the start line (:func:`_products_per_s`), with no exchange (the
-    workers side by side) and before each exchange, in turn twice, half of :func:`_exchanges` each
-    time after ``warmup``, timing the exchanges and both phases' compute
+    took each worker c seconds after the start line (:func:`~.microbench_meetings.products_per_s`),
+    with no exchange (the workers side by side) and before each exchange, in turn twice, half of
+    :func:`_exchanges` each time after ``warmup``, timing the exchanges and both phases' compute
     (:func:`measured_ps_round_trips_loaded`).
     Each worker writes its times; rank 0 gathers them once ``rpc.shutdown`` has seen every agent done."""
     import time
@@ -275,7 +261,7 @@ def _ps_loaded_main(rank: int, workdir: str, shapes: Sequence[tuple[tuple[int, .
                 return time.perf_counter() - t0
 
             _meet(workdir, 0, rank, workers, timeout_s)
-            per_s = _products_per_s(a)  # after the start line: every worker calibrates side by side
+            per_s = products_per_s(a)  # after the start line: every worker calibrates side by side
             got = []
             for i in range(warmup + _exchanges(IDLE_SLEEP_S, exchanges, exchange_s)):
                 time.sleep(IDLE_SLEEP_S)

@@ -26,7 +26,7 @@ from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
 from .plan_rank import processes
 from .plan_validate_report import (between_runs, machine_drift, markdown, same_speed_errors,  # noqa: F401 (API)
-                                   side_by_side_ms, step_ms, _pct)
+                                   pct, side_by_side_ms, step_ms)
 
 
 def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
@@ -136,9 +136,9 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             row.update(steps=steps, overrides=pred["overrides"])  # the dist keys it ran with
             rows.append(row)
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
-                  f"{row['measured_step_ms']:8.1f} ms ({_pct(row['step_error'])}); memory predicted "
+                  f"{row['measured_step_ms']:8.1f} ms ({pct(row['step_error'])}); memory predicted "
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
-                  f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({_pct(row['memory_error'])})", flush=True)
+                  f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({pct(row['memory_error'])})", flush=True)
     paced_rounds = {"profile_ms": paced, "rounds_ms": rounds} if rounds else None
     same_speed_errors(rows, paced_rounds)
     result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,

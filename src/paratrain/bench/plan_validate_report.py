@@ -12,7 +12,8 @@ def _ms(x: float | None) -> str:
     return f"{x:.0f}" if x is not None and math.isfinite(x) else "-"
 
 
-def _pct(x: float) -> str:
+def pct(x: float) -> str:
+    """A signed percentage of a fraction with one decimal (0.123 -> "+12.3%"); "-" for NaN or inf."""
     return f"{100 * x:+.1f}%" if math.isfinite(x) else "-"
 
 
@@ -29,9 +30,9 @@ def markdown(result: dict) -> str:
         got = (f"{_ms(m.get('forward', 0) + m.get('backward', 0) + m.get('compute', 0) + m.get('data', 0))} + "
                f"{_ms(m.get('comm'))} + {_ms(m.get('idle'))} + {_ms(m.get('optimizer'))}") if m else "-"
         lines.append(f"| {r['label']} | {r['n']} | {r['predicted_step_ms']:.1f} | {r['measured_step_ms']:.1f} | "
-                     f"{_pct(r['step_error'])} | {_spread(r)} | {_pct(r.get('step_error_same_speed', math.nan))} | "
+                     f"{pct(r['step_error'])} | {_spread(r)} | {pct(r.get('step_error_same_speed', math.nan))} | "
                      f"{r['predicted_memory_bytes'] / 2**20:.1f} | "
-                     f"{r['measured_memory_bytes'] / 2**20:.1f} | {_pct(r['memory_error'])} | "
+                     f"{r['measured_memory_bytes'] / 2**20:.1f} | {pct(r['memory_error'])} | "
                      f"{_ms(p.get('compute'))} + {_ms(p.get('comm'))} + {_ms(p.get('bubble'))} + "
                      f"{_ms(p.get('optimizer'))} | {got} |")
     c = result.get("choice")
