@@ -88,6 +88,25 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
         towers = prof["towers_forward_threads"]
         assert towers["joined"] is True and towers["towers"] == prof["cores"] and towers["seconds"] > 0
     assert [c for c, _ in prof["ps_round_trips_loaded"]["stolen"]] == [0.001, 0.004, 0.016, 0.064]
+    from paratrain.bench.plan_ps import loop_stolen
+    from paratrain.bench.profile_runs import ps_loop_applies
+
+    if ps_loop_applies(prof["cores"]) and "ps-async" not in prof["loop_ps_async_stolen_s"]:
+        # the tiny model's 6 profile steps: one worker can take every update before rank 0 times one
+        assert "ps-async's compute in the loop: left out (its job timed no step" in r.stdout
+    elif ps_loop_applies(prof["cores"]):  # the recipe's ps-async job of 2 workers against 2 runs side by side
+        stolen = prof["loop_ps_async_stolen_s"]["ps-async"]
+        assert stolen >= 0 and loop_stolen(prof, 2, "ps-async") == stolen and loop_stolen(prof, 4, "ps-async") is None
+        cfg = configuration.load(str(tmp / "gpt.toml"))
+        lay, link = Layout("ps-async", 2, {"num_ps": 1}, "ps-async"), Link(name="measured", **prof["links"]["rpc"])
+        more = {**prof, "loop_ps_async_stolen_s": {"ps-async": stolen + 0.5}}
+        here, on_a_cluster = (
+            predict_layout(lay, more, cfg, link, on_this_machine=mine, global_batch=None)["compute_s"]
+            - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)["compute_s"]
+            for mine in (True, False))
+        assert here == pytest.approx(0.5) and on_a_cluster == 0.0  # a cluster's workers have their own cores
+    else:
+        assert "loop_ps_async_stolen_s" not in prof
     bare = {k: v for k, v in prof.items()
             if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s", "fsdp_step_s")}
     cfg = configuration.load(str(tmp / "gpt.toml"))
@@ -181,6 +200,24 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     for link, mine in ((here, True), (PRESETS["ib400"], False)):
         predict_layout(Layout("fsdp", 2, {}, "fsdp"), prof, cfg, link, on_this_machine=mine, global_batch=None)
     assert got[0]["step_path_s"] == prof["fsdp_step_s"] and got[1]["step_path_s"] is None
+
+
+def test_an_async_ps_workers_compute_is_measured_in_its_own_job_against_runs_side_by_side():
+    """profile_runs.loop_ps_async_stolen on the digits recipe (sync BatchNorm off, which ps-async
+    needs), real runs: the ps-async job of 2 workers and 2 one-thread single runs side by side, one
+    round; a measured value (seconds, >= 0, under the job's whole step) for ps-async. On a machine
+    where it does not apply (not 2 cores) the plan never calls it, and this checks nothing more."""
+    from paratrain.bench.profile_runs import loop_ps_async_stolen, ps_loop_applies
+    from paratrain.env import available_cores
+
+    from ..conftest import REPO
+
+    pytest.importorskip("sklearn")  # the digits data set
+    if not ps_loop_applies(available_cores()):
+        pytest.skip("the loop's async PS measurement is for 2 cores (its job's 3 processes outnumber them)")
+    got = loop_ps_async_stolen(str(REPO / "configs" / "digits_cnn.toml"), None, ("model.sync_batchnorm=false",),
+                               None, 64, 80, repeats=1)
+    assert set(got) == {"ps-async"} and 0.0 <= got["ps-async"] < 1.0
 
 
 def test_replanning_reads_the_cached_profile(planned, tiny_data):

@@ -102,46 +102,57 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
     assert loop_stolen({**prof, "loop_ps_async_stolen_s": {}}, 2, "ps-async") is None  # its run failed
 
 
-def test_loop_ps_async_stolen_is_the_jobs_compute_less_side_by_side_one_thread_runs(monkeypatch, capsys):
+def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
     """profile_runs.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
-    workers of the recipe's batch (global batch 2 B), then 2 one-thread single runs of batch B at once;
-    the answer is the median of the job's rank-0 timed compute (data + forward + backward + compute,
-    not its exchange) less the median of the rounds' side-by-side means, at least 0. A recipe the
-    strategy refuses (sync BatchNorm) or a failed run leaves it out with a line."""
+    workers of the recipe's batch (global batch 2 B, one server), then 2 one-thread single runs of
+    batch B at once; the answer is the median over the rounds of the job's rank-0 timed compute (data +
+    forward + backward + compute, not its exchange or optimizer) less its own round's side-by-side
+    mean, at least 0. A recipe the strategy refuses (sync BatchNorm), a failed job or one that timed
+    no step leaves it out with a line; a failed side-by-side run leaves every strategy out."""
+    import math
+    import threading
     from pathlib import Path
 
     from paratrain.bench import report, runner, sweep
-    from paratrain.bench.profile_runs import loop_ps_async_stolen
+    from paratrain.bench.profile_runs import loop_ps_async_stolen, ps_loop_applies
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
-    job = [12.0, 13.0, 11.5]  # ms of timed compute; medians 12.0 and (8.0 + 9.0) / 2 = 8.5
-    side = [7.0, 9.0, 8.0, 9.0, 8.5, 9.5]
-    commands, ok = [], [True]
+    job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0
+    side = [7.0, 9.0, 8.0, 9.0, 8.5, 9.5]  # differences 4.0, 4.5, 2.5: median 4.0 (medians apart: 3.5)
+    commands, state = {}, {"ok": True, "side_ok": True, "steps_ms": 20.0}
+    together = threading.Barrier(2, timeout=10)  # the two single runs of a round run at once
 
     def run_cmd(cmd, log, timeout_s, env):
-        commands.append(cmd)
+        if "ps-async" not in cmd:
+            together.wait()
+        commands[cmd[cmd.index("--run-dir") + 1]] = cmd
         return 0, None
 
-    def record(i):
-        cmd = commands[i]
-        k = sum(1 for c in commands[:i + 1] if ("ps-async" in c) == ("ps-async" in cmd)) - 1
+    def record(run_dir):
+        cmd = commands[run_dir]
+        k = int(run_dir.rsplit("-r", 1)[1])  # the plan's repeat: the round (job), 2 x round + copy (side by side)
         ms = job[k] if "ps-async" in cmd else side[k]
-        timing = {"data_ms": 0.5, "forward_ms": (ms - 0.5) / 2, "backward_ms": (ms - 0.5) / 2, "compute_ms": 0.0,
-                  "comm_ms": 6.0, "optimizer_ms": 1.0}
-        return {"ok": ok[0], "units_per_step": 64, "rank0_timing_ms": timing}
+        fused = 1.0 if "ps-async" in cmd else 0.2  # "compute": forward and backward timed as one
+        timing = {"data_ms": 0.5, "forward_ms": (ms - 0.5 - fused) / 2, "backward_ms": (ms - 0.5 - fused) / 2,
+                  "compute_ms": fused,
+                  "comm_ms": 6.0 if "ps-async" in cmd else 0.0, "optimizer_ms": 0.7 if "ps-async" in cmd else 1.3}
+        ok = state["ok"] if "ps-async" in cmd else state["side_ok"]
+        return {"ok": ok, "units_per_step": 64, "rank0_timing_ms": timing,
+                "train_step_ms": state["steps_ms"] if "ps-async" in cmd else 10.0}
 
     monkeypatch.setattr(runner, "run_cmd", run_cmd)
-    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: len(commands) - 1)
+    monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: str(run_dir))
     monkeypatch.setattr(report, "run_record", record)
     sets = ("model.sync_batchnorm=false",)
-    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == pytest.approx({"ps-async": 3.5e-3})
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == pytest.approx({"ps-async": 4.0e-3})
     assert len(commands) == 9  # 3 rounds x (the job, 2 side by side)
-    jobs = [c for c in commands if "ps-async" in c]
-    for cmd in jobs:
-        assert "dist.nproc=2" in cmd and "train.batch_size=128" in cmd and "train.max_steps=12" in cmd
-    for cmd in (c for c in commands if "ps-async" not in c):
-        assert cmd[cmd.index("--strategy") + 1] == "single" and "train.batch_size=64" in cmd
-        assert cmd[cmd.index("--threads") + 1] == "1"
+    for cmd in commands.values():
+        assert "train.max_steps=12" in cmd
+        if "ps-async" in cmd:
+            assert "dist.nproc=2" in cmd and "train.batch_size=128" in cmd and "dist.num_ps=1" in cmd
+        else:
+            assert cmd[cmd.index("--strategy") + 1] == "single" and "train.batch_size=64" in cmd
+            assert cmd[cmd.index("--threads") + 1] == "1"
     job[:] = [8.0, 8.0, 8.0]  # no slower than side by side: 0, not a negative term
     commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == {"ps-async": 0.0}
@@ -149,9 +160,19 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_side_by_side_one_thread_r
     assert loop_ps_async_stolen(recipe, None, (), None, 64, 12) == {} and not commands  # sync BatchNorm: refused
     assert "ps-async's compute in the loop: left out (sync_batchnorm needs workers that step together" in \
         capsys.readouterr().out
-    ok[0] = False  # a failed job: left out with a line (the micro-benchmark prices it)
+    state["steps_ms"] = math.nan  # a job that timed no step
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
-    assert "ps-async's compute in the loop: left out (its run failed" in capsys.readouterr().out
+    assert "left out (its job timed no step" in capsys.readouterr().out
+    state.update(steps_ms=20.0, side_ok=False)  # a failed side-by-side run: nothing to subtract
+    commands.clear()
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
+    assert "left out (a one-thread run side by side failed" in capsys.readouterr().out
+    state.update(ok=False, side_ok=True)  # a failed job: left out with a line (the micro-benchmark prices it)
+    commands.clear()
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {} and len(commands) == 1
+    assert "ps-async's compute in the loop: left out (its job failed" in capsys.readouterr().out
+    # measured only where the job's 3 processes outnumber the cores, so its workers compute on one thread
+    assert [ps_loop_applies(c) for c in (1, 2, 3, 16)] == [False, True, False, False]
 
 
 def test_fsdps_measured_step_replaces_its_optimizer_share_and_the_norms_collective():

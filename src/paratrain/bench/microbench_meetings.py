@@ -31,10 +31,14 @@ def products_per_s(a: torch.Tensor, windows: int = 5, count: int = 100) -> float
 
 
 def products_for(a: torch.Tensor, seconds: float) -> int:
-    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1;
-    :func:`products_per_s`): the compute a micro-benchmark puts before a layer, as inside a training
-    step."""
-    return max(1, round(seconds * products_per_s(a)))
+    """How many ``a @ a`` take about ``seconds`` on this thread's intra-op threads (at least 1), from
+    one window of 10 products: the compute a micro-benchmark puts before a layer, as inside a training
+    step. (Not :func:`products_per_s`' best of several windows: a GPU's profile times sync BatchNorm's
+    layers with it too, and profiles since version 19 hold what this measures.)"""
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    return max(1, round(seconds * 10 / max(1e-7, time.perf_counter() - t0)))
 
 
 def _products_everywhere(a: torch.Tensor, seconds: float) -> int:

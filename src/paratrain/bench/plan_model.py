@@ -47,7 +47,8 @@ def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[s
                compute_scale: float = 1.0, overlap: bool = True, links: dict[str, Link] | None = None
                ) -> dict[str, float] | None:
     """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data; an async PS
-    worker's with what the others' exchanges take of it, :func:`~.plan_ps.ps_compute_stolen_s`),
+    worker's with what the others' exchanges take of it, :func:`~.plan_ps.ps_compute_stolen_s` or, measured
+    in the loop, :func:`~.plan_ps.loop_stolen`),
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). The step is
     :func:`~.strategy_model.predict_model`'s for the strategy's cost model (``cls.cost_model``, its

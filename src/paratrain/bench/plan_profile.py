@@ -1,9 +1,10 @@
 """``paratrain plan``'s profile: the one cached in ``--out`` or a new one, measured with a progress
 bar (:func:`load_profile`): the in-process profile (:mod:`.profile`), the training loop's own runs
 (:mod:`.profile_runs`: the one-device step, each strategy's one-rank runs, sync BatchNorm
-or DDP's buffer broadcast in the loop), and the layers' micro-benchmarks for what the loop leaves
-out; a profile measured elsewhere, checked against the recipe (:func:`read_profile`, ``--profile``);
-and how many steps a run of the profile or of ``--validate`` takes (:func:`run_steps`)."""
+or DDP's buffer broadcast in the loop, an async PS worker's compute in its job), and the layers'
+micro-benchmarks for what the loop leaves out; a profile measured elsewhere, checked against the
+recipe (:func:`read_profile`, ``--profile``); and how many steps a run of the profile or of
+``--validate`` takes (:func:`run_steps`)."""
 from __future__ import annotations
 
 import argparse
@@ -37,18 +38,18 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import sends_buffers
-    from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_ps_async_stolen,
-                               loop_sync_batchnorm, loop_workloads, sync_batchnorm_fallbacks,
-                               sync_batchnorm_strategies)
+    from .profile_runs import (OVERSUBSCRIBED, PS_LOOP_WORKERS, loop_buffer_broadcast, loop_one_rank_overheads,
+                               loop_ps_async_stolen, loop_sync_batchnorm, loop_workloads, ps_loop_applies,
+                               sync_batchnorm_fallbacks, sync_batchnorm_strategies)
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    phases = 12  # the most progress() calls: the profile's 6, the loop's 4 (the one-rank runs; sync
-    # BatchNorm's or DDP's buffer broadcast: a recipe with sync BatchNorm sends no buffers; the async PS), the
-    # fallbacks' 2 (a GPU: the
-    # loop's 1, the one-rank runs' 1, the fallbacks' 1 at most)
+    # the most progress() calls: the profile's 6; the loop's 4 (the one-rank runs; sync BatchNorm's or
+    # DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the async PS job); the
+    # fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
+    phases = 12
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -88,8 +89,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
                 prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
                     *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
-            if prof["device"] == "cpu" and prof["cores"] > 1:  # the workers share the cores with their server
-                progress("an async PS worker's compute in the loop's steps: 2 workers")
+            if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
+                progress(f"an async PS worker's compute in the loop's steps: {PS_LOOP_WORKERS} workers")
                 prof["loop_ps_async_stolen_s"] = loop_ps_async_stolen(*recipe, steps, repeats=args.profile_repeats)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)

@@ -35,7 +35,8 @@ costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.m
 fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
 :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of the dispatch terms: a
 GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the two-process terms
-above price them).
+above price them); on a 2-core CPU, what an async PS worker computes longer in its job of 2 workers
+than side by side (``loop_ps_async_stolen_s``, :func:`~.profile_runs.loop_ps_async_stolen`).
 Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
