@@ -105,10 +105,11 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
 def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
     """profile_runs.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
     workers of the recipe's batch (global batch 2 B, one server), then 2 one-thread single runs of
-    batch B at once; the answer is the median over the rounds of the job's rank-0 timed compute (data +
-    forward + backward + compute, not its exchange or optimizer) less its own round's side-by-side
-    mean, at least 0. A recipe the strategy refuses (sync BatchNorm), a failed job or one that timed
-    no step leaves it out with a line; a failed side-by-side run leaves every strategy out."""
+    batch B at once; the answer is the median over the rounds of the job's timed compute (data +
+    forward + backward + compute, not its exchange or optimizer; the mean of every worker that timed a
+    step, rank 0 or not) less its own round's side-by-side mean, at least 0. A recipe the strategy
+    refuses (sync BatchNorm), a failed job or one that timed no step leaves it out with a line; a
+    failed side-by-side run leaves every strategy out."""
     import math
     import threading
     from pathlib import Path
@@ -119,7 +120,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0
     side = [7.0, 9.0, 8.0, 9.0, 8.5, 9.5]  # differences 4.0, 4.5, 2.5: median 4.0 (medians apart: 3.5)
-    commands, state = {}, {"ok": True, "side_ok": True, "steps_ms": 20.0}
+    commands, state = {}, {"ok": True, "side_ok": True, "timed": "both"}
     together = threading.Barrier(2, timeout=10)  # the two single runs of a round run at once
 
     def run_cmd(cmd, log, timeout_s, env):
@@ -132,13 +133,17 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
         cmd = commands[run_dir]
         k = int(run_dir.rsplit("-r", 1)[1])  # the plan's repeat: the round (job), 2 x round + copy (side by side)
         ms = job[k] if "ps-async" in cmd else side[k]
-        fused = 1.0 if "ps-async" in cmd else 0.2  # "compute": forward and backward timed as one
-        timing = {"data_ms": 0.5, "forward_ms": (ms - 0.5 - fused) / 2, "backward_ms": (ms - 0.5 - fused) / 2,
-                  "compute_ms": fused,
-                  "comm_ms": 6.0 if "ps-async" in cmd else 0.0, "optimizer_ms": 0.7 if "ps-async" in cmd else 1.3}
-        ok = state["ok"] if "ps-async" in cmd else state["side_ok"]
-        return {"ok": ok, "units_per_step": 64, "rank0_timing_ms": timing,
-                "train_step_ms": state["steps_ms"] if "ps-async" in cmd else 10.0}
+        job_run = "ps-async" in cmd
+        # timing.breakdown's rows: compute = forward + backward + compute; the exchange and optimizer apart
+        row = {"data_ms": 0.5, "compute_ms": ms - 0.5, "comm_ms": 6.0 if job_run else 0.0,
+               "idle_ms": 0.0, "optimizer_ms": 0.7 if job_run else 1.3}
+        row["step_ms"] = sum(row.values())
+        untimed = {k: 0.0 for k in row}
+        rows = [row]
+        if job_run:  # two workers: rank 0 may time no step while the other steps on (a late start)
+            rows = {"both": [row, row], "rank 1 only": [untimed, row], "none": [untimed, untimed]}[state["timed"]]
+        return {"ok": state["ok"] if job_run else state["side_ok"], "units_per_step": 64, "per_rank_ms": rows,
+                "rank0_timing_ms": {"data_ms": -99.0}, "train_step_ms": math.nan}  # rank 0's alone: unused
 
     monkeypatch.setattr(runner, "run_cmd", run_cmd)
     monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: str(run_dir))
@@ -160,10 +165,14 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     assert loop_ps_async_stolen(recipe, None, (), None, 64, 12) == {} and not commands  # sync BatchNorm: refused
     assert "ps-async's compute in the loop: left out (sync_batchnorm needs workers that step together" in \
         capsys.readouterr().out
-    state["steps_ms"] = math.nan  # a job that timed no step
+    state["timed"] = "rank 1 only"  # rank 0 started late and timed no step: the other worker's steps
+    commands.clear()
+    job[:] = [12.0]
+    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == pytest.approx({"ps-async": 4.0e-3})
+    state["timed"] = "none"  # a job that timed no step on any worker
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
     assert "left out (its job timed no step" in capsys.readouterr().out
-    state.update(steps_ms=20.0, side_ok=False)  # a failed side-by-side run: nothing to subtract
+    state.update(timed="both", side_ok=False)  # a failed side-by-side run: nothing to subtract
     commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
     assert "left out (a one-thread run side by side failed" in capsys.readouterr().out

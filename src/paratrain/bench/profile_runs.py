@@ -369,14 +369,14 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
                          batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
                          ) -> dict[str, float]:
     """{strategy: seconds per step that an asynchronous parameter server's worker computes longer
-    (data + forward + backward + compute, rank 0's timed parts, not its exchange) in ``paratrain
-    train``'s own job of ``workers`` workers of batch ``batch`` each and one server (K = 1, as
-    ``--validate`` runs it) than ``workers`` one-thread one-device runs of the same batch side by
-    side}, for :func:`async_ps_strategies`. Each of ``repeats`` rounds runs the job, then the
-    side-by-side runs at once (their mean); the answer is the median over the rounds of the job's
-    compute less its own round's side-by-side compute, at least 0. For :func:`~.plan_ps.loop_stolen`,
-    which the plan uses in place of :func:`~.plan_ps.ps_compute_stolen_s`, on a CPU where
-    :func:`ps_loop_applies`.
+    (data + forward + backward + compute, the timed parts, not its exchange; the mean of the workers
+    that timed a step) in ``paratrain train``'s own job of ``workers`` workers of batch ``batch``
+    each and one server (K = 1, as ``--validate`` runs it) than ``workers`` one-thread one-device
+    runs of the same batch side by side}, for :func:`async_ps_strategies`. Each of ``repeats``
+    rounds runs the job, then the side-by-side runs at once (their mean); the answer is the median
+    over the rounds of the job's compute less its own round's side-by-side compute, at least 0. For
+    :func:`~.plan_ps.loop_stolen`, which the plan uses in place of
+    :func:`~.plan_ps.ps_compute_stolen_s`, on a CPU where :func:`ps_loop_applies`.
 
     What it holds: while one worker computes, the other workers' exchanges run on the same cores
     (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
@@ -391,7 +391,6 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
     or whose job fails or times no step, is left out with a line; so is every strategy when a
     side-by-side run fails or times no step (the answer is then {}). The plan then prices it from the
     micro-benchmark."""
-    import math
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
@@ -407,15 +406,17 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
     def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[float | None, str]:
-        """The runs' mean timed compute (seconds), or None and why not."""
+        """The runs' mean timed compute (seconds) over every worker that timed a step, or None and
+        why not. Every worker, not rank 0 alone: an async job stops on the servers' count of updates,
+        and a worker that starts late (a busy machine) may time none while the others step on."""
         computes = []
         for rec, rc, said in done:
             if not rec["ok"]:
                 return None, f"failed (exit {rc}): {said}"
-            if not math.isfinite(rec["train_step_ms"]):
+            # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
+            computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in rec["per_rank_ms"] if t["step_ms"] > 0]
+            if not any(t["step_ms"] > 0 for t in rec["per_rank_ms"]):
                 return None, "timed no step (too few steps)"
-            t = rec["rank0_timing_ms"]  # the timed parts: a worker's step also holds its exchange
-            computes.append((t["data_ms"] + t["forward_ms"] + t["backward_ms"] + t["compute_ms"]) / 1000)
         return statistics.fmean(computes), ""
 
     def runs(plans: list) -> list[tuple[dict[str, Any], int, str]]:
