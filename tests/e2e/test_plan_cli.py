@@ -89,7 +89,7 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
         assert towers["joined"] is True and towers["towers"] == prof["cores"] and towers["seconds"] > 0
     assert [c for c, _ in prof["ps_round_trips_loaded"]["stolen"]] == [0.001, 0.004, 0.016, 0.064]
     from paratrain.bench.plan_ps import loop_stolen
-    from paratrain.bench.profile_runs import ps_loop_applies
+    from paratrain.bench.profile_runs_ps import ps_loop_applies
 
     if ps_loop_applies(prof["cores"]) and "ps-async" not in prof["loop_ps_async_stolen_s"]:
         # the tiny model's 6 profile steps: one worker can take every update before rank 0 times one
@@ -203,11 +203,11 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
 
 
 def test_an_async_ps_workers_compute_is_measured_in_its_own_job_against_runs_side_by_side():
-    """profile_runs.loop_ps_async_stolen on the digits recipe (sync BatchNorm off, which ps-async
+    """profile_runs_ps.loop_ps_async_stolen on the digits recipe (sync BatchNorm off, which ps-async
     needs), real runs: the ps-async job of 2 workers and 2 one-thread single runs side by side, one
     round; a measured value (seconds, >= 0, under the job's whole step) for ps-async. On a machine
     where it does not apply (not 2 cores) the plan never calls it, and this checks nothing more."""
-    from paratrain.bench.profile_runs import loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps_async_stolen, ps_loop_applies
     from paratrain.env import available_cores
 
     from ..conftest import REPO

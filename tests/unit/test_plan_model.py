@@ -1394,7 +1394,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     import argparse
     from pathlib import Path
 
-    from paratrain.bench import plan_profile, profile, profile_runs
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps
     from paratrain.config import load
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
@@ -1417,7 +1417,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
-    monkeypatch.setattr(profile_runs, "loop_ps_async_stolen", lambda *a, **k: {})
+    monkeypatch.setattr(profile_runs_ps, "loop_ps_async_stolen", lambda *a, **k: {})
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
@@ -1498,7 +1498,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
     import argparse
     from pathlib import Path
 
-    from paratrain.bench import plan_profile, profile, profile_runs
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps
     from paratrain.config import load
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
@@ -1510,7 +1510,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
-    monkeypatch.setattr(profile_runs, "loop_ps_async_stolen", lambda *a, **k: {"ps-async": 0.003})
+    monkeypatch.setattr(profile_runs_ps, "loop_ps_async_stolen", lambda *a, **k: {"ps-async": 0.003})
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", lambda *a, **k: pytest.fail("no sync BatchNorm here"))
     monkeypatch.setattr(profile_runs, "loop_buffer_broadcast",

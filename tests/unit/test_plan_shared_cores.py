@@ -103,7 +103,7 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
 
 
 def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
-    """profile_runs.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
+    """profile_runs_ps.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
     workers of the recipe's batch (global batch 2 B, one server), then 2 one-thread single runs of
     batch B at once; the answer is the median over the rounds of the job's timed compute (data +
     forward + backward + compute, not its exchange or optimizer; the mean of every worker that timed a
@@ -115,7 +115,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     from pathlib import Path
 
     from paratrain.bench import report, runner, sweep
-    from paratrain.bench.profile_runs import loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps_async_stolen, ps_loop_applies
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0

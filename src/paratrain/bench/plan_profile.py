@@ -38,9 +38,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import sends_buffers
-    from .profile_runs import (OVERSUBSCRIBED, PS_LOOP_WORKERS, loop_buffer_broadcast, loop_one_rank_overheads,
-                               loop_ps_async_stolen, loop_sync_batchnorm, loop_workloads, ps_loop_applies,
-                               sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+    from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
+                               loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+    from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps_async_stolen, ps_loop_applies
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())

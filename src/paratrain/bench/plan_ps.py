@@ -112,7 +112,7 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
 def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     """What ``strategy``'s workers' compute was measured to take longer in the training loop's job of
     2 workers than side by side (``loop_ps_async_stolen_s``,
-    :func:`~.profile_runs.loop_ps_async_stolen`, a CPU's profile since version 29), for ``n`` workers
+    :func:`~.profile_runs_ps.loop_ps_async_stolen`, a CPU's profile since version 29), for ``n`` workers
     where :func:`loaded_exchange` prices them from the 2 workers' tables (fewer than 4 where the
     profile holds the 4 workers' table); None elsewhere (n = 1, more workers, an older profile, a
     GPU's, a CPU of more cores, or a run that failed): :func:`ps_compute_stolen_s` of the micro-benchmark
@@ -120,7 +120,7 @@ def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     workers' micro-benchmark prices it, though on the 2-vCPU EPYC VM the 2 workers' products lost
     about half of what the loop measured (digits_cnn: 1.1 against 2.3 ms)."""
     measured = (prof.get("loop_ps_async_stolen_s") or {}).get(strategy)
-    if measured is None or n < 2 or (prof.get(LOADED_PS_KEYS[4]) and n >= 4):
+    if measured is None or n < 2 or loaded_exchange(prof, n) is not prof.get(LOADED_PS_KEYS[2]):
         return None
     return float(measured)
 

@@ -31,13 +31,11 @@ two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbenc
 and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
 ``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`) and what DDP's bf16 compression hook
 costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
-``paratrain plan`` adds what allreduce, zero1 and
-fsdp add to the training loop's step as one rank (``loop_one_rank_s``,
-:func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of the dispatch terms: a
-GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the two-process terms
-above price them); on a 2-core CPU, what an async PS worker computes longer in its job of 2 workers
-than side by side (``loop_ps_async_stolen_s``, :func:`~.profile_runs.loop_ps_async_stolen`).
-Pipeline stage
+``paratrain plan`` adds what allreduce, zero1 and fsdp add to the training loop's step as one rank
+(``loop_one_rank_s``, :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of
+the dispatch terms: a GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the
+two-process terms above price them); on 2 cores, an async PS worker's compute in its job beyond side
+by side (``loop_ps_async_stolen_s``, :func:`~.profile_runs_ps.loop_ps_async_stolen`). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``). What synchronising them costs a step is the training loop's own measurement

@@ -6,9 +6,9 @@ and, on fewer cores than :data:`OVERSUBSCRIBED`, to its steps of that many repli
 (:func:`sync_batchnorm_fallbacks`); for a recipe whose DDP broadcasts the model's buffers (no sync
 BatchNorm), what that broadcast adds to the loop's two-replica steps (:func:`loop_buffer_broadcast`;
 both pair runs through :func:`_paired_runs`); what each strategy's own work adds to the step as one rank
-(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets); on a CPU of several
-cores, what an asynchronous parameter server's workers compute longer in their job than side by side
-(:func:`loop_ps_async_stolen`). Each run goes through
+(:func:`loop_one_rank_overheads`: a GPU's prices every N, a CPU's the presets); on a 2-core CPU, what an
+asynchronous parameter server's workers compute longer in their job than side by side
+(:mod:`.profile_runs_ps`). Each run goes through
 :func:`_loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
@@ -340,111 +340,3 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
         compute = min(step, max(0.0, compute))
         out[strategy] = {"step_s": step, "compute_s": compute, "optimizer_s": min(step - compute, max(0.0, optimizer))}
     return out
-
-
-def async_ps_strategies() -> tuple[str, ...]:
-    """The registry's asynchronous parameter-server strategies (the ``ps`` cost model, not
-    synchronous): those whose workers' compute :func:`loop_ps_async_stolen` measures."""
-    from ..strategies import STRATEGIES, modelled
-    from .strategy_model import PS
-
-    return tuple(s for s in modelled(PS) if not STRATEGIES[s].synchronous)
-
-
-PS_LOOP_WORKERS = 2
-"""The workers of :func:`loop_ps_async_stolen`'s job (one server: 3 processes)."""
-
-
-def ps_loop_applies(cores: int) -> bool:
-    """Whether :func:`loop_ps_async_stolen` measures on a CPU of ``cores`` cores: more than one, and
-    fewer than its job's processes (:data:`PS_LOOP_WORKERS` workers and a server), so that the job's
-    workers compute on one thread each, as its one-thread side-by-side runs and the plan's
-    one-thread workload of the cores' processes side by side do (2 cores). On more cores the
-    workers get more threads (cores // 3) and the plan prices their compute from the
-    micro-benchmark's ``stolen``."""
-    return 1 < cores < PS_LOOP_WORKERS + 1
-
-
-def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
-                         batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
-                         ) -> dict[str, float]:
-    """{strategy: seconds per step that an asynchronous parameter server's worker computes longer
-    (data + forward + backward + compute, the timed parts, not its exchange; the mean of the workers
-    that timed a step) in ``paratrain train``'s own job of ``workers`` workers of batch ``batch``
-    each and one server (K = 1, as ``--validate`` runs it) than ``workers`` one-thread one-device
-    runs of the same batch side by side}, for :func:`async_ps_strategies`. Each of ``repeats``
-    rounds runs the job, then the side-by-side runs at once (their mean); the answer is the median
-    over the rounds of the job's compute less its own round's side-by-side compute, at least 0. For
-    :func:`~.plan_ps.loop_stolen`, which the plan uses in place of
-    :func:`~.plan_ps.ps_compute_stolen_s`, on a CPU where :func:`ps_loop_applies`.
-
-    What it holds: while one worker computes, the other workers' exchanges run on the same cores
-    (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
-    for a core and finds its caches emptied. A micro-benchmark's compute (products of a 64 x 64
-    matrix, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
-    On the 2-vCPU EPYC VM (2026-11-28) digits_cnn's two ps-async workers computed 12.3 ms a step
-    against 7.9 ms side by side, where the products priced 1.4 ms; the workers' main threads waited
-    for a core 10% of the time (``/proc/PID/task/TID/schedstat``) and spent about 35% more CPU time
-    on the same compute (benchmarks/RESULTS.md, "an async PS worker's compute measured in the loop").
-    The recipe's keys at its batch per worker: the plan applies it unchanged at other batches
-    (``--global-batch``) and K > 1. A strategy the recipe does not allow (``model.sync_batchnorm``),
-    or whose job fails or times no step, is left out with a line; so is every strategy when a
-    side-by-side run fails or times no step (the answer is then {}). The plan then prices it from the
-    micro-benchmark."""
-    import tempfile
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..strategies import REFERENCE
-    from .plan import refusal
-    from .plan_model import Layout
-    from .sweep import RunPlan
-
-    strategies = async_ps_strategies()
-    left_out = {s: why for s in strategies
-                if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
-    differences: dict[str, list[float]] = {}
-    spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
-
-    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[float | None, str]:
-        """The runs' mean timed compute (seconds) over every worker that timed a step, or None and
-        why not. Every worker, not rank 0 alone: an async job stops on the servers' count of updates,
-        and a worker that starts late (a busy machine) may time none while the others step on."""
-        computes = []
-        for rec, rc, said in done:
-            if not rec["ok"]:
-                return None, f"failed (exit {rc}): {said}"
-            # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
-            computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in rec["per_rank_ms"] if t["step_ms"] > 0]
-            if not any(t["step_ms"] > 0 for t in rec["per_rank_ms"]):
-                return None, "timed no step (too few steps)"
-        return statistics.fmean(computes), ""
-
-    def runs(plans: list) -> list[tuple[dict[str, Any], int, str]]:
-        with ThreadPoolExecutor(len(plans)) as pool:  # at once: side by side
-            return list(pool.map(lambda p: _loop_run(spec, p, Path(tmp) / p.name), plans))
-
-    with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-async-") as tmp:
-        for r in range(repeats):
-            jobs = {}
-            for strategy in strategies:
-                if strategy in left_out:
-                    continue
-                got, why = timed(runs([RunPlan(strategy=strategy, n=workers, global_batch=batch * workers,
-                                               repeat=r)]))
-                if got is None:
-                    left_out[strategy] = f"its job {why}"
-                else:
-                    jobs[strategy] = got
-            if not jobs:
-                break
-            base, why = timed(runs([RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
-                                            repeat=r * workers + c) for c in range(workers)]))
-            if base is None:
-                left_out.update({s: f"a one-thread run side by side {why}" for s in strategies if s not in left_out})
-                break
-            for strategy, got in jobs.items():
-                differences.setdefault(strategy, []).append(got - base)
-    for strategy, why in left_out.items():
-        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it from the "
-              f"micro-benchmark", flush=True)
-    return {s: max(0.0, statistics.median(d)) for s, d in differences.items() if s not in left_out}
