@@ -137,6 +137,8 @@ def run(cmd: list[str], threads_per_process: int | None = None, run_dir=None) ->
         logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="paratrain-positions-") as positions:
         os.environ["PARATRAIN_POSITIONS"] = positions  # the workers' watchdogs write their step there
+        if not args.log_dir:  # the agent's error files; left to itself it makes a /tmp/torchelastic_* per job
+            args.log_dir = os.path.join(positions, "agent")  # read into its exception before this folder goes
         try:
             torchrun(args)
         except (ChildFailedError, SignalException, DistError, RendezvousError):

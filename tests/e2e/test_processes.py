@@ -111,6 +111,29 @@ def test_launch_keeps_the_exit_code_and_names_the_first_failure(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+def test_a_failed_job_leaves_no_agent_folder_in_the_temporary_folder(tmp_path):
+    """torchrun's agent writes each worker's error file under a log folder; without ``--log-dir`` it
+    makes a ``torchelastic_*`` folder in the temporary folder per job and never removes it."""
+    script = tmp_path / "boom.py"
+    script.write_text("import sys\n"
+                      "import torch.distributed as dist\n"
+                      "from torch.distributed.elastic.multiprocessing.errors import record\n"
+                      "@record\n"
+                      "def main():\n"
+                      "    dist.init_process_group('gloo')\n"
+                      "    raise ValueError(f'rank {dist.get_rank()} gave up')\n"
+                      "main()\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+    res = subprocess.run([sys.executable, "-m", "paratrain.cli", "launch", "--nproc", "2", str(script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 1, res.stderr[-2000:]
+    first = [ln for ln in res.stderr.splitlines() if ln.startswith("paratrain: rank")]
+    assert len(first) == 1 and "ValueError: rank" in first[0] and "gave up" in first[0], res.stderr[-2000:]
+    assert list(tmp.iterdir()) == []
+
+
 def test_only_the_command_freezes_the_heap_for_its_exit(tmp_path):
     """``paratrain`` (``cli.entry``) leaves what is alive at its end out of the interpreter's last
     garbage collection (``gc.freeze``: a second of CPU at each exit); ``cli.main``, which a program may
