@@ -1684,3 +1684,60 @@ def test_validation_scores_n_gt_1_at_the_compute_speed_measured_again_in_each_ro
     assert side_by_side_ms({"device": "cpu", "workloads": {"1": w1}}) == pytest.approx(5.3, rel=1e-12)
     assert side_by_side_ms({"device": "cuda:0", "workloads": {"1": w1}}) is None
     assert side_by_side_ms({"device": "cpu", "workloads": {"1": {**w1, "concurrent": 0}}}) is None
+
+
+class _ClockedStage(torch.nn.Module):
+    """A stage whose forward + backward costs ``overhead + rows * per_row`` seconds of a fake clock,
+    times the clock's speed; a whole batch through the first stage starts a new round and doubles
+    it (a machine slowing down between rounds)."""
+
+    def __init__(self, clock: dict, overhead: float, per_row: float, first: bool, whole_rows: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.clock, self.overhead, self.per_row = clock, overhead, per_row
+        self.first, self.whole_rows = first, whole_rows
+
+    def forward(self, h):
+        rows = h.size(0)
+        if self.first and rows == self.whole_rows:
+            self.clock["speed"] *= 2
+        self.clock["now"] += (self.overhead + rows * self.per_row) * self.clock["speed"]
+        return h * self.w
+
+
+def test_the_microbatch_factor_pairs_its_rounds_so_a_machine_that_slows_moves_both_alike(monkeypatch):
+    from paratrain.bench.strategy_model import stage_profile
+
+    clock = {"now": 0.0, "speed": 1.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+    stages = [_ClockedStage(clock, 0.002, 0.001, True, 8), _ClockedStage(clock, 0.002, 0.003, False, 8)]
+    got = stage_profile(stages, torch.ones(8, 3), microbatches=4)
+    # whole: (0.002 + 8 * 0.001) + (0.002 + 8 * 0.003) = 0.036; 4 micro-batches of 2 rows:
+    # 4 * ((0.002 + 0.002) + (0.002 + 0.006)) = 0.048; factor 0.048 / 0.036 at every round's speed
+    assert got["microbatch_factor"] == pytest.approx(0.048 / 0.036)
+    # one micro-batch: stage 0 0.004, stage 1 0.008 (no whole batch among them: one speed)
+    assert got["stage_fractions"] == pytest.approx([1 / 3, 2 / 3])
+
+
+@pytest.mark.parametrize("cores, threads", [(8, {0: None, 2: 4, 4: 2}), (2, {0: None, 2: 1, 4: 1}),
+                                            (None, {0: None, 2: None, 4: None})])
+def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(monkeypatch, cores, threads):
+    import paratrain.bench.strategy_model as sm
+    from paratrain.bench.profile import _stage_inputs
+
+    seen, before = {}, torch.get_num_threads()
+
+    def inputs(task, layout):
+        seen[layout.dist.pipeline_stages] = torch.get_num_threads()
+        if not layout.dist.pipeline_stages:
+            return {"units": [1]}
+        return {"activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1], "stage_fractions": [1, 1],
+                "microbatch_factor": 1.0}
+
+    monkeypatch.setattr(sm, "strategy_inputs", inputs)
+    cfg = Config()
+    out = _stage_inputs(None, cfg, cores)
+    # S stages run in S processes: cores // S threads each (at least 1); None (a GPU's): this process' threads
+    assert seen == {s: t or before for s, t in threads.items()}
+    assert torch.get_num_threads() == before
+    assert sorted(out["stage_profiles"]) == ["2", "4"]

@@ -223,7 +223,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                                        if isinstance(v, torch.Tensor))
 
     progress("pipeline stages")
-    out["strategy_inputs"] = _stage_inputs(task, cfg)
+    # a CPU's stages at a stage process' threads (a GPU's profile times them on the host at its threads, as before)
+    out["strategy_inputs"] = _stage_inputs(task, cfg, out["cores"] if device.type == "cpu" else None)
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
@@ -383,11 +384,14 @@ def _to(mb: Any, device: torch.device) -> Any:
     return move_to(mb, device, non_blocking=False)
 
 
-def _stage_inputs(task, cfg) -> dict[str, Any]:
+def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
     """:func:`~.strategy_model.strategy_inputs` (fsdp's units) and, per stage count S of
-    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches."""
+    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches,
+    timed at the intra-op threads each of S processes on ``cores`` CPU cores gets (a CPU's S stages
+    run in S processes: one thread each on 2 cores; None: this process' threads)."""
     from types import SimpleNamespace
 
+    from ..env import default_threads
     from .strategy_model import strategy_inputs
 
     def layout(stages: int) -> SimpleNamespace:  # the keys strategy_inputs reads, for S stages
@@ -395,8 +399,13 @@ def _stage_inputs(task, cfg) -> dict[str, Any]:
                                                                      pipeline_split=""))
 
     out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
+    old = torch.get_num_threads()
     for s in STAGE_COUNTS:
-        got = strategy_inputs(task, layout(s))
+        torch.set_num_threads(default_threads(s, cores) if cores else old)
+        try:
+            got = strategy_inputs(task, layout(s))
+        finally:
+            torch.set_num_threads(old)
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys}

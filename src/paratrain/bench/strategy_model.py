@@ -156,13 +156,15 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
     return out
 
 
-def stage_profile(stages, x, microbatches: int, repeats: int = 3) -> dict[str, Any]:
-    """The stages' forward + backward timed here on the first stage's input ``x`` (a replica's batch;
-    median of ``repeats`` after one untimed pass): ``stage_fractions``, each stage's share for one
-    micro-batch (``x``'s first rows / ``microbatches``), and ``microbatch_factor``, the time of
-    ``microbatches`` micro-batches through every stage over the time of ``x`` whole (what splitting
-    the batch costs: smaller matrix products). The last stage's backward starts from a log-softmax
-    sum (a cross-entropy's cost), the others' from ones."""
+def stage_profile(stages, x, microbatches: int, repeats: int = 5) -> dict[str, Any]:
+    """The stages' forward + backward timed here on the first stage's input ``x`` (a replica's batch),
+    at this process' intra-op threads (the profile sets a stage process' share of the cores), after one
+    untimed pass: ``stage_fractions``, each stage's share for one micro-batch (``x``'s first rows /
+    ``microbatches``; median of ``repeats``), and ``microbatch_factor``, the time of ``microbatches``
+    micro-batches through every stage over the time of ``x`` whole (what splitting the batch costs:
+    smaller matrix products), the median of ``repeats`` rounds' ratios, each round timing both back
+    to back (a machine whose speed drifts moves both alike). The last stage's backward starts from a
+    log-softmax sum (a cross-entropy's cost), the others' from ones."""
     import statistics
     import time
 
@@ -182,10 +184,12 @@ def stage_profile(stages, x, microbatches: int, repeats: int = 3) -> dict[str, A
     rows = max(1, x.size(0) // microbatches)
     chain(x)
     per_stage = [statistics.median(t) for t in zip(*(chain(x[:rows]) for _ in range(repeats)))]
-    whole = statistics.median(sum(chain(x)) for _ in range(repeats))
-    split = statistics.median(sum(sum(chain(x[i * rows:(i + 1) * rows])) for i in range(microbatches))
-                              for _ in range(repeats))
-    return {"stage_fractions": [t / sum(per_stage) for t in per_stage], "microbatch_factor": split / whole}
+    ratios = []
+    for _ in range(repeats):
+        whole = sum(chain(x))
+        split = sum(sum(chain(x[i * rows:(i + 1) * rows])) for i in range(microbatches))
+        ratios.append(split / whole)
+    return {"stage_fractions": [t / sum(per_stage) for t in per_stage], "microbatch_factor": statistics.median(ratios)}
 
 
 def predict_strategy(strategy: str, w: Workload, n: int, link: Link, cfg, inputs: dict[str, Any], *,
