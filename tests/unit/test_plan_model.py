@@ -1126,6 +1126,25 @@ def test_the_recommendation_of_predictions_within_a_tie_is_the_one_with_the_leas
     assert rank(plateau, "words_per_s")[0]["n"] == 8
 
 
+def test_within_a_tie_the_recommendation_trains_on_exact_gradients_rather_than_compressed_ones():
+    from paratrain.bench.plan import rank
+
+    def row(label, units, n=2, hook=None, mib=918):
+        return {**_row(label, units, mib, n=n), "overrides": {"comm_hook": hook} if hook else {"bucket_mb": 100.0}}
+
+    # gpt_wt2 on the 2-vCPU VM: the bf16 hook predicted 0.1% faster at the same memory: a tie, allreduce
+    rows = [row("allreduce + bf16 hook", 1929.8, hook="bf16"), row("allreduce", 1927.4),
+            row("zero1 + powersgd hook", 1929.0, hook="powersgd", mib=900)]
+    assert rank(rows, "words_per_s")[0]["label"] == "allreduce"
+    # "none" is no hook
+    assert rank([row("a + hook", 1000.0, hook="fp16"), row("a", 999.0, hook="none")], "words_per_s")[0]["label"] == "a"
+    # a hook faster beyond the tie is recommended
+    rows[0]["units_per_s"] = 1960.0
+    assert rank(rows, "words_per_s")[0]["label"] == "allreduce + bf16 hook"
+    # fewer processes come first: a compressed layout on 2 devices before an exact one on 4 in a tie
+    assert rank([row("exact", 1000.0, n=4), row("hooked", 999.0, hook="bf16")], "words_per_s")[0]["n"] == 2
+
+
 def test_the_recommendation_skips_faster_asynchronous_and_infeasible_rows_and_is_none_without_a_synchronous_fit():
     from paratrain.bench.plan import rank, recommendation
 
@@ -1258,6 +1277,10 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     assert old["recommended"] == "zero1" and old["first_not_run"] == "zero1 + bf16 hook"
     got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 980.0, 900, 1000.0)])
     assert got["recommended"] == "allreduce" and got["shortfall"] == pytest.approx(0.12)
+    # of a tie, exact gradients before a compression hook at the same memory (gpt_wt2, 2026-11-28)
+    hooked = {**row("allreduce + bf16 hook", 1929.8, 918, 1766.0), "overrides": {"comm_hook": "bf16"}}
+    got = _choice([hooked, {**row("allreduce", 1927.4, 918, 1901.0), "overrides": {"bucket_mb": 100.0}}])
+    assert got["recommended"] == "allreduce" and got["measured_fastest"] == "allreduce"
     # digits_cnn without sync BN on 2026-11-27: towers recommended by 1.3% and 2.9%, with step errors
     # (predicted / measured step - 1) of -10.5%, +10.8%, +12.7%: measured rates v (1 + e) = 895, 1094,
     # 1094; fsdp's band (581 x 1.035 = 601) is far below towers' 895: not named

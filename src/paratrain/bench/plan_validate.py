@@ -24,7 +24,7 @@ from pathlib import Path
 from . import plan as pl
 from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
-from .plan_rank import processes
+from .plan_rank import simplicity
 from .plan_validate_report import (between_runs, machine_drift, markdown, same_speed_errors,  # noqa: F401 (API)
                                    pct, side_by_side_ms, step_ms)
 
@@ -260,14 +260,14 @@ def _choice(rows: list[dict], first: str | None = None) -> dict:
     label of the layout the plan ranks first at N = 2 (:func:`plan_first`), where it was run; else, as
     for a validation run before the plan's first layout was (``plan_first`` None or not among the
     rows: ``first_not_run``), the predicted fastest of the layouts run (of predictions within
-    :data:`~.plan.TIE`, the least memory: :func:`~.plan.pick`)."""
+    :data:`~.plan.TIE`, the simplest: :func:`~.plan.pick`, :func:`~.plan_rank.simplicity`)."""
     two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"]
            and math.isfinite(r["measured_units_per_s"])]
     if not two:
         return {}
     chosen = next((r for r in two if r["label"] == first), None) or two[
         pl.pick(two, lambda r: r["predicted_units_per_s"],
-                lambda r: (processes(r["n"], r.get("overrides")), r["predicted_memory_bytes"]))]
+                lambda r: simplicity(r["n"], r.get("overrides"), r["predicted_memory_bytes"]))]
     fastest = max(two, key=lambda r: r["measured_units_per_s"])
     # plan.close_calls' rule among the layouts run at N = 2, each with its own measured error here (the
     # next plan weighs all its layouts, at every N, against its own recommendation); each band holds its
