@@ -454,3 +454,15 @@ def test_the_profiles_towers_forward_builds_the_towers_batch_and_skips_a_task_th
     for factory in (refuses, Empty):
         assert towers_forward(Task(8), Model(), torch.device("cpu"), lambda: None, factory, 2, 8) is None
         assert "CPU towers' forward not measured" in capsys.readouterr().out
+
+
+def test_an_async_workers_lost_compute_is_the_loops_measurement_where_there_is_one():
+    from paratrain.bench.plan_ps import worker_stolen_s
+
+    loaded = {"stolen": [[0.001, 0.0002], [0.004, 0.0008]]}
+    # no loop measurement: the micro-benchmark's points, linear between them: 0.0002 + (0.0025 - 0.001) * 0.2
+    assert worker_stolen_s(None, loaded, 0.0025) == pytest.approx(0.0005)
+    # the loop measured it: its value, 0 included (the loop found no loss; no fall back to the points)
+    assert worker_stolen_s(0.0023, loaded, 0.0025) == 0.0023
+    assert worker_stolen_s(0.0, loaded, 0.0025) == 0.0
+    assert worker_stolen_s(None, None, 0.0025) == 0.0

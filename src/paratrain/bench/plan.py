@@ -9,7 +9,7 @@ picks the step formula (:func:`~.strategy_model.predict_model`, split into parts
 K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies
 are listed with their staleness and never recommended in place of a synchronous one (they train a
 different model per step). A layout the recipe refuses (the strategy's own config check) is listed
-with the reason (:func:`refusal`) and not predicted.
+with the reason (:func:`~.plan_model.refusal`) and not predicted.
 
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
 batch: each replica gets B / replicas, and compute and activations scale linearly with it (the
@@ -23,7 +23,6 @@ each device on its own like the profiled one.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 from pathlib import Path
@@ -35,7 +34,7 @@ from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
-from .plan_model import Layout, best_bucket, step_parts
+from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
 from .plan_ps import loaded_exchange, loop_stolen, ps_busiest_share, ps_message_link, slower
 from .plan_profile import TIMED_S
 from .plan_rank import (TIE, close_calls, objective_value, pick, rank, read_validation,  # noqa: F401 (API)
@@ -161,25 +160,6 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
         if "comm_hook" in keys:
             out.append(Layout(name, n, {"comm_hook": "bf16"}, f"{name} + bf16 hook"))
     return out
-
-
-def refusal(config: str, task: str | None, overrides: list[str], layout: Layout) -> str | None:
-    """Why the recipe cannot run this layout (the strategy's own config check, one line), or None."""
-    from .. import config as configuration
-    from ..strategies import STRATEGIES
-
-    sets = [*overrides, f"dist.strategy={json.dumps(layout.strategy)}"]
-    if STRATEGIES[layout.strategy].cost_model == TOWERS:
-        sets += ["dist.nproc=1", f"dist.devices={json.dumps(','.join(f'cpu:{i}' for i in range(layout.n)))}"]
-    else:
-        sets.append(f"dist.nproc={layout.n}")
-    sets += [f"dist.{k}={json.dumps(v)}" for k, v in layout.overrides.items()]
-    try:
-        cfg = configuration.load(config, sets, {"task": {"entry": task}} if task else None)
-        STRATEGIES[layout.strategy].check_global_batch(cfg)
-    except UsageError as e:
-        return str(e)
-    return None
 
 
 def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,

@@ -6,7 +6,8 @@ their sources, are :func:`~.strategy_model.predict_model`'s: :mod:`.costmodel` (
 (a parameter server, synchronous or asynchronous), each with what its processes pay for meeting
 every step (:func:`~.strategy_model.sync_overhead_s`: synchronised BatchNorm, DDP's buffer
 broadcast, the wait for the last rank). This module splits a layout's prediction into those parts
-and adds the strategy's own work measured as one rank (``one_rank_s``).
+and adds the strategy's own work measured as one rank (``one_rank_s``); :func:`refusal` says why
+a recipe cannot run a :class:`Layout` (the profile's loop runs ask it too, below the plan).
 
 ZeRO-1 and FSDP step the optimizer on DTensor shards: 1/n of the plain step's arithmetic plus the
 DTensors' per-operation dispatch, measured in one process (``sharded_optimizer_s``); FSDP's guard
@@ -142,3 +143,25 @@ def hooked(w: Workload, n: int, hook: str | None, measured_hook: dict | None, dt
         w = replace(w, payload_ratio=hook_payload_ratio(dtype))
     measured = hook == "bf16" and measured_hook
     return w, (compress_hook_bucket_s(n, measured_hook, compute_scale) if measured else None)
+
+
+def refusal(config: str, task: str | None, overrides: list[str], layout: Layout) -> str | None:
+    """Why the recipe cannot run this layout (the strategy's own config check, one line), or None."""
+    import json
+
+    from .. import config as configuration
+    from ..errors import UsageError
+    from ..strategies import STRATEGIES
+
+    sets = [*overrides, f"dist.strategy={json.dumps(layout.strategy)}"]
+    if STRATEGIES[layout.strategy].cost_model == TOWERS:
+        sets += ["dist.nproc=1", f"dist.devices={json.dumps(','.join(f'cpu:{i}' for i in range(layout.n)))}"]
+    else:
+        sets.append(f"dist.nproc={layout.n}")
+    sets += [f"dist.{k}={json.dumps(v)}" for k, v in layout.overrides.items()]
+    try:
+        cfg = configuration.load(config, sets, {"task": {"entry": task}} if task else None)
+        STRATEGIES[layout.strategy].check_global_batch(cfg)
+    except UsageError as e:
+        return str(e)
+    return None

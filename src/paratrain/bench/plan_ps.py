@@ -143,6 +143,13 @@ def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
                      proportional_above=False)(compute_s)
 
 
+def worker_stolen_s(loop_s: float | None, loaded: dict | None, compute_s: float) -> float:
+    """What an async worker's ``compute_s`` of compute takes longer among the others' exchanges:
+    ``loop_s``, measured in the training loop (:func:`loop_stolen`), where it was (not None); else
+    :func:`ps_compute_stolen_s` of the micro-benchmark's ``loaded`` points."""
+    return loop_s if loop_s is not None else ps_compute_stolen_s(loaded, compute_s)
+
+
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
                   wait_s: float = 0.0, stolen_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous

@@ -10,27 +10,10 @@ the whole backward), parameter bytes, the bytes its forward saves for the backwa
 input's bytes (what activation checkpointing keeps). The step's model FLOPs
 (:func:`~paratrain.bench.mfu.count_flops`), the optimizer's state bytes after a step, and the peak of
 one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker``: parameters,
-gradients, optimizer state, activations, temporaries). The links (:func:`~.microbench.measured_links`):
-:func:`~.microbench.measured_link` (gloo all-reduce, 2 processes), the all-gather's and reduce-scatter's
-own (:func:`~.microbench.measured_collective`), one send (:func:`~.microbench.measured_p2p`) and one
-RPC message (:func:`~.microbench_rpc.measured_rpc`, the parameter server's transport) and a parameter
-server's update of the model (``ps_update_s``, :func:`~.microbench_rpc.measured_ps_update`) and a
-``ps-async`` worker's whole exchange with one server (``ps_round_trip_s``,
-:func:`~.microbench_rpc.measured_ps_round_trip`, the PS's link: :func:`~.plan_ps.ps_message_link`; on a
-CPU also the mean exchange of two, and of four, workers that compute between exchanges on the same
-cores, and what those exchanges take of the workers' compute (``stolen``), ``ps_round_trips_loaded``
-and ``ps_round_trips_loaded_4``, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`), what the
-optimizer's step on DTensor shards costs beyond the plain step (``sharded_optimizer_s``,
-:func:`~.microbench_sharded.measured_sharded_optimizer`, zero1's and fsdp's) and the gradient's norm
-on them (``sharded_norm_s``, :func:`~.microbench_sharded.measured_sharded_norm`, fsdp's); on a CPU, memory
-copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outputs, the fsdp units
-whole and halved), what a blocking collective costs two processes reaching it from compute
-(``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
-taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
-two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
-and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
-``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`) and what DDP's bf16 compression hook
-costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
+gradients, optimizer state, activations, temporaries). The links and what sharing the cores costs
+(:func:`~.profile_links.profile_links`: gloo's collectives, a send, RPC, the parameter server's update
+and exchange, DTensor steps; on a CPU memory copies, meetings, FSDP2's units, ZeRO-1's and FSDP2's
+steps and the bf16 hook between two processes).
 ``paratrain plan`` adds what allreduce, zero1 and fsdp add to the training loop's step as one rank
 (``loop_one_rank_s``, :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of
 the dispatch terms: a GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the
@@ -231,55 +214,9 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update and exchange "
                  "(alone and among computing workers); DTensor steps; what FSDP2 adds to each unit and ZeRO-1 "
                  "and FSDP2 to the optimizer's step")
-        from .microbench import measured_links
+        from .profile_links import profile_links
 
-        out["links"] = measured_links()
-        from ..env import default_threads
-        from .microbench_rpc import measured_ps_round_trip, measured_ps_update
-
-        # a server's share of the cores in the layout validated here: 2 workers and 1 server
-        out["ps_update_s"] = measured_ps_update(list(model.parameters()), optimizer, cfg.train.clip,
-                                                threads=default_threads(3, out["cores"]))
-        # a ps-async worker's whole exchange with its server (push, update, answer, load), for the PS's link
-        out["ps_round_trip_s"] = measured_ps_round_trip(list(model.parameters()), optimizer,
-                                                        threads=default_threads(3, out["cores"]))
-        from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
-
-        # zero1's and fsdp's step on DTensor shards, at a worker's share of the cores of 2 workers
-        out["sharded_optimizer_s"] = measured_sharded_optimizer(list(model.parameters()), optimizer,
-                                                                threads=default_threads(2, out["cores"]))
-        # fsdp's guard takes the norm of its DTensor gradients every step
-        out["sharded_norm_s"] = measured_sharded_norm(list(model.parameters()),
-                                                      threads=default_threads(2, out["cores"]))
-        if device.type == "cpu":  # what the processes' sharing of this machine's cores costs
-            from ..strategies import modelled
-            from .microbench import measure_copies
-            from .microbench_hooks import measured_compress_hook
-            from .microbench_meetings import measured_meetings
-            from .microbench_rpc import measured_ps_round_trips_loaded
-            from .microbench_sharded import measured_fsdp_units, measured_sharded_step
-            from .plan_ps import LOADED_PS_KEYS
-            from .profile_runs import OVERSUBSCRIBED
-            from .strategy_model import STEP_PATHS
-
-            # the ps-async exchange again, with 2 and 4 workers computing between exchanges on the same cores
-            for workers, key in LOADED_PS_KEYS.items():
-                out[key] = {"workers": workers, **measured_ps_round_trips_loaded(
-                    list(model.parameters()), optimizer, workers=workers,
-                    threads=default_threads(workers + 1, out["cores"]), exchange_s=out["ps_round_trip_s"])}
-
-            units = out["strategy_inputs"]["units"]  # CPU towers' join and FSDP2's buffers: copies in one memory
-            out["memory_copy"] = measure_copies([4 ** k for k in range(6, 15, 2)] + [2 * out["output_bytes"]]
-                                                + [b for u in units for b in (u, u // 2)])
-            out["meetings"] = measured_meetings()  # FSDP2's collectives block on a CPU (no streams)
-            if out["cores"] < OVERSUBSCRIBED:  # and more processes than cores take turns on them
-                out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
-                                                  "points": measured_meetings(processes=OVERSUBSCRIBED)}
-            out["fsdp_units"] = measured_fsdp_units(units)
-            out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
-            for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
-                out[key] = measured_sharded_step(modelled(cost_model)[0], list(model.parameters()), optimizer,
-                                                 threads=default_threads(2, out["cores"]))
+        out.update(profile_links(model, optimizer, cfg, device, out))
     if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
         progress("CPU towers' forward")
         from .microbench_towers import towers_forward

@@ -64,8 +64,7 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
     from concurrent.futures import ThreadPoolExecutor
 
     from ..strategies import REFERENCE
-    from .plan import refusal
-    from .plan_model import Layout
+    from .plan_model import Layout, refusal
     from .sweep import RunPlan
 
     strategies = async_ps_strategies()

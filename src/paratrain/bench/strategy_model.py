@@ -12,7 +12,7 @@ from typing import Any, Callable
 from .costmodel import Link, Prediction, Workload, predict, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
 from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
-from .plan_ps import predict_ps, ps_busiest_share, ps_compute_stolen_s, ps_exchange_wait_s, ps_update_s
+from .plan_ps import predict_ps, ps_busiest_share, ps_exchange_wait_s, ps_update_s, worker_stolen_s
 from .straggler import straggle_s
 
 RING, SHARDED_OPTIMIZER, SHARDED_PARAMETERS, STAGES, TOWERS, PS = (
@@ -224,7 +224,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``inputs["ps_loaded"]`` and ``inputs["ps_round_trip_s"]`` (an asynchronous worker's exchange among
     computing workers, :func:`~.plan_ps.ps_exchange_wait_s`, and its compute among exchanging workers,
     :func:`~.plan_ps.ps_compute_stolen_s`; ``inputs["ps_stolen_s"]``, where not None, is that compute's
-    loss measured in the training loop instead, :func:`~.plan_ps.loop_stolen`). ``inputs["memory_copy"]``: measured
+    loss measured in the training loop instead, :func:`~.plan_ps.worker_stolen_s`). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
     holds it), FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
@@ -268,9 +268,7 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
         among = n > 1 and not synchronous  # an async worker among others on these cores
         wait = ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute) if among else 0.0
-        in_loop = inputs.get("ps_stolen_s")  # measured in the training loop's job, where it was
-        stolen = (in_loop if in_loop is not None else ps_compute_stolen_s(inputs.get("ps_loaded"), compute)) \
-            if among else 0.0
+        stolen = worker_stolen_s(inputs.get("ps_stolen_s"), inputs.get("ps_loaded"), compute) if among else 0.0
         share = ps_busiest_share(w.param_bytes, d.num_ps)
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
