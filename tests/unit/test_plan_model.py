@@ -1136,7 +1136,10 @@ def test_within_a_tie_the_recommendation_trains_on_exact_gradients_rather_than_c
     rows = [row("allreduce + bf16 hook", 1929.8, hook="bf16"), row("allreduce", 1927.4),
             row("zero1 + powersgd hook", 1929.0, hook="powersgd", mib=900)]
     assert rank(rows, "words_per_s")[0]["label"] == "allreduce"
-    # "none" is no hook
+    # "none" (or no value) is no hook
+    from paratrain.bench.plan_rank import compresses
+
+    assert not compresses({"comm_hook": None}) and not compresses(None) and compresses({"comm_hook": "powersgd"})
     assert rank([row("a + hook", 1000.0, hook="fp16"), row("a", 999.0, hook="none")], "words_per_s")[0]["label"] == "a"
     # a hook faster beyond the tie is recommended
     rows[0]["units_per_s"] = 1960.0
@@ -1742,8 +1745,8 @@ def test_the_microbatch_factor_pairs_its_rounds_so_a_machine_that_slows_moves_bo
     assert got["stage_fractions"] == pytest.approx([1 / 3, 2 / 3])
 
 
-@pytest.mark.parametrize("cores, threads", [(8, {0: None, 2: 4, 4: 2}), (2, {0: None, 2: 1, 4: 1}),
-                                            (None, {0: None, 2: None, 4: None})])
+@pytest.mark.parametrize("cores, threads", [(8, {0: 3, 2: 4, 4: 2}), (2, {0: 3, 2: 1, 4: 1}),
+                                            (None, {0: 3, 2: 3, 4: 3})])
 def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(monkeypatch, cores, threads):
     import paratrain.bench.strategy_model as sm
     from paratrain.bench.profile import _stage_inputs
@@ -1758,9 +1761,75 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
                 "microbatch_factor": 1.0}
 
     monkeypatch.setattr(sm, "strategy_inputs", inputs)
-    cfg = Config()
-    out = _stage_inputs(None, cfg, cores)
-    # S stages run in S processes: cores // S threads each (at least 1); None (a GPU's): this process' threads
-    assert seen == {s: t or before for s, t in threads.items()}
-    assert torch.get_num_threads() == before
-    assert sorted(out["stage_profiles"]) == ["2", "4"]
+    torch.set_num_threads(3)  # this process' threads: neither a share of 8 or 2 cores nor the machine's
+    try:
+        out = _stage_inputs(None, Config(), cores)
+        # S stages run in S processes: cores // S threads each (at least 1); None (a GPU's): this process' 3
+        assert seen == threads
+        assert torch.get_num_threads() == 3
+        assert sorted(out["stage_profiles"]) == ["2", "4"]
+
+        def failing(task, layout):
+            if layout.dist.pipeline_stages == 4:
+                raise RuntimeError("stage 4 failed")
+            return inputs(task, layout)
+
+        monkeypatch.setattr(sm, "strategy_inputs", failing)
+        with pytest.raises(RuntimeError, match="stage 4 failed"):
+            _stage_inputs(None, Config(), cores)
+        assert torch.get_num_threads() == 3  # restored after a failed measurement too
+    finally:
+        torch.set_num_threads(before)
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_of_the_cores(monkeypatch, device):
+    """profile_links.profile_links with every micro-benchmark stubbed: which run, in what order, at how
+    many threads, with which inputs, under which keys (8 cores: 3 processes get 2 threads, 2 get 4, 5 get 1)."""
+    from types import SimpleNamespace
+
+    from paratrain.bench import microbench, microbench_hooks, microbench_meetings, microbench_rpc, microbench_sharded
+    from paratrain.bench.profile_links import profile_links
+
+    calls = []
+
+    def stub(module, name, answer):
+        def fake(*args, **kw):
+            calls.append((name, kw.get("threads"), kw.get("workers"), kw.get("exchange_s"), kw.get("processes")))
+            return answer(*args, **kw) if callable(answer) else answer
+        monkeypatch.setattr(module, name, fake)
+
+    stub(microbench, "measured_links", {"all_reduce": {}})
+    stub(microbench_rpc, "measured_ps_update", {"async": 0.1})
+    stub(microbench_rpc, "measured_ps_round_trip", 0.25)
+    stub(microbench_sharded, "measured_sharded_optimizer", 0.01)
+    stub(microbench_sharded, "measured_sharded_norm", 0.001)
+    stub(microbench_rpc, "measured_ps_round_trips_loaded", {"points": []})
+    stub(microbench, "measure_copies", lambda sizes: sizes)
+    stub(microbench_meetings, "measured_meetings", [[0.001, 0.002]])
+    stub(microbench_sharded, "measured_fsdp_units", lambda units: units)
+    stub(microbench_hooks, "measured_compress_hook", {"world_size": 2})
+    stub(microbench_sharded, "measured_sharded_step", lambda strategy, params, opt, threads: strategy)
+    model = torch.nn.Linear(2, 2)
+    cfg = SimpleNamespace(train=SimpleNamespace(clip=0.5))
+    prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [64, 32]}}
+    got = profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, torch.device(device), prof)
+    first = [("measured_links", None, None, None, None), ("measured_ps_update", 2, None, None, None),
+             ("measured_ps_round_trip", 2, None, None, None), ("measured_sharded_optimizer", 4, None, None, None),
+             ("measured_sharded_norm", 4, None, None, None)]
+    if device == "cuda":  # a GPU's profile: the links only
+        assert calls == first
+        assert sorted(got) == ["links", "ps_round_trip_s", "ps_update_s", "sharded_norm_s", "sharded_optimizer_s"]
+        return
+    assert calls == first + [
+        ("measured_ps_round_trips_loaded", 2, 2, 0.25, None), ("measured_ps_round_trips_loaded", 1, 4, 0.25, None),
+        ("measure_copies", None, None, None, None), ("measured_meetings", None, None, None, None),
+        ("measured_fsdp_units", None, None, None, None), ("measured_compress_hook", None, None, None, None),
+        ("measured_sharded_step", 4, None, None, None), ("measured_sharded_step", 4, None, None, None)]
+    # 8 cores: no oversubscribed meetings (4 processes fit); the copies: 4 KiB ... 256 MiB, two outputs,
+    # each unit whole and halved
+    assert "meetings_oversubscribed" not in got
+    assert got["memory_copy"] == [4 ** k for k in range(6, 15, 2)] + [200, 64, 32, 32, 16]
+    assert got["ps_round_trips_loaded"] == {"workers": 2, "points": []}
+    assert got["ps_round_trips_loaded_4"] == {"workers": 4, "points": []}
+    assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == ([64, 32], "zero1", "fsdp")
+    assert prof == {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [64, 32]}}  # not changed

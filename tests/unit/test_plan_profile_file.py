@@ -28,6 +28,9 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     assert DEVICE_ONLY_CHANGES[24] == "cpu" and compatible(23, "cuda:0") and not compatible(23, "cpu")
     assert not compatible(18, "cuda:0")  # 19 added a GPU's one-rank runs
     assert not compatible(PROFILE_VERSION + 1, "cuda:0") and not compatible(None, "cpu") and not compatible("20", "cpu")
+    # 30: a reverted commit's, on any device; 31 changed a CPU's stage profiles only
+    assert PROFILE_VERSION == 31 and not compatible(30, "cpu") and not compatible(30, "cuda:0")
+    assert compatible(29, "cuda:0") and not compatible(29, "cpu")
 
 
 @pytest.fixture

@@ -66,7 +66,7 @@ def compresses(overrides: dict | None) -> bool:
     (:data:`TIE`) the plan does not trade that for a speed it cannot tell apart (gpt_wt2 on the
     2-vCPU VM: allreduce + bf16 hook predicted 0.1% over allreduce, measured 3% faster in one
     validation and 7% slower in the next)."""
-    return (overrides or {}).get("comm_hook", "none") != "none"
+    return (overrides or {}).get("comm_hook") not in (None, "none")
 
 
 def simplicity(n: int, overrides: dict | None, memory_bytes: float) -> tuple:
@@ -76,15 +76,15 @@ def simplicity(n: int, overrides: dict | None, memory_bytes: float) -> tuple:
     return processes(n, overrides), compresses(overrides), memory_bytes
 
 
-def pick(items: list, value, memory) -> int:
+def pick(items: list, value, key) -> int:
     """Index of the recommended item: among those whose ``value(item)`` (higher is better) is within
-    :data:`TIE` of the best, the one with the least ``memory(item)`` (a key: :func:`simplicity`),
-    the faster of equals. -1 for no items."""
+    :data:`TIE` of the best, the one with the least ``key(item)`` (:func:`simplicity`), the faster of
+    equals. -1 for no items."""
     if not items:
         return -1
     best = max(value(x) for x in items)
     tied = [i for i, x in enumerate(items) if value(x) >= best * (1 - TIE)]
-    return min(tied, key=lambda i: (memory(items[i]), -value(items[i])))
+    return min(tied, key=lambda i: (key(items[i]), -value(items[i])))
 
 
 def objective_value(row: dict, objective: str) -> float:

@@ -242,6 +242,7 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
         # the keys it ran with; a run before they were kept had the recipe's bucket (the runs got the layout's keys)
         kept = row.get("overrides", {"bucket_mb": cfg.dist.bucket_mb})
         ran = pl.Layout(lay.strategy, lay.n, {**lay.overrides, **kept}, lay.label)
+        row["overrides"] = ran.overrides  # what the score's tie rule reads (plan_rank.simplicity)
         _predicted(row, pl.predict_layout(ran, prof, cfg, link, on_this_machine=True, global_batch=None))
     if result.get("rounds") or all(len(r.get("measured_step_ms_all") or []) <= 1 for r in result["rows"]):
         # (before "rounds" was kept, run r of two layouts need not share a round)

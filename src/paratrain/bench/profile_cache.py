@@ -51,11 +51,17 @@ host, keep their threads and measure the same ratio, paired by round): a profile
 and another device type holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
 
 
+SKIPPED_VERSIONS = frozenset({30})
+"""Versions no released paratrain measures: 30 was a reverted commit's (6f863a7, its meetings'
+calibration, which a GPU's profile uses too). A profile of one is read on no device."""
+
+
 def compatible(version: int | None, device: str) -> bool:
     """Whether a profile of ``version`` measured on ``device`` (e.g. ``"cuda:0"``) holds what
     :data:`PROFILE_VERSION` measures there: the same version, or an older one where every version
-    since changed another device type's profiles only (:data:`DEVICE_ONLY_CHANGES`)."""
-    if not isinstance(version, int) or version > PROFILE_VERSION:
+    since changed another device type's profiles only (:data:`DEVICE_ONLY_CHANGES`); never one of
+    :data:`SKIPPED_VERSIONS`."""
+    if not isinstance(version, int) or version > PROFILE_VERSION or version in SKIPPED_VERSIONS:
         return False
     kind = str(device).split(":")[0]
     return all(DEVICE_ONLY_CHANGES.get(v, kind) != kind for v in range(version + 1, PROFILE_VERSION + 1))

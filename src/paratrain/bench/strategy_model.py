@@ -224,7 +224,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     ``inputs["ps_loaded"]`` and ``inputs["ps_round_trip_s"]`` (an asynchronous worker's exchange among
     computing workers, :func:`~.plan_ps.ps_exchange_wait_s`, and its compute among exchanging workers,
     :func:`~.plan_ps.ps_compute_stolen_s`; ``inputs["ps_stolen_s"]``, where not None, is that compute's
-    loss measured in the training loop instead, :func:`~.plan_ps.worker_stolen_s`). ``inputs["memory_copy"]``: measured
+    loss measured in the training loop instead, :func:`~.plan_ps.loop_stolen`; the choice:
+    :func:`~.plan_ps.worker_stolen_s`). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
     holds it), FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
