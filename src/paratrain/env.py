@@ -11,6 +11,7 @@ strategy's options); a strategy's ``init_process`` reads it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -49,6 +50,18 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int):
+    """torch's intra-op threads set to ``threads`` (at least 1) inside the block and restored after it,
+    also when it raises. Per process: threads started inside see the same count."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def default_threads(local_processes: int, cores: int | None = None) -> int:

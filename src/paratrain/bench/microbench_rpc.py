@@ -376,12 +376,10 @@ def measured_ps_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Op
                 times.append(server.update_s - before)
         return statistics.median(times)
 
-    old = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(1) as pool:  # torch's thread count is per process: set it here, time there
-            torch.set_num_threads(max(1, threads))
-            return {"sync_1": pool.submit(median_update, "sync", 1).result(),
-                    "sync_2": pool.submit(median_update, "sync", 2).result(),
-                    "async": pool.submit(median_update, "async", 1).result()}
-    finally:
-        torch.set_num_threads(old)
+    from ..env import intra_op_threads
+
+    # torch's thread count is per process: set it here, time in the pool's thread
+    with intra_op_threads(threads), ThreadPoolExecutor(1) as pool:
+        return {"sync_1": pool.submit(median_update, "sync", 1).result(),
+                "sync_2": pool.submit(median_update, "sync", 2).result(),
+                "async": pool.submit(median_update, "async", 1).result()}

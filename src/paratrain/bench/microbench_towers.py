@@ -26,6 +26,7 @@ def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int =
     shapes. Runs in this process; every thread it starts ends before it returns."""
     from torch import nn
 
+    from ..env import intra_op_threads
     from ..strategies.sync_batchnorm import SyncBatchNorm, TowerReducer
     from ..strategies.towers import CPUTowers, TowerGroup
 
@@ -33,11 +34,8 @@ def measured_tower_sync_batchnorm(shapes: Sequence[Sequence[int]], towers: int =
         return 0.0
     threads = torch.get_num_threads()
     a = torch.randn(96, 96)
-    torch.set_num_threads(max(1, threads // towers))  # a tower thread's share: calibrate the compute there
-    try:
+    with intra_op_threads(threads // towers):  # a tower thread's share: calibrate the compute there
         k = products_for(a, compute_s)
-    finally:
-        torch.set_num_threads(threads)
 
     class Busy(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

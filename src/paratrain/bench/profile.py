@@ -328,7 +328,7 @@ def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
     run in S processes: one thread each on 2 cores; None: this process' threads)."""
     from types import SimpleNamespace
 
-    from ..env import default_threads
+    from ..env import default_threads, intra_op_threads
     from .strategy_model import strategy_inputs
 
     def layout(stages: int) -> SimpleNamespace:  # the keys strategy_inputs reads, for S stages
@@ -336,13 +336,9 @@ def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
                                                                      pipeline_split=""))
 
     out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
-    old = torch.get_num_threads()
     for s in STAGE_COUNTS:
-        torch.set_num_threads(default_threads(s, cores) if cores else old)
-        try:
+        with intra_op_threads(default_threads(s, cores) if cores else torch.get_num_threads()):
             got = strategy_inputs(task, layout(s))
-        finally:
-            torch.set_num_threads(old)
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys}
