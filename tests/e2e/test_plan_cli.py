@@ -264,6 +264,7 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--rescore", "--out", "never-validated"), "--rescore: no never-validated/validation.json; run paratrain plan"),
     (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
     (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
+    (("--validate", "--validate-runoff", "-1"), "--validate-runoff -1: give pairs >= 0 (0: no run-off)"),
     (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
     (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),
     (("--profile", "p/profile.json", "--set", "train.batch_size=16"), "was measured for another recipe (-batch_size = 8;"),
@@ -281,7 +282,7 @@ def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
 def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     tmp, _ = planned
     r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--validate", "--validate-steps", "6",
-                  "--timed-seconds", "0", "--out", "p", cwd=tmp, timeout=900)
+                  "--timed-seconds", "0", "--validate-runoff", "1", "--out", "p", cwd=tmp, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     v = json.loads((tmp / "p" / "validation.json").read_text())
     got = {(row["strategy"], row["n"]) for row in v["rows"]}
@@ -294,7 +295,15 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
         if row["synchronous"]:  # in 6 steps an asynchronous rank 0 may stop early (the other worker did the updates)
             assert row["measured_step_ms"] > 0 and math.isfinite(row["step_error"]), row
             assert row["measured_memory_bytes"] > 0 and math.isfinite(row["memory_error"]), row
-    assert v["choice"]["recommended"] and 0 <= v["choice"]["shortfall"] < 1
+    c = v["choice"]
+    assert c["recommended"] and 0 <= c["shortfall"] < 1
+    if c["recommended"] != c["measured_fastest"]:  # the two ran again, one pair back to back, and that is judged
+        ro = v["runoff"]
+        assert (ro["recommended"], ro["measured_fastest"]) == (c["recommended"], c["measured_fastest"])
+        assert len(ro["rates"]) == 1 and all(x > 0 for x in ro["rates"][0]) and c["runoff"] == ro
+        assert c["judged_shortfall"] == ro["shortfall"] and "Run-off: the two ran again in 1 pair(s)" in r.stdout
+    else:
+        assert v["runoff"] is None and c["judged_shortfall"] == 0.0 and "Run-off" not in r.stdout
     # each layout ran with the dist keys its prediction priced: DDP's bucket too
     assert all("bucket_mb" in row["overrides"] for row in v["rows"] if row["strategy"] in ("allreduce", "zero1"))
     # before the round, the profile's one-thread runs side by side were measured again (2 cores: one per core)
@@ -318,7 +327,7 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
                          cwd=tmp, timeout=300)
     assert rescored.returncode == 0, rescored.stderr[-2000:]
     w = json.loads((tmp / "p" / "validation.json").read_text())
-    assert w["rescored"] and len(w["rows"]) == len(v["rows"])
+    assert w["rescored"] and len(w["rows"]) == len(v["rows"]) and w["runoff"] == v["runoff"]
     for old, new in zip(v["rows"], w["rows"]):
         assert new["measured_step_ms_all"] == old["measured_step_ms_all"]
         assert new["predicted_step_ms"] == pytest.approx(old["predicted_step_ms"], rel=1e-9)

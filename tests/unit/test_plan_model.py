@@ -1270,7 +1270,7 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     got = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0),
                    row("towers", 900.0, 1747, 800.0)])
     assert got == {"recommended": "zero1", "measured_fastest": "zero1", "shortfall": 0.0, "close_calls": [],
-                   "first_not_run": None}
+                   "first_not_run": None, "runoff": None, "judged_shortfall": 0.0}
     # the plan's own first layout at N = 2, where it was run, is the recommendation scored
     first = _choice([row("allreduce", 1000.0, 918, 880.0), row("zero1", 999.3, 900, 1000.0)], "allreduce")
     assert first["recommended"] == "allreduce" and first["shortfall"] == pytest.approx(0.12)
@@ -1296,6 +1296,54 @@ def test_the_validation_scores_the_recommendation_the_plan_makes():
     text = markdown({"config": "c", "rows": [], "choice": got})
     assert ("Too close to call at N = 2 by these step errors (a layout whose predicted rate, raised by its own "
             "measured error, reaches the recommendation's, lowered by its own): allreduce, ps-sync.") in text
+
+
+def test_a_run_off_pairs_the_two_layouts_back_to_back_in_alternating_order_and_judges_on_the_median_ratio():
+    """ptb_small on 2026-11-28: the bf16 hook's two runs in the rounds were 139.8 and 186.8 ms, so the
+    round-robin's "fastest" was the moment its first run had. Here a machine slows 10% with every
+    run, and b's rate is a's times 1.02 at the same moment: a pair run a b favours a, b a favours
+    b, so the order alternates."""
+    from paratrain.bench.plan_validate import _choice, markdown, run_off
+
+    calls, speed = [], [1.0]
+
+    def run(i, k):
+        calls.append((i, k))
+        speed[0] /= 1.1
+        return {"units_per_s": 1000.0 * speed[0] * (1.02 if i == 1 else 1.0)}
+
+    ro = run_off(run, 0, 1, 3, ("allreduce", "allreduce + bf16 hook"))
+    assert calls == [(0, 0), (1, 1), (1, 2), (0, 3), (0, 4), (1, 5)]  # a b, b a, a b; each run's k its own
+    assert ro["first"] == ["allreduce", "allreduce + bf16 hook", "allreduce"]
+    assert ro["ratios"] == pytest.approx([1.1 / 1.02, 1 / (1.1 * 1.02), 1.1 / 1.02])
+    assert ro["shortfall"] == pytest.approx(1 - 1.1 / 1.02)  # the median of 3: a pair where a ran first
+    # an even count's median is the mean of the middle two: one pair each way
+    calls.clear()
+    ro = run_off(run, 0, 1, 2, ("allreduce", "allreduce + bf16 hook"))
+    assert ro["shortfall"] == pytest.approx(1 - (1.1 / 1.02 + 1 / (1.1 * 1.02)) / 2)
+    # a failed run gives no ratio for its pair; none at all: NaN
+    failed = run_off(lambda i, k: {"units_per_s": float("nan")} if k == 1 else {"units_per_s": 100.0}, 0, 1, 2,
+                     ("a", "b"))
+    assert failed["ratios"] == [1.0] and failed["shortfall"] == 0.0
+    assert math.isnan(run_off(lambda i, k: {}, 0, 1, 1, ("a", "b"))["shortfall"])
+
+    def row(label, predicted, measured):
+        return {"label": label, "n": 2, "synchronous": True, "ok": True, "predicted_units_per_s": predicted,
+                "predicted_memory_bytes": 2 ** 20, "measured_units_per_s": measured, "step_error": 0.0}
+
+    rows = [row("allreduce", 1000.0, 880.0), row("allreduce + bf16 hook", 990.0, 1000.0)]
+    ro = {"recommended": "allreduce", "measured_fastest": "allreduce + bf16 hook", "rates": [[990.0, 1000.0]],
+          "first": ["allreduce"], "ratios": [0.99], "shortfall": 0.01}
+    got = _choice(rows, None, ro)
+    assert got["shortfall"] == pytest.approx(0.12) and got["judged_shortfall"] == pytest.approx(0.01)
+    assert got["runoff"] == ro
+    text = markdown({"config": "c", "rows": [], "choice": got})
+    assert ("Run-off: the two ran again in 1 pair(s) back to back, the order alternating (allreduce first in pairs "
+            "1); their rates per s, the recommendation's / the fastest's: 990.0 / 1000.0; the median ratio 0.990: "
+            "the recommendation is 1.0% slower than allreduce + bf16 hook.") in text
+    # a rescore that recommends another layout keeps the run-off out of its score
+    other = _choice([row("allreduce", 980.0, 880.0), row("allreduce + bf16 hook", 1000.0, 1000.0)], None, ro)
+    assert other["runoff"] is None and other["judged_shortfall"] == 0.0
 
 
 def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_minus_off(monkeypatch, capsys):

@@ -88,6 +88,10 @@ def add_plan_parser(sub) -> None:
                    "see --timed-seconds)")
     p.add_argument("--validate-repeats", type=int, default=1, help="runs per validated layout; the median step "
                    "is compared (default 1)")
+    p.add_argument("--validate-runoff", type=int, default=3, metavar="PAIRS",
+                   help="where the recommendation at N = 2 is not the measured fastest, run the two again in PAIRS "
+                        "pairs back to back, the order alternating, and judge the 5%% target on the median of the "
+                        "pairs' ratios (default 3; 0: none)")
     p.add_argument("--validate-nproc", help="N to validate at (default 1,2; on a GPU's profile 1; 4 runs "
                    "oversubscribed on a 2-core machine)")
     p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")
@@ -105,6 +109,8 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
     if args.profile_steps < 6 or args.profile_repeats < 1:
         raise UsageError(f"--profile-steps {args.profile_steps} / --profile-repeats {args.profile_repeats}: use "
                          f"1 or more rounds of 6 or more steps (a third are warm-up)")
+    if args.validate_runoff < 0:
+        raise UsageError(f"--validate-runoff {args.validate_runoff}: give pairs >= 0 (0: no run-off)")
     if args.validate_repeats < 1 or args.validate_steps < 6:
         raise UsageError(f"--validate-repeats {args.validate_repeats} / --validate-steps {args.validate_steps}: use "
                          f"1 or more runs of 6 or more steps")

@@ -39,6 +39,8 @@ def markdown(result: dict) -> str:
     if c:
         lines += ["", f"At N = 2 the plan recommends {c['recommended']}; measured fastest: {c['measured_fastest']} "
                       f"(the recommendation is {100 * c['shortfall']:.1f}% slower than it)."]
+        if c.get("runoff"):
+            lines += [runoff_line(c["runoff"])]
         if c.get("first_not_run"):
             lines += [f"The plan ranks {c['first_not_run']} first at N = 2, and it was not run here (or gave no step "
                       f"time): the recommendation above is the predicted fastest of the layouts run. Validate "
@@ -95,6 +97,21 @@ def _spread(row: dict) -> str:
     if len(runs) < 2:
         return "-"
     return f"{min(runs):.1f}-{max(runs):.1f} ({100 * (max(runs) / min(runs) - 1):.0f}%)"
+
+
+def runoff_line(ro: dict) -> str:
+    """The sentence of :func:`~.plan_validate.run_off`'s answer ``ro``."""
+    pairs = "; ".join(f"{a:.1f} / {b:.1f}" for a, b in ro["rates"])
+    s = ro["shortfall"]
+    ahead = ", ".join(str(k + 1) for k, f in enumerate(ro["first"]) if f == ro["recommended"]) or "-"
+    verdict = ("no pair gave two rates" if not math.isfinite(s) else
+               f"the median ratio {1 - s:.3f}: the recommendation is {100 * abs(s):.1f}% "
+               f"{'slower' if s > 0 else 'faster'} than {ro['measured_fastest']}")
+    return (f"Run-off: the two ran again in {len(ro['rates'])} pair(s) back to back, the order alternating "
+            f"({ro['recommended']} first in pairs {ahead}); "
+            f"their rates per s, the recommendation's / the fastest's: {pairs}; {verdict}. The 5% target is "
+            f"judged on this: each pair ran a minute apart, where the rounds' runs of two layouts lie minutes "
+            f"apart on a machine whose speed drifts.")
 
 
 def between_runs(row: dict) -> bool:
