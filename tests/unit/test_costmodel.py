@@ -63,6 +63,31 @@ def test_ps_time_server_handles_its_workers_messages_in_turn():
     assert ps_step_s(8, 8, 4, free) == 2 * 8  # every server hears from every worker; a worker sends 4: tie
 
 
+def test_ps_time_on_one_host_moves_the_copies_of_the_servers_messages_side_by_side():
+    """TOY: alpha 1, beta 0.5, gamma 0.25. 4 workers, 2 shards: the server receives 16 bytes (8 s of
+    beta in turn). On 2 cores (streams 2) with 3/4 of beta copies: 8 (1/4 + 3/4 / 2) = 5 s; server
+    phase 4 + 5 = 9 > worker phase 6; reduce 4."""
+    assert ps_step_s(8, 4, 2, TOY, streams=2, copy_fraction=0.75) == 2 * 9 + 4
+    assert ps_step_s(8, 4, 2, TOY, streams=2, copy_fraction=0.0) == ps_step_s(8, 4, 2, TOY) == 2 * 12 + 4
+    # all copies, more streams than workers: each of the 4 workers' messages side by side: 4 + 2 = 6 = worker phase
+    assert ps_step_s(8, 4, 2, TOY, streams=16, copy_fraction=1.0) == 2 * 6 + 4
+    # one worker: nothing beside its message (the single round trip the exchange's link was fitted to)
+    assert ps_step_s(8, 1, 1, TOY, streams=2, copy_fraction=1.0) == ps_step_s(8, 1, 1, TOY)
+    with pytest.raises(ValueError):
+        ps_step_s(8, 4, 2, TOY, streams=0)
+    with pytest.raises(ValueError):
+        ps_step_s(8, 4, 2, TOY, copy_fraction=1.5)
+
+
+@given(st.integers(1, 64), st.integers(1, 8), st.integers(1, 16), st.floats(0.0, 1.0))
+def test_ps_time_never_grows_with_more_streams_or_more_copies(workers, shards, streams, fraction):
+    """Property: messages that can move side by side never predict a slower exchange."""
+    base = ps_step_s(1e6, workers, shards, TOY)
+    wide = ps_step_s(1e6, workers, shards, TOY, streams=streams, copy_fraction=fraction)
+    wider = ps_step_s(1e6, workers, shards, TOY, streams=streams + 1, copy_fraction=fraction)
+    assert wider <= wide * (1 + 1e-12) and wide <= base * (1 + 1e-12)
+
+
 def test_ps_time_worker_bound():
     # one worker, 4 shards: server phase 1*1 + 2*0.5 = 2 < worker phase 4*1 + 8*0.5 = 8; reduce 2*0.25
     assert ps_step_s(8, 1, 4, TOY) == 2 * 8 + 0.5

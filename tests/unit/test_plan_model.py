@@ -1829,6 +1829,39 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
     finally:
         torch.set_num_threads(before)
 
+@pytest.mark.parametrize("strategy, threads", [("pipeline", 4), ("zero1", 3)])
+def test_predict_times_a_pipelines_stages_at_a_stage_process_share_of_the_cores(monkeypatch, strategy, threads):
+    """``paratrain predict --strategy pipeline`` of 2 stages on 8 cores: its stages run in 2
+    processes of 4 threads each, and are timed so (as ``paratrain plan`` times them); another
+    strategy's inputs at this process' threads; the threads are given back."""
+    import argparse
+
+    import paratrain.bench.strategy_model as sm
+    import paratrain.env as env
+    from paratrain.bench.predict_command import _curve
+
+    seen, before = [], torch.get_num_threads()
+
+    def inputs(task, cfg):
+        seen.append(torch.get_num_threads())
+        return {"units": [1], "activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1],
+                "stage_fractions": [0.5, 0.5], "microbatch_factor": 1.0}
+
+    monkeypatch.setattr(sm, "strategy_inputs", inputs)
+    monkeypatch.setattr(env, "available_cores", lambda: 8)
+    import dataclasses
+
+    base = Config()
+    cfg = dataclasses.replace(base, dist=dataclasses.replace(base.dist, pipeline_stages=2))
+    args = argparse.Namespace(strategy=strategy, algorithm="ring", bucket_mb=25.0, num_ps=1, nproc="2")
+    torch.set_num_threads(3)
+    try:
+        _curve(args, cfg, None, None, [2])
+        assert seen == [threads] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_of_the_cores(monkeypatch, device):
     """profile_links.profile_links with every micro-benchmark stubbed: which run, in what order, at how

@@ -466,3 +466,48 @@ def test_an_async_workers_lost_compute_is_the_loops_measurement_where_there_is_o
     assert worker_stolen_s(0.0023, loaded, 0.0025) == 0.0023
     assert worker_stolen_s(0.0, loaded, 0.0025) == 0.0
     assert worker_stolen_s(None, None, 0.0025) == 0.0
+
+
+def test_a_sync_servers_messages_move_their_copies_side_by_side_on_this_machine_only(monkeypatch):
+    """plan.predict_layout on the stored ptb_small profile (the 2-vCPU EPYC, 2026-11-28): ps-sync at
+    N = 2, K = 1 on this machine's 2 cores moves the copies of its two workers' messages side by
+    side. The server's phase loses half of its two messages' copy cost, ``2 nbytes beta_rpc / 2``,
+    each way: the step is ``2 nbytes beta_rpc`` (19.8 ms) shorter than with the messages in turn; on
+    a preset cluster (the server's link carries them in turn) nothing moves. ptb_small's copy
+    fraction is the echo's beta over the exchange's, 0.88, by hand from the profile."""
+    import json
+    from pathlib import Path
+
+    import paratrain.bench.plan as plan
+    from paratrain.bench.costmodel import PRESETS
+    from paratrain.bench.plan_ps import ps_copy_fraction, ps_message_link, ps_streams
+    from paratrain.config import load
+
+    root = Path(__file__).resolve().parents[2]
+    stored = root / "benchmarks" / "results" / "plan-amd" / "ptb_small-amd-v31-runoff" / "profile.json"
+    prof = json.loads(stored.read_text())
+    cfg = load(str(root / "configs" / "ptb_small.toml"), [])
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+    rpc = Link(name="rpc", **prof["links"]["rpc"])
+    nbytes = 18612800  # ptb_small's parameters, float32
+    exchange = ps_message_link(rpc, prof["ps_round_trip_s"], prof["ps_update_s"]["async"], nbytes)
+    by_hand = (prof["ps_round_trip_s"] - prof["ps_update_s"]["async"] - 2 * rpc.alpha_s) / (2 * nbytes)
+    assert exchange.beta_s_per_byte == pytest.approx(by_hand, rel=1e-12)
+    assert ps_copy_fraction(rpc, exchange) == pytest.approx(rpc.beta_s_per_byte / by_hand, rel=1e-12)
+    assert ps_copy_fraction(rpc, exchange) == pytest.approx(0.88, abs=0.01)
+    def at(alpha, beta):
+        return Link(name="x", alpha_s=alpha, beta_s_per_byte=beta, gamma_s_per_byte=0.0)
+
+    assert ps_copy_fraction(at(0.0, 1.0), at(0.0, 0.5)) == 1.0  # at most 1
+    assert ps_copy_fraction(rpc, at(1e-3, 0.0)) == 0.0  # no per-byte cost
+    assert [ps_streams(2, k) for k in (1, 2, 3)] == [2, 1, 1] and ps_streams(16, 3) == 5
+
+    def step(at, here):
+        return plan.predict_layout(Layout("ps-sync", 2, {"num_ps": 1}, "ps-sync K=1"), prof, cfg, at,
+                                   on_this_machine=here, global_batch=None)["step_s"]
+
+    side_by_side, cluster = step(link, True), step(PRESETS["eth25"], False)
+    monkeypatch.setattr(plan, "ps_streams", lambda cores, servers: 1)
+    assert step(link, True) - side_by_side == pytest.approx(2 * nbytes * rpc.beta_s_per_byte, rel=1e-9)
+    assert 2 * nbytes * rpc.beta_s_per_byte == pytest.approx(0.0198, abs=1e-4)
+    assert step(PRESETS["eth25"], False) == cluster

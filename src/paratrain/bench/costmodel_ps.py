@@ -41,8 +41,8 @@ def ps_bytes(nbytes: float, workers: int, shards: int, largest_shard_bytes: floa
             "server_received": server, "server_sent": server}
 
 
-def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shard_bytes: float | None = None
-              ) -> float:
+def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shard_bytes: float | None = None,
+              streams: int = 1, copy_fraction: float = 1.0) -> float:
     """Seconds of one synchronous push + pull, every machine with its own ``link``.
 
     Push, then the servers reduce and update, then pull. Each phase lasts as long as its busiest
@@ -57,8 +57,22 @@ def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shar
     2026-11-27 the workers' messages counted one alpha at the server, as if handled at once: on the
     2-vCPU Xeon, digits_cnn's ps-sync at N = 2, whose 96 KB messages cost about 0.36 ms of fixed
     handling each, was then 16% under its measured step, and 9% under with the alphas in turn.)
-    """
+
+    ``streams``: how many of a server's messages move their bytes at once: 1 on a network, where the
+    server's link carries them in turn; on one host, the ``copy_fraction`` of beta that is copies
+    of bytes (C++ threads, no GIL; :func:`~.plan_ps.ps_copy_fraction`) runs on up to
+    ``min(streams, workers)`` cores side by side (a synchronous server's waiting workers leave them
+    free, :func:`~.plan_ps.ps_streams`), and the rest (Python per tensor, under the GIL) in turn:
+    the server phase's bytes cost ``server_received beta ((1 - f) + f / min(streams, workers))``.
+    Measured on the 2-vCPU EPYC on 2026-11-28: ptb_small's ps-sync at N = 2, K = 1 (18.6 MB each
+    way) exchanged in 35, 36 ms on rank 0, its one-worker round trip less the async update plus the
+    sync update, as if its two workers' messages ran side by side, where the bytes in turn priced it
+    60, 67 ms; digits_cnn's (96 KB, f = 0.08) in 6 ms, priced 7 ms in turn, 5 ms side by side.
+    Raises ValueError for streams < 1 or a copy_fraction outside [0, 1]."""
+    if streams < 1 or not 0.0 <= copy_fraction <= 1.0:
+        raise ValueError(f"ps_step_s: streams >= 1 and copy_fraction in [0, 1], got {streams}, {copy_fraction}")
     b = ps_bytes(nbytes, workers, shards, largest_shard_bytes)
-    server_phase = workers * link.alpha_s + b["server_received"] * link.beta_s_per_byte
+    side_by_side = (1.0 - copy_fraction) + copy_fraction / min(streams, workers)
+    server_phase = workers * link.alpha_s + b["server_received"] * link.beta_s_per_byte * side_by_side
     worker_phase = shards * link.alpha_s + nbytes * link.beta_s_per_byte
     return 2 * max(server_phase, worker_phase) + b["server_received"] * link.gamma_s_per_byte

@@ -35,7 +35,8 @@ from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_out
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
-from .plan_ps import loaded_exchange, loop_stolen, ps_busiest_share, ps_message_link, slower
+from .plan_ps import (loaded_exchange, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link, ps_streams,
+                      slower)
 from .plan_profile import TIMED_S
 from .plan_rank import (TIE, close_calls, objective_value, pick, rank, read_validation,  # noqa: F401 (API)
                         recommendation, row_error, unpriced)
@@ -198,6 +199,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         # a parameter server's messages go through the hosts' RPC (CPU tensors over TensorPipe) on any
         # cluster, not the devices' interconnect: the exchange measured on the profiled host bounds them
         links["rpc"] = exchange if on_this_machine else slower(link, exchange)
+    copies = ps_copy_fraction(measured["rpc"], links["rpc"]) if "rpc" in links and "rpc" in measured else 1.0
     hook_cost = measured_hook(prof, on_this_machine)  # the casts and gloo's bf16 reduction
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap, overrides.get("comm_hook"),
@@ -211,6 +213,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
               "ps_loaded": loaded_exchange(prof, n) if shared_cores else None,
               "ps_round_trip_s": prof.get("ps_round_trip_s"),
+              # a synchronous server's messages moving their bytes side by side on these cores (plan_ps.ps_streams)
+              "ps_streams": ps_streams(prof["cores"], servers) if shared_cores else 1,
+              "ps_copy_fraction": copies,
               # an async worker's compute among the others' exchanges, measured in the loop (plan_ps.loop_stolen)
               "ps_stolen_s": loop_stolen(prof, n, layout.strategy) if shared_cores else None,
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),

@@ -171,8 +171,29 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     return rate, worker_step
 
 
+def ps_streams(cores: int, servers: int) -> int:
+    """How many of one server's messages move their bytes side by side on this machine's ``cores``
+    (:func:`~.costmodel_ps.ps_step_s`'s ``streams``): each of the ``servers`` its share of the cores,
+    at least 1. A synchronous step's workers wait while the servers exchange, so the cores are the
+    servers'. (On a cluster: 1, each server's link carrying its messages in turn.)"""
+    return max(1, cores // max(1, servers))
+
+
+def ps_copy_fraction(rpc: Link, exchange: Link) -> float:
+    """The fraction of the exchange's per-byte cost (``exchange``, :func:`ps_message_link`) that is
+    copies of bytes: the echo's beta of one tensor (``rpc``, :func:`~.microbench_rpc.measured_rpc`)
+    over it, at most 1 (0 where the exchange has no per-byte cost). The rest is what one tensor's
+    echo leaves out: a model's many tensors handled one by one in Python (pickling, fresh buffers,
+    the handler), which a server does in turn under the GIL (:func:`~.costmodel_ps.ps_step_s`). On
+    the 2-vCPU EPYC on 2026-11-28: ptb_small 0.88 (18.6 MB in 9 tensors), digits_cnn 0.08 (96 KB)."""
+    if not exchange.beta_s_per_byte > 0:
+        return 0.0
+    return min(1.0, rpc.beta_s_per_byte / exchange.beta_s_per_byte)
+
+
 def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = True, update_s: float = 0.0,
-               wait_s: float = 0.0, stolen_s: float = 0.0, compute_scale: float = 1.0) -> Prediction:
+               wait_s: float = 0.0, stolen_s: float = 0.0, compute_scale: float = 1.0, streams: int = 1,
+               copy_fraction: float = 1.0) -> Prediction:
     """One step of n workers and k parameter servers (Li et al. 2014, "Scaling Distributed Machine
     Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
     messages (:func:`ps_message_link`); ``update_s``: the busiest server's update of its shard
@@ -182,8 +203,10 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
 
     Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel_ps.ps_step_s`)
     + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
-    device: local + its optimizer. Asynchronous: each worker steps on its own, and the job's rate is
-    :func:`ps_async_rate`'s (``wait_s``: what each exchange waits among computing workers,
+    device: local + its optimizer; ``streams``, ``copy_fraction``: a server's messages moving their
+    bytes at once and the share of the bytes' cost that can (:func:`ps_streams`,
+    :func:`ps_copy_fraction` on one host; 1 on a cluster). Asynchronous: each worker steps on its
+    own, and the job's rate is :func:`ps_async_rate`'s (``wait_s``: what each exchange waits among computing workers,
     :func:`ps_exchange_wait_s`; ``stolen_s``: what each worker's compute takes longer among exchanging
     workers, :func:`ps_compute_stolen_s` or :func:`loop_stolen`, part of its compute), reported as n
     replicas each taking ``n / rate`` seconds a step (the staleness it implies, about n - 1 versions,
@@ -198,8 +221,8 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     compute = (w.forward_s + w.backward_s + w.data_s) * s
     if synchronous:
         optimizer = 0.0 if n > 1 else w.optimizer_s * s
-        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link, ps_largest_shard_bytes(w.param_bytes, k))
-                          + update_s if n > 1 else optimizer)
+        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link, ps_largest_shard_bytes(w.param_bytes, k),
+                                    streams, copy_fraction) + update_s if n > 1 else optimizer)
         return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
     stolen = stolen_s if n > 1 else 0.0

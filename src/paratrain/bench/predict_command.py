@@ -136,6 +136,9 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     ``--strategy`` (a pipeline: the N that are a multiple of its stages); with the hook's cost
     (:func:`~.microbench_hooks.measured_compress_hook`) each bucket is priced by it
     (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N)."""
+    import torch
+
+    from ..env import default_threads, intra_op_threads
     from .costmodel import predict
     from .costmodel_hooks import compress_hook_bucket_s
     from .strategy_model import STAGES, predict_strategy, strategy_inputs
@@ -147,7 +150,9 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     if model == "ring":
         return lambda w, measured=None: [predict(w, n, link, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                                  num_ps=args.num_ps, bucket_s=bucket_s(n, measured)) for n in ns]
-    inputs = strategy_inputs(task, cfg)
+    # a pipeline's stages timed at the threads each of its S processes gets here (as paratrain plan times them)
+    with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES else torch.get_num_threads()):
+        inputs = strategy_inputs(task, cfg)
     if model == STAGES and "activation_bytes" not in inputs:
         raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
     if model == STAGES:

@@ -273,7 +273,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         share = ps_busiest_share(w.param_bytes, d.num_ps)
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
-                          wait_s=wait, stolen_s=stolen, compute_scale=compute_scale)
+                          wait_s=wait, stolen_s=stolen, compute_scale=compute_scale,
+                          streams=inputs.get("ps_streams", 1), copy_fraction=inputs.get("ps_copy_fraction", 1.0))
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
