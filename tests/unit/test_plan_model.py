@@ -1341,6 +1341,13 @@ def test_a_run_off_pairs_the_two_layouts_back_to_back_in_alternating_order_and_j
     assert ("Run-off: the two ran again in 1 pair(s) back to back, the order alternating (allreduce first in pairs "
             "1); their rates per s, the recommendation's / the fastest's: 990.0 / 1000.0; the median ratio 0.990: "
             "the recommendation is 1.0% slower than allreduce + bf16 hook.") in text
+    # a run-off whose pairs gave no ratio: the rounds' shortfall is judged, and the report says so
+    empty = {**ro, "rates": [[float("nan"), 1000.0]], "ratios": [], "shortfall": float("nan")}
+    none = _choice(rows, None, empty)
+    assert none["judged_shortfall"] == pytest.approx(0.12)
+    text = markdown({"config": "c", "rows": [], "choice": none})
+    assert "no pair gave two rates, so the 5% target is judged on the rounds' shortfall above." in text
+    assert "The 5% target is judged on this" not in text
     # a rescore that recommends another layout keeps the run-off out of its score
     other = _choice([row("allreduce", 980.0, 880.0), row("allreduce + bf16 hook", 1000.0, 1000.0)], None, ro)
     assert other["runoff"] is None and other["judged_shortfall"] == 0.0
@@ -1828,6 +1835,7 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
         assert torch.get_num_threads() == 3  # restored after a failed measurement too
     finally:
         torch.set_num_threads(before)
+
 
 @pytest.mark.parametrize("strategy, threads", [("pipeline", 4), ("zero1", 3)])
 def test_predict_times_a_pipelines_stages_at_a_stage_process_share_of_the_cores(monkeypatch, strategy, threads):

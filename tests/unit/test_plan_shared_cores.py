@@ -508,6 +508,14 @@ def test_a_sync_servers_messages_move_their_copies_side_by_side_on_this_machine_
 
     side_by_side, cluster = step(link, True), step(PRESETS["eth25"], False)
     monkeypatch.setattr(plan, "ps_streams", lambda cores, servers: 1)
-    assert step(link, True) - side_by_side == pytest.approx(2 * nbytes * rpc.beta_s_per_byte, rel=1e-9)
+    in_turn = step(link, True)
+    assert in_turn - side_by_side == pytest.approx(2 * nbytes * rpc.beta_s_per_byte, rel=1e-9)
     assert 2 * nbytes * rpc.beta_s_per_byte == pytest.approx(0.0198, abs=1e-4)
-    assert step(PRESETS["eth25"], False) == cluster
+    monkeypatch.undo()
+    monkeypatch.setattr(plan, "ps_copy_fraction", lambda rpc, exchange: 0.0)  # no copies: in turn here too
+    assert step(link, True) == pytest.approx(in_turn, rel=1e-12)
+    # a cluster's server takes its messages in turn: neither the cores nor the copies move its step
+    assert step(PRESETS["eth25"], False) == pytest.approx(cluster, rel=1e-12)
+    monkeypatch.setattr(plan, "ps_streams", lambda cores, servers: 64)
+    monkeypatch.setattr(plan, "ps_copy_fraction", lambda rpc, exchange: 1.0)
+    assert step(PRESETS["eth25"], False) == pytest.approx(cluster, rel=1e-12)

@@ -67,7 +67,8 @@ def ps_step_s(nbytes: float, workers: int, shards: int, link: Link, largest_shar
     Measured on the 2-vCPU EPYC on 2026-11-28: ptb_small's ps-sync at N = 2, K = 1 (18.6 MB each
     way) exchanged in 35, 36 ms on rank 0, its one-worker round trip less the async update plus the
     sync update, as if its two workers' messages ran side by side, where the bytes in turn priced it
-    60, 67 ms; digits_cnn's (96 KB, f = 0.08) in 6 ms, priced 7 ms in turn, 5 ms side by side.
+    60, 67 ms. digits_cnn's (96 KB, f = 0.06-0.08: its per-byte cost is mostly Python per tensor)
+    barely moves: 7.2 ms priced in turn, 7.1 ms side by side, 7 ms measured (comm + idle).
     Raises ValueError for streams < 1 or a copy_fraction outside [0, 1]."""
     if streams < 1 or not 0.0 <= copy_fraction <= 1.0:
         raise ValueError(f"ps_step_s: streams >= 1 and copy_fraction in [0, 1], got {streams}, {copy_fraction}")

@@ -199,7 +199,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
         # a parameter server's messages go through the hosts' RPC (CPU tensors over TensorPipe) on any
         # cluster, not the devices' interconnect: the exchange measured on the profiled host bounds them
         links["rpc"] = exchange if on_this_machine else slower(link, exchange)
-    copies = ps_copy_fraction(measured["rpc"], links["rpc"]) if "rpc" in links and "rpc" in measured else 1.0
+    # (a cluster's server link carries its messages in turn: streams 1, and the fraction moves nothing)
+    copies = ps_copy_fraction(measured["rpc"], links["rpc"]) if shared_cores and "rpc" in links else 1.0
     hook_cost = measured_hook(prof, on_this_machine)  # the casts and gloo's bf16 reduction
     if cls.cost_model in (RING, SHARDED_OPTIMIZER) and n > 1:
         overrides.setdefault("bucket_mb", best_bucket(w, n, link, scale, overlap, overrides.get("comm_hook"),

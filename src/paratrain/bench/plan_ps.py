@@ -185,7 +185,9 @@ def ps_copy_fraction(rpc: Link, exchange: Link) -> float:
     over it, at most 1 (0 where the exchange has no per-byte cost). The rest is what one tensor's
     echo leaves out: a model's many tensors handled one by one in Python (pickling, fresh buffers,
     the handler), which a server does in turn under the GIL (:func:`~.costmodel_ps.ps_step_s`). On
-    the 2-vCPU EPYC on 2026-11-28: ptb_small 0.88 (18.6 MB in 9 tensors), digits_cnn 0.08 (96 KB)."""
+    the 2-vCPU EPYC on 2026-11-28: ptb_small 0.88 (18.6 MB in 9 tensors), digits_cnn 0.08 (96 KB).
+    A profile without the exchange's measurement (before version 20) prices the messages by the
+    echo itself: all copies, 1."""
     if not exchange.beta_s_per_byte > 0:
         return 0.0
     return min(1.0, rpc.beta_s_per_byte / exchange.beta_s_per_byte)

@@ -104,14 +104,15 @@ def runoff_line(ro: dict) -> str:
     pairs = "; ".join(f"{a:.1f} / {b:.1f}" for a, b in ro["rates"])
     s = ro["shortfall"]
     ahead = ", ".join(str(k + 1) for k, f in enumerate(ro["first"]) if f == ro["recommended"]) or "-"
-    verdict = ("no pair gave two rates" if not math.isfinite(s) else
+    verdict = ("no pair gave two rates, so the 5% target is judged on the rounds' shortfall above"
+               if not math.isfinite(s) else
                f"the median ratio {1 - s:.3f}: the recommendation is {100 * abs(s):.1f}% "
                f"{'slower' if s > 0 else 'faster'} than {ro['measured_fastest']}")
     return (f"Run-off: the two ran again in {len(ro['rates'])} pair(s) back to back, the order alternating "
             f"({ro['recommended']} first in pairs {ahead}); "
-            f"their rates per s, the recommendation's / the fastest's: {pairs}; {verdict}. The 5% target is "
-            f"judged on this: each pair ran a minute apart, where the rounds' runs of two layouts lie minutes "
-            f"apart on a machine whose speed drifts.")
+            f"their rates per s, the recommendation's / the fastest's: {pairs}; {verdict}."
+            + (" The 5% target is judged on this: each pair ran a minute apart, where the rounds' runs of two "
+               "layouts lie minutes apart on a machine whose speed drifts." if math.isfinite(s) else ""))
 
 
 def between_runs(row: dict) -> bool:
