@@ -53,11 +53,11 @@ def available_cores() -> int:
 
 
 @contextlib.contextmanager
-def intra_op_threads(threads: int):
-    """torch's intra-op threads set to ``threads`` (at least 1) inside the block and restored after it,
-    also when it raises. Per process: threads started inside see the same count."""
+def intra_op_threads(threads: int | None):
+    """torch's intra-op threads set to ``threads`` (at least 1; None: left as they are) inside the block
+    and restored after it, also when it raises. Per process: threads started inside see the same count."""
     old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
+    torch.set_num_threads(old if threads is None else max(1, threads))
     try:
         yield
     finally:

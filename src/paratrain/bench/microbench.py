@@ -291,12 +291,10 @@ def measure_gamma(nbytes: int = 16 * 2 ** 20, repeats: int = 20, warmup: int = 2
     ``repeats``; the caller's thread count is restored)."""
     a = torch.zeros(max(1, nbytes // FLOAT32_BYTES), dtype=torch.float32)
     b = torch.ones_like(a)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from ..env import intra_op_threads
+
+    with intra_op_threads(1):
         seconds = median_seconds(lambda: a.add_(b), repeats, warmup)
-    finally:
-        torch.set_num_threads(threads)
     return seconds / (a.numel() * FLOAT32_BYTES)
 
 

@@ -34,12 +34,12 @@ def _one_rank_mesh(device: torch.device, threads: int):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     elif dist.get_world_size() != 1:
         raise RuntimeError("the DTensor and FSDP2 micro-benchmarks need a one-rank process group or none")
-    old = torch.get_num_threads()
+    from ..env import intra_op_threads
+
     try:
-        torch.set_num_threads(max(1, threads))
-        yield init_device_mesh(device.type, (1,))
+        with intra_op_threads(threads):
+            yield init_device_mesh(device.type, (1,))
     finally:
-        torch.set_num_threads(old)
         if made:
             dist.destroy_process_group()
 
@@ -215,7 +215,7 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     from torch import nn
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..env import DistEnv
+    from ..env import DistEnv, intra_op_threads
     from ..errors import UsageError
     from ..strategies import DEFAULT, get_strategy, modelled
     from ..train.optim import optimizer_like
@@ -233,9 +233,7 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     seeded = torch.Generator().manual_seed(0)  # the same parameters and gradients on every rank
     values = [torch.randn(s, generator=seeded).to(d) for s, d in zip(shapes, dtypes)]
     grads = [(torch.randn(s, generator=seeded) * 1e-3).to(d) for s, d in zip(shapes, dtypes)]
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
-    try:
+    with intra_op_threads(int(spec.get("threads", 1))):
         def built(name: str):
             module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
             opt = optimizer_like(cls, module.parameters(), spec["defaults"])
@@ -268,8 +266,6 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
         got = torch.tensor([statistics.fmean(s_times) - statistics.fmean(a_times)], dtype=torch.float64)
         dist.all_reduce(got)
         return float(got) / world
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,

@@ -156,11 +156,11 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                   f"{args.validate_runoff} pair(s) back to back", flush=True)
             runoff = run_off(lambda i, k: run(i, args.validate_repeats + k)[0], where[pair[0]], where[pair[1]],
                              args.validate_runoff, pair)
+            choice = judged(choice, runoff)
     paced_rounds = {"profile_ms": paced, "rounds_ms": rounds} if rounds else None
     same_speed_errors(rows, paced_rounds)
     result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,
-              "side_by_side": paced_rounds, "runoff": runoff,
-              "choice": _choice(rows, first.label if first else None, runoff)}
+              "side_by_side": paced_rounds, "runoff": runoff, "choice": choice}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (out / "validation.md").write_text(text)
@@ -322,13 +322,21 @@ def _choice(rows: list[dict], first: str | None = None, runoff: dict | None = No
                "measured_error": abs(r["step_error"]) if math.isfinite(r.get("step_error", math.nan)) else None}
               for r in two]
     best = next(b for b in banded if b["label"] == chosen["label"])
-    shortfall = 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"]
-    same = runoff and (runoff["recommended"], runoff["measured_fastest"]) == (chosen["label"], fastest["label"])
-    return {"recommended": chosen["label"], "measured_fastest": fastest["label"], "shortfall": shortfall,
-            "close_calls": [b["label"] for b in pl.close_calls(banded, best, "words_per_s")],
-            "first_not_run": first if first and first != chosen["label"] else None,
-            "runoff": runoff if same else None,
-            "judged_shortfall": runoff["shortfall"] if same and math.isfinite(runoff["shortfall"]) else shortfall}
+    return judged({"recommended": chosen["label"], "measured_fastest": fastest["label"],
+                   "shortfall": 1 - chosen["measured_units_per_s"] / fastest["measured_units_per_s"],
+                   "close_calls": [b["label"] for b in pl.close_calls(banded, best, "words_per_s")],
+                   "first_not_run": first if first and first != chosen["label"] else None}, runoff)
+
+
+def judged(choice: dict, runoff: dict | None) -> dict:
+    """``choice`` (:func:`_choice`'s) with ``"runoff"``, :func:`run_off`'s answer where it ran the
+    same two layouts (else None), and ``"judged_shortfall"``, the shortfall the 5% target judges: the
+    run-off's where it gave one, else the rounds'."""
+    same = bool(runoff) and (runoff["recommended"], runoff["measured_fastest"]) == (
+        choice["recommended"], choice["measured_fastest"])
+    return {**choice, "runoff": runoff if same else None,
+            "judged_shortfall": (runoff["shortfall"] if same and math.isfinite(runoff["shortfall"])
+                                 else choice["shortfall"])}
 
 
 def _side_by_side_now(args: argparse.Namespace, cfg, prof: dict, paced_ms: float) -> float:

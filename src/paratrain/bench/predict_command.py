@@ -136,8 +136,6 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     ``--strategy`` (a pipeline: the N that are a multiple of its stages); with the hook's cost
     (:func:`~.microbench_hooks.measured_compress_hook`) each bucket is priced by it
     (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N)."""
-    import torch
-
     from ..env import default_threads, intra_op_threads
     from .costmodel import predict
     from .costmodel_hooks import compress_hook_bucket_s
@@ -153,8 +151,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     # a CPU pipeline's stages timed at the threads each of its S processes gets here (as paratrain plan times
     # them); a GPU's recipe at this process' threads (its stages run on the GPUs)
     on_cpu = resolve(cfg.dist.device).type == "cpu"
-    with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and on_cpu
-                          else torch.get_num_threads()):
+    with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and on_cpu else None):
         inputs = strategy_inputs(task, cfg)
     if model == STAGES and "activation_bytes" not in inputs:
         raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")

@@ -337,7 +337,7 @@ def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
 
     out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
     for s in STAGE_COUNTS:
-        with intra_op_threads(default_threads(s, cores) if cores else torch.get_num_threads()):
+        with intra_op_threads(default_threads(s, cores) if cores else None):
             got = strategy_inputs(task, layout(s))
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
