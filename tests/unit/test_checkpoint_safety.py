@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,40 @@ def test_an_interrupt_during_a_checkpoint_write_lands_after_it_with_the_checkpoi
     if writer == "save":
         assert checkpoint.checksum_path(path).exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_an_interrupt_between_a_sharded_checkpoints_renames_lands_after_them(tmp_path, monkeypatch):
+    """Saving a DCP checkpoint of a step that exists (after a resume from an older one) moves the old
+    folder aside and the new one into place: two renames. A SIGINT between them must not leave that
+    step only under a hidden name. It raises KeyboardInterrupt once both are done: the new folder
+    is in place and loads, and no hidden folder is left."""
+    from paratrain.train import checkpoint
+
+    def save(value: float) -> None:
+        state = {"model": {"w": torch.full((3,), value)}, "optim": {}}
+        checkpoint.save_sharded(tmp_path, state, {"note": value}, step=5, is_main=True, barrier=lambda: None)
+
+    save(1.0)
+    real = os.replace
+    calls = []
+
+    def replace(src, dst):
+        real(src, dst)
+        if Path(dst).name != checkpoint.META:  # the folders' renames (not meta.pt's inside the new one)
+            calls.append(Path(dst).name)
+        if Path(dst).name.endswith(".dcp.old"):  # the old folder is aside; the new one is not yet in place
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(checkpoint.os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            save(2.0)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        monkeypatch.undo()
+    assert calls == [".checkpoint-00000005.dcp.old", "checkpoint-00000005.dcp"]
+    path = tmp_path / "checkpoint-00000005.dcp"
+    assert checkpoint.latest(tmp_path) == path
+    assert checkpoint.load(path)["note"] == 2.0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

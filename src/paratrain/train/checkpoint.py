@@ -188,7 +188,9 @@ def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main
     """Write ``checkpoint-<step>.dcp/``: ``sharded`` (this rank's ``{"model", "optim"}``) with
     ``torch.distributed.checkpoint.save`` from every rank, ``meta`` (CPU, plain) by rank 0, then the
     folder renamed into place (rank 0). Every rank must call it; ``barrier()`` waits for all of them.
-    Returns the folder's path."""
+    An interrupt during ``dcp.save`` (a collective: holding it there could wait on a dead peer) leaves
+    the hidden temp folder, which :func:`prune` removes, and the previous checkpoints as they were; one
+    during the rename lands after it (:func:`signals_held`). Returns the folder's path."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -204,15 +206,18 @@ def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main
     barrier()  # every shard is written
     if is_main:
         atomic_torch_save(to_cpu({**meta, "format": FORMAT, "step": step}), tmp / META)
-        if path.exists():  # the same step again (after a resume from an older one): the new one replaces it
-            old = run_dir / f".checkpoint-{step:08d}.dcp.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(run_dir)
+        # the renames are local to rank 0 and quick: an interrupt between the two of a replaced step
+        # would leave that step only under a hidden name, so it lands after them (see signals_held)
+        with signals_held():
+            if path.exists():  # the same step again (after a resume from an older one): the new one replaces it
+                old = run_dir / f".checkpoint-{step:08d}.dcp.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+            _fsync_dir(run_dir)
         prune(run_dir, keep)
     barrier()
     return path
