@@ -1808,8 +1808,9 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
 
     seen, before = {}, torch.get_num_threads()
 
-    def inputs(task, layout):
+    def inputs(task, layout, device=None):
         seen[layout.dist.pipeline_stages] = torch.get_num_threads()
+        assert device == torch.device("cpu")  # the profile's device
         if not layout.dist.pipeline_stages:
             return {"units": [1]}
         return {"activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1], "stage_fractions": [1, 1],
@@ -1818,20 +1819,20 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
     monkeypatch.setattr(sm, "strategy_inputs", inputs)
     torch.set_num_threads(3)  # this process' threads: neither a share of 8 or 2 cores nor the machine's
     try:
-        out = _stage_inputs(None, Config(), cores)
+        out = _stage_inputs(None, Config(), cores, torch.device("cpu"))
         # S stages run in S processes: cores // S threads each (at least 1); None (a GPU's): this process' 3
         assert seen == threads
         assert torch.get_num_threads() == 3
         assert sorted(out["stage_profiles"]) == ["2", "4"]
 
-        def failing(task, layout):
+        def failing(task, layout, device=None):
             if layout.dist.pipeline_stages == 4:
                 raise RuntimeError("stage 4 failed")
-            return inputs(task, layout)
+            return inputs(task, layout, device)
 
         monkeypatch.setattr(sm, "strategy_inputs", failing)
         with pytest.raises(RuntimeError, match="stage 4 failed"):
-            _stage_inputs(None, Config(), cores)
+            _stage_inputs(None, Config(), cores, torch.device("cpu"))
         assert torch.get_num_threads() == 3  # restored after a failed measurement too
     finally:
         torch.set_num_threads(before)
@@ -1850,8 +1851,9 @@ def test_predict_times_a_pipelines_stages_at_a_stage_process_share_of_the_cores(
 
     seen, before = [], torch.get_num_threads()
 
-    def inputs(task, cfg):
+    def inputs(task, cfg, device=None):
         seen.append(torch.get_num_threads())
+        assert device == torch.device("cpu")  # the recipe's
         return {"units": [1], "activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1],
                 "stage_fractions": [0.5, 0.5], "microbatch_factor": 1.0}
 
@@ -1922,3 +1924,47 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     assert got["ps_round_trips_loaded_4"] == {"workers": 4, "points": []}
     assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == ([64, 32], "zero1", "fsdp")
     assert prof == {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [64, 32]}}  # not changed
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_recipes_stages_are_profiled_under_its_autocast(tiny_data, monkeypatch, precision):
+    """The pipeline runs its stages under the recipe's autocast, and so does the profile:
+    :func:`stage_profile` times each stage's forward and loss under that autocast (and its backward
+    outside it, as torch.autocast asks), and ``activation_bytes`` is what stage 0 outputs under it.
+    For gpt that stays 4 bytes an element: its residual stream is float32 (float32 + bfloat16
+    promotes to float32), so the stages send float32 under bf16 as under fp32."""
+    import paratrain.bench.strategy_model as sm
+    from paratrain.bench.profile import _stage_inputs
+    from paratrain.config import from_dict
+    from paratrain.runs import build_task
+
+    from ..distributed.test_task_exactness import task_cfg
+
+    real = sm.stage_profile
+
+    def inputs(prec: str, seen: list) -> dict:
+        c = task_cfg("gpt", "float32", "single", 1, 1)
+        cfg = from_dict({**c, "train": {**c["train"], "precision": prec}})
+
+        def hook(module, args, out):
+            seen.append(("forward", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            out.register_hook(lambda grad: seen.append(("backward", torch.is_autocast_enabled("cpu"))))
+
+        def watched(stages, x, microbatches, autocast=None):
+            for stage in stages:
+                stage.register_forward_hook(hook)
+            return real(stages, x, microbatches, repeats=1, autocast=autocast)
+
+        monkeypatch.setattr(sm, "stage_profile", watched)
+        got = _stage_inputs(build_task(cfg, str(tiny_data), world_size=1), cfg, None, torch.device("cpu"))
+        return got["stage_profiles"]["2"]
+
+    full_seen, low_seen = [], []
+    full, low = inputs("fp32", full_seen), inputs(precision, low_seen)
+    assert low["activation_bytes"] == full["activation_bytes"] > 0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    forwards = [s for s in low_seen if s[0] == "forward"]
+    assert forwards and all(s[1] and s[2] == dtype for s in forwards)
+    assert [s for s in low_seen if s[0] == "backward"] and not any(s[1] for s in low_seen if s[0] == "backward")
+    assert full_seen and not any(s[1] for s in full_seen)
+    assert low["microbatch_factor"] > 0 and sum(low["stage_fractions"]) == pytest.approx(1.0)

@@ -20,17 +20,29 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml"
 def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_another_devices():
     assert compatible(PROFILE_VERSION, "cpu") and compatible(PROFILE_VERSION, "cuda:0")
     assert DEVICE_ONLY_CHANGES[20] == DEVICE_ONLY_CHANGES[21] == "cpu"  # the CPU's loop runs alone
-    assert compatible(19, "cuda:0") and compatible(19, "cuda")
+    # 32: a GPU's stage profiles on the GPU, a CPU's of a mixed-precision recipe under autocast: no older one is whole
+    assert PROFILE_VERSION == 32 and not compatible(31, "cuda:0") and not compatible(31, "cpu")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
-    # 23: a CPU's loaded PS exchange and FSDP2 step; a GPU's 22 (or 19) holds what 23 measures on a GPU
-    assert DEVICE_ONLY_CHANGES[23] == "cpu" and compatible(22, "cuda:0") and not compatible(22, "cpu")
-    # 24: a CPU's loaded PS exchange among 4 workers; a CPU's 23 lacks it, a GPU's 23 is whole
-    assert DEVICE_ONLY_CHANGES[24] == "cpu" and compatible(23, "cuda:0") and not compatible(23, "cpu")
-    assert not compatible(18, "cuda:0")  # 19 added a GPU's one-rank runs
+    # 23, 24: a CPU's loaded PS exchange (2, then 4 workers) and FSDP2 step
+    assert DEVICE_ONLY_CHANGES[23] == DEVICE_ONLY_CHANGES[24] == "cpu"
     assert not compatible(PROFILE_VERSION + 1, "cuda:0") and not compatible(None, "cpu") and not compatible("20", "cpu")
-    # 30: a reverted commit's, on any device; 31 changed a CPU's stage profiles only
-    assert PROFILE_VERSION == 31 and not compatible(30, "cpu") and not compatible(30, "cuda:0")
-    assert compatible(29, "cuda:0") and not compatible(29, "cpu")
+    # 30: a reverted commit's, on any device
+    assert not compatible(30, "cpu") and not compatible(30, "cuda:0") and 30 not in DEVICE_ONLY_CHANGES.values()
+
+
+def test_compatible_reads_the_device_only_changes(monkeypatch):
+    """As at version 31 (every change since 20 a CPU's, 30 skipped): a GPU's profile of 19 or later
+    is whole, except 30; a CPU's only at 31."""
+    from paratrain.bench import profile_cache
+
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 31)
+    monkeypatch.setattr(profile_cache, "DEVICE_ONLY_CHANGES", {v: "cpu" for v in range(20, 32)})
+    assert profile_cache.compatible(19, "cuda:0") and profile_cache.compatible(19, "cuda")
+    assert not profile_cache.compatible(19, "cpu") and not profile_cache.compatible(20, "cpu")
+    assert profile_cache.compatible(22, "cuda:0") and not profile_cache.compatible(22, "cpu")
+    assert not profile_cache.compatible(18, "cuda:0")  # 19 added a GPU's one-rank runs
+    assert profile_cache.compatible(29, "cuda:0") and not profile_cache.compatible(29, "cpu")
+    assert profile_cache.compatible(31, "cpu") and not profile_cache.compatible(30, "cuda:0")
 
 
 @pytest.fixture
@@ -62,10 +74,12 @@ def test_a_profile_recording_its_recipe_is_read_for_that_recipe_alone(digits):
         read_profile(_write(tmp, {**prof, "recipe": config_text(other)}), cfg, task)
 
 
-def test_an_older_profile_without_its_recipe_is_checked_by_task_batch_precision_parameters_and_sync_batchnorm(digits):
+def test_a_profile_without_its_recipe_is_checked_by_task_batch_precision_parameters_and_sync_batchnorm(digits):
+    """As a profile from before 2026-11-27 was (no ``recipe``): since version 32 none of those is
+    read, so this one is of the current version with the key left out."""
     cfg, task, tmp = digits  # digits_cnn: model.sync_batchnorm = true over three BatchNorm layers
-    mine = {**WHOLE, "version": 19, "device": "cuda:0", "task": cfg.task.entry, "batch_size": cfg.train.batch_size,
-            "dtype": cfg.train.dtype, "precision": cfg.train.precision,
+    mine = {**WHOLE, "version": PROFILE_VERSION, "device": "cuda:0", "task": cfg.task.entry,
+            "batch_size": cfg.train.batch_size, "dtype": cfg.train.dtype, "precision": cfg.train.precision,
             "param_bytes": model_gradient_bytes(task, cfg.train.dtype), "batchnorm_inputs": [[64, 16, 8, 8]]}
     assert read_profile(_write(tmp, mine), cfg, task) == mine
     wider = [*mine["param_bytes"][:-1], mine["param_bytes"][-1] * 2]

@@ -149,10 +149,11 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
         return lambda w, measured=None: [predict(w, n, link, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                                  num_ps=args.num_ps, bucket_s=bucket_s(n, measured)) for n in ns]
     # a CPU pipeline's stages timed at the threads each of its S processes gets here (as paratrain plan times
-    # them); a GPU's recipe at this process' threads (its stages run on the GPUs)
-    on_cpu = resolve(cfg.dist.device).type == "cpu"
-    with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and on_cpu else None):
-        inputs = strategy_inputs(task, cfg)
+    # them); a GPU's recipe's on the GPU, at this process' threads
+    device = resolve(cfg.dist.device)
+    with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and device.type == "cpu"
+                          else None):
+        inputs = strategy_inputs(task, cfg, device)
     if model == STAGES and "activation_bytes" not in inputs:
         raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
     if model == STAGES:

@@ -206,8 +206,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                                        if isinstance(v, torch.Tensor))
 
     progress("pipeline stages")
-    # a CPU's stages at a stage process' threads (a GPU's profile times them on the host at its threads, as before)
-    out["strategy_inputs"] = _stage_inputs(task, cfg, out["cores"] if device.type == "cpu" else None)
+    # a CPU's stages at a stage process' threads; a GPU's on the GPU, at this process' threads
+    out["strategy_inputs"] = _stage_inputs(task, cfg, out["cores"] if device.type == "cpu" else None, device)
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
     if links:
@@ -321,11 +321,12 @@ def _to(mb: Any, device: torch.device) -> Any:
     return move_to(mb, device, non_blocking=False)
 
 
-def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
+def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = None) -> dict[str, Any]:
     """:func:`~.strategy_model.strategy_inputs` (fsdp's units) and, per stage count S of
-    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches,
+    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches
+    on ``device`` (default the CPU) in the recipe's precision,
     timed at the intra-op threads each of S processes on ``cores`` CPU cores gets (a CPU's S stages
-    run in S processes: one thread each on 2 cores; None: this process' threads)."""
+    run in S processes: one thread each on 2 cores; None: this process' threads, a GPU's)."""
     from types import SimpleNamespace
 
     from ..env import default_threads, intra_op_threads
@@ -335,10 +336,10 @@ def _stage_inputs(task, cfg, cores: int | None) -> dict[str, Any]:
         return SimpleNamespace(train=cfg.train, dist=SimpleNamespace(pipeline_stages=stages, microbatches=2 * stages,
                                                                      pipeline_split=""))
 
-    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
+    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0), device)["units"], "stage_profiles": {}}
     for s in STAGE_COUNTS:
         with intra_op_threads(default_threads(s, cores) if cores else None):
-            got = strategy_inputs(task, layout(s))
+            got = strategy_inputs(task, layout(s), device)
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys}

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 31  # 31: a CPU's pipeline stage profiles at a stage process' threads, their
+PROFILE_VERSION = 32  # 32: pipeline stage profiles on the recipe's device (a GPU's were timed on its
+# host CPU) and under its precision's autocast (as the pipeline runs them);
+# 31: a CPU's pipeline stage profiles at a stage process' threads, their
 # microbatch_factor the median of paired rounds (was: 3 whole passes, then 3 split ones);
 # 30: skipped (a reverted commit, 6f863a7, measured CPU profiles as 30: they must not read as 31's);
 # 29: a CPU's loop_ps_async_stolen_s (an async PS worker's compute in the loop);
@@ -48,7 +50,9 @@ a CPU's loaded PS exchange among 4 workers; 25: a CPU's bf16 hook; 26: a CPU's t
 28: a CPU's loaded PS compute; 29: a CPU's async PS compute in the loop; 30: skipped, a reverted
 commit's CPU profiles; 31: a CPU's stage profiles at a stage process' threads; a GPU's, timed on its
 host, keep their threads and measure the same ratio, paired by round): a profile of an older version
-and another device type holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`)."""
+and another device type holds the same measurements as one of :data:`PROFILE_VERSION` (:func:`compatible`).
+32 is not among them: it moved a GPU's stage profiles onto the GPU, and a CPU's of a bf16 or fp16
+recipe under autocast."""
 
 
 SKIPPED_VERSIONS = frozenset({30})

@@ -109,21 +109,27 @@ def predicted() -> list[str]:
     return [n for n, cls in STRATEGIES.items() if cls.cost_model in MODELS]
 
 
-def strategy_inputs(task, cfg) -> dict[str, Any]:
-    """From the task's model (built on the CPU in the run's dtype): ``units``, fsdp's shard units'
+def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
+    """From the task's model (built in the run's dtype on ``device``, default the CPU: the device its
+    stages run on, which times them): ``units``, fsdp's shard units'
     parameter bytes in forward order (the root's own parameters first: its embeddings gather
     first); for a model that pipelines (:func:`~paratrain.strategies.stages.cut_stages`),
     ``activation_bytes`` (what stage 0 sends stage 1 for one replica's batch, measured by running
-    stage 0 on the task's first training batch),
+    stage 0 on the task's first training batch under the recipe's ``train.precision``, as the
+    pipeline runs its stages: what stage 0 outputs under that autocast; gpt's residual stream stays
+    float32),
     ``shared_bytes`` (parameters in several stages), ``stage_param_bytes`` (each stage's, shared ones
     in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
-    ``microbatch_factor``, for the stage plan ``dist.pipeline_split``."""
+    ``microbatch_factor`` on ``device`` under that precision (a GPU's small micro-batches are bound
+    by kernel launches, a CPU's much less: the factor is the device's), for the stage plan
+    ``dist.pipeline_split``."""
     import torch
 
     from ..strategies.fsdp import shard_units
 
+    device = torch.device(device or "cpu")
     torch.manual_seed(0)
-    model = task.build_model().to(getattr(torch, cfg.train.dtype))
+    model = task.build_model().to(device=device, dtype=getattr(torch, cfg.train.dtype))
     units, seen = [], set()
     for unit in shard_units(model):
         own = [p for p in unit.parameters() if id(p) not in seen]
@@ -140,9 +146,12 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
     except UsageError:
         stages = None
     if stages:
+        from ..data.batching import move_to
+
         batch = next(iter(task.train_steps(1, 0))).micro_batches[0]
-        x = feed(batch)
-        with torch.no_grad():
+        x = move_to(feed(batch), device, non_blocking=False)
+        amp = precision_autocast(device, cfg.train.precision)
+        with torch.no_grad(), amp():
             act = stages[0](x)
         owners: dict[int, int] = {}
         for part in stages:
@@ -152,29 +161,62 @@ def strategy_inputs(task, cfg) -> dict[str, Any]:
         out["activation_bytes"] = act.numel() * act.element_size() * cfg.train.batch_size / x.size(0)
         out["shared_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if owners.get(id(p), 0) > 1)
         out["stage_param_bytes"] = [sum(p.numel() * p.element_size() for p in part.parameters()) for part in stages]
-        out.update(stage_profile(stages, x, cfg.dist.microbatches))
+        out.update(stage_profile(stages, x, cfg.dist.microbatches, autocast=amp))
     return out
 
 
-def stage_profile(stages, x, microbatches: int, repeats: int = 5) -> dict[str, Any]:
-    """The stages' forward + backward timed here on the first stage's input ``x`` (a replica's batch),
-    at this process' intra-op threads (the profile sets a stage process' share of the cores), after one
-    untimed pass: ``stage_fractions``, each stage's share for one micro-batch (``x``'s first rows /
+def precision_autocast(device, precision: str) -> Callable[[], Any]:
+    """A factory of the context a stage's forward runs in under ``train.precision`` on ``device``:
+    ``torch.autocast`` in bfloat16 ("bf16") or float16 ("fp16"), as the pipeline's stages run
+    (:mod:`paratrain.strategies.pipeline`); nothing for "fp32"."""
+    import contextlib
+
+    import torch
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if low is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(torch.device(device).type, dtype=low)
+
+
+def stage_profile(stages, x, microbatches: int, repeats: int = 5,
+                  autocast: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """The stages' forward + backward timed on the device of the first stage's input ``x`` (a
+    replica's batch), at this process' intra-op threads (the profile sets a stage process' share of
+    a CPU's cores), the device synchronised around each stage (a GPU's kernels run asynchronously),
+    after one untimed pass: ``stage_fractions``, each stage's share for one micro-batch (``x``'s first rows /
     ``microbatches``; median of ``repeats``), and ``microbatch_factor``, the time of ``microbatches``
     micro-batches through every stage over the time of ``x`` whole (what splitting the batch costs:
-    smaller matrix products), the median of ``repeats`` rounds' ratios, each round timing both back
+    smaller matrix products; on a GPU, as many more kernel launches), the median of ``repeats``
+    rounds' ratios, each round timing both back
     to back (a machine whose speed drifts moves both alike). The last stage's backward starts from a
-    log-softmax sum (a cross-entropy's cost), the others' from ones."""
+    log-softmax sum (a cross-entropy's cost), the others' from ones. ``autocast()``: the context each
+    stage's forward and loss run in (:func:`precision_autocast`; default none); the backward runs
+    outside it, as ``torch.autocast`` asks."""
+    import contextlib
     import statistics
     import time
+
+    import torch
+
+    amp = autocast or contextlib.nullcontext
+    device = x.device
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def chain(inp) -> list[float]:
         spent, h = [], inp
         for s, stage in enumerate(stages):
             h = h.detach().requires_grad_(h.is_floating_point())
+            sync()
             t0 = time.perf_counter()
-            out = stage(h)
-            (out.float().log_softmax(-1) if s == len(stages) - 1 else out).sum().backward()
+            with amp():
+                out = stage(h)
+                loss = (out.float().log_softmax(-1) if s == len(stages) - 1 else out).sum()
+            loss.backward()
+            sync()
             spent.append(time.perf_counter() - t0)
             h = out
         for stage in stages:
