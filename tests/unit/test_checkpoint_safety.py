@@ -163,7 +163,8 @@ def test_an_interrupt_between_a_sharded_checkpoints_renames_lands_after_them(tmp
     """Saving a DCP checkpoint of a step that exists (after a resume from an older one) moves the old
     folder aside and the new one into place: two renames. A SIGINT between them must not leave that
     step only under a hidden name. It raises KeyboardInterrupt once both are done: the new folder
-    is in place and loads, and no hidden folder is left."""
+    is in place and loads. The old folder, removed after the held signals, is left hidden (the
+    interrupt came first), and the next save's prune removes it."""
     from paratrain.train import checkpoint
 
     def save(value: float) -> None:
@@ -193,4 +194,9 @@ def test_an_interrupt_between_a_sharded_checkpoints_renames_lands_after_them(tmp
     path = tmp_path / "checkpoint-00000005.dcp"
     assert checkpoint.latest(tmp_path) == path
     assert checkpoint.load(path)["note"] == 2.0
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [".checkpoint-00000005.dcp.old"]
+    checkpoint.save_sharded(tmp_path, {"model": {"w": torch.zeros(3)}, "optim": {}}, {"note": 3.0}, step=6,
+                            is_main=True, barrier=lambda: None)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-00000005.dcp",
+                                                                       "checkpoint-00000006.dcp"]

@@ -1810,7 +1810,8 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
 
     def inputs(task, layout, device=None):
         seen[layout.dist.pipeline_stages] = torch.get_num_threads()
-        assert device == torch.device("cpu")  # the profile's device
+        # the stages on the profile's device; fsdp's units (0 stages: bytes) counted on the CPU
+        assert device == (torch.device("cpu") if layout.dist.pipeline_stages else None)
         if not layout.dist.pipeline_stages:
             return {"units": [1]}
         return {"activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1], "stage_fractions": [1, 1],
@@ -1928,43 +1929,48 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_mixed_precision_recipes_stages_are_profiled_under_its_autocast(tiny_data, monkeypatch, precision):
-    """The pipeline runs its stages under the recipe's autocast, and so does the profile:
-    :func:`stage_profile` times each stage's forward and loss under that autocast (and its backward
-    outside it, as torch.autocast asks), and ``activation_bytes`` is what stage 0 outputs under it.
-    For gpt that stays 4 bytes an element: its residual stream is float32 (float32 + bfloat16
-    promotes to float32), so the stages send float32 under bf16 as under fp32."""
-    import paratrain.bench.strategy_model as sm
+    """The pipeline runs its stages under the recipe's autocast, and so does the profile: stage 0's
+    forward that measures ``activation_bytes``, and each stage's forward and loss that
+    :func:`stage_profile` times, run under that autocast; their backward outside it (as
+    torch.autocast advises). An fp32 recipe's under none. For gpt, what stage 0 sends stays 4 bytes
+    an element: its residual stream is float32 (float32 + bfloat16 promotes to float32)."""
+    import paratrain.strategies.stages as stages_module
     from paratrain.bench.profile import _stage_inputs
     from paratrain.config import from_dict
     from paratrain.runs import build_task
 
     from ..distributed.test_task_exactness import task_cfg
 
-    real = sm.stage_profile
+    real_cut = stages_module.cut_stages
 
     def inputs(prec: str, seen: list) -> dict:
         c = task_cfg("gpt", "float32", "single", 1, 1)
         cfg = from_dict({**c, "train": {**c["train"], "precision": prec}})
 
         def hook(module, args, out):
-            seen.append(("forward", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-            out.register_hook(lambda grad: seen.append(("backward", torch.is_autocast_enabled("cpu"))))
+            seen.append(("forward", torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                         torch.get_autocast_dtype("cpu")))
+            if out.requires_grad:
+                out.register_hook(lambda grad: seen.append(("backward", torch.is_autocast_enabled("cpu"))))
 
-        def watched(stages, x, microbatches, autocast=None):
-            for stage in stages:
+        def cut(*args, **kw):  # every stage strategy_inputs runs, from its first forward on
+            got = real_cut(*args, **kw)
+            for stage in got:
                 stage.register_forward_hook(hook)
-            return real(stages, x, microbatches, repeats=1, autocast=autocast)
+            return got
 
-        monkeypatch.setattr(sm, "stage_profile", watched)
+        monkeypatch.setattr(stages_module, "cut_stages", cut)
         got = _stage_inputs(build_task(cfg, str(tiny_data), world_size=1), cfg, None, torch.device("cpu"))
         return got["stage_profiles"]["2"]
 
     full_seen, low_seen = [], []
     full, low = inputs("fp32", full_seen), inputs(precision, low_seen)
-    assert low["activation_bytes"] == full["activation_bytes"] > 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     forwards = [s for s in low_seen if s[0] == "forward"]
-    assert forwards and all(s[1] and s[2] == dtype for s in forwards)
-    assert [s for s in low_seen if s[0] == "backward"] and not any(s[1] for s in low_seen if s[0] == "backward")
-    assert full_seen and not any(s[1] for s in full_seen)
+    assert forwards[0][1] is False  # the first: stage 0's forward for activation_bytes, without grad
+    assert len(forwards) > 2 and all(s[2] and s[3] == dtype for s in forwards)
+    backwards = [s for s in low_seen if s[0] == "backward"]
+    assert backwards and not any(s[1] for s in backwards)
+    assert full_seen and not any(s[0] == "forward" and s[2] for s in full_seen)
+    assert low["activation_bytes"] == full["activation_bytes"] > 0
     assert low["microbatch_factor"] > 0 and sum(low["stage_fractions"]) == pytest.approx(1.0)

@@ -336,10 +336,13 @@ def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = No
         return SimpleNamespace(train=cfg.train, dist=SimpleNamespace(pipeline_stages=stages, microbatches=2 * stages,
                                                                      pipeline_split=""))
 
-    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0), device)["units"], "stage_profiles": {}}
+    # fsdp's units are bytes: counted on the CPU (a GPU's memory holds the profile's own model meanwhile)
+    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
     for s in STAGE_COUNTS:
         with intra_op_threads(default_threads(s, cores) if cores else None):
             got = strategy_inputs(task, layout(s), device)
+        if device is not None and device.type == "cuda":  # the stages' model copy goes before the next
+            torch.cuda.empty_cache()
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys}

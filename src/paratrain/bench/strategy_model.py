@@ -115,9 +115,9 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
     parameter bytes in forward order (the root's own parameters first: its embeddings gather
     first); for a model that pipelines (:func:`~paratrain.strategies.stages.cut_stages`),
     ``activation_bytes`` (what stage 0 sends stage 1 for one replica's batch, measured by running
-    stage 0 on the task's first training batch under the recipe's ``train.precision``, as the
-    pipeline runs its stages: what stage 0 outputs under that autocast; gpt's residual stream stays
-    float32),
+    stage 0 on the task's first training batch under the recipe's ``train.precision``'s autocast, as
+    the pipeline runs its stages: gpt's residual stream stays in the parameters' dtype, float32 by
+    default),
     ``shared_bytes`` (parameters in several stages), ``stage_param_bytes`` (each stage's, shared ones
     in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
     ``microbatch_factor`` on ``device`` under that precision (a GPU's small micro-batches are bound
@@ -192,7 +192,8 @@ def stage_profile(stages, x, microbatches: int, repeats: int = 5,
     to back (a machine whose speed drifts moves both alike). The last stage's backward starts from a
     log-softmax sum (a cross-entropy's cost), the others' from ones. ``autocast()``: the context each
     stage's forward and loss run in (:func:`precision_autocast`; default none); the backward runs
-    outside it, as ``torch.autocast`` asks."""
+    outside it, as ``torch.autocast`` advises (its ops take the forward's dtypes either way; the
+    pipeline's schedule runs it inside)."""
     import contextlib
     import statistics
     import time

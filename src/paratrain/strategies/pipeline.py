@@ -28,8 +28,8 @@ optimizer state. Evaluation, ``state_dict`` and the non-finite check see the who
 stage's parameters are broadcast to the other stages of its replica first. Checkpoints are DCP
 folders (:mod:`.sharded`): each stage writes its own parameters and optimizer state.
 
-``train.precision = "bf16"`` runs the stages under autocast (activations travel in the dtype a stage
-outputs under it: gpt's residual stream stays float32).
+``train.precision = "bf16"`` runs the stages under autocast (gpt's activations between stages stay in
+the parameters' dtype, float32 by default: its residual stream adds to the embeddings' output).
 ``"fp16"`` does too, and the last stage scales each micro-batch's loss with a
 ``ShardedGradScaler`` before the schedule's backward; every stage unscales its own gradients and the
 inf/NaN flag is all-reduced over the job, so every process skips the same steps.

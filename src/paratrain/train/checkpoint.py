@@ -190,7 +190,7 @@ def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main
     folder renamed into place (rank 0). Every rank must call it; ``barrier()`` waits for all of them.
     An interrupt during ``dcp.save`` (a collective: holding it there could wait on a dead peer) leaves
     the hidden temp folder, which :func:`prune` removes, and the previous checkpoints as they were; one
-    during the rename lands after it (:func:`signals_held`). Returns the folder's path."""
+    during the renames lands after them (:func:`signals_held`). Returns the folder's path."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -206,18 +206,18 @@ def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main
     barrier()  # every shard is written
     if is_main:
         atomic_torch_save(to_cpu({**meta, "format": FORMAT, "step": step}), tmp / META)
+        old = run_dir / f".checkpoint-{step:08d}.dcp.old"
+        shutil.rmtree(old, ignore_errors=True)
         # the renames are local to rank 0 and quick: an interrupt between the two of a replaced step
         # would leave that step only under a hidden name, so it lands after them (see signals_held)
         with signals_held():
             if path.exists():  # the same step again (after a resume from an older one): the new one replaces it
-                old = run_dir / f".checkpoint-{step:08d}.dcp.old"
-                shutil.rmtree(old, ignore_errors=True)
                 os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, path)
+            os.replace(tmp, path)
             _fsync_dir(run_dir)
+        # the replaced folder goes outside the held signals (a large one may take a while); one an
+        # interrupt leaves is hidden from list_checkpoints, and prune removes it at the next save
+        shutil.rmtree(old, ignore_errors=True)
         prune(run_dir, keep)
     barrier()
     return path
