@@ -193,3 +193,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a CUDA device's kernels run asynchronously), before a
+    clock is read; nothing on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -61,6 +61,7 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
     group of another size exists."""
     from torch import nn
 
+    from ..devices import synchronize
     from ..strategies.zero1 import row_dtensor
     from ..train.optim import optimizer_like
     from .microbench import median_seconds
@@ -79,8 +80,7 @@ def measured_sharded_optimizer(params: Sequence[torch.Tensor], optimizer: torch.
                 for s, g in zip(shards, grads):
                     s.grad = wrap(g) if sharded else g
                 opt.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
             return median_seconds(step, repeats, warmup)
 
         # one copy of the parameters for both runs (what the steps do to them does not change the time);

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..devices import synchronize
 from .profile_cache import PROFILE_VERSION  # the versions live with the cache's key
 
 STAGE_COUNTS = (2, 4)
@@ -56,11 +57,6 @@ STAGE_COUNTS = (2, 4)
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _BlockProbe:
@@ -86,13 +82,13 @@ class _BlockProbe:
         self.total_saved = 0
 
     def _enter(self, i: int, args) -> None:
-        _sync(self.device)
+        synchronize(self.device)
         self.stack.append(i)
         self.inputs[i] += sum(_bytes(a) for a in args if isinstance(a, torch.Tensor))
         self.t0[i] = time.perf_counter()
 
     def _leave(self, i: int) -> None:
-        _sync(self.device)
+        synchronize(self.device)
         self.forward_s[i] += time.perf_counter() - self.t0[i]
         self.stack.pop()
 
@@ -123,17 +119,17 @@ def _timed_steps(model, optimizer, loss_fn: Callable[[], torch.Tensor], draw: Ca
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         batch = draw()
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         loss = loss_fn(batch)
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         loss.backward()
-        _sync(device)
+        synchronize(device)
         t3 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         t4 = time.perf_counter()
         if i >= warmup:
             for key, dt in zip(spans, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

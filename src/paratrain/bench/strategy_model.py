@@ -173,7 +173,9 @@ def precision_autocast(device, precision: str) -> Callable[[], Any]:
 
     import torch
 
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    from ..strategies.precision import LOW_DTYPES
+
+    low = LOW_DTYPES.get(precision)
     if low is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(torch.device(device).type, dtype=low)
@@ -198,26 +200,21 @@ def stage_profile(stages, x, microbatches: int, repeats: int = 5,
     import statistics
     import time
 
-    import torch
+    from ..devices import synchronize
 
     amp = autocast or contextlib.nullcontext
-    device = x.device
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     def chain(inp) -> list[float]:
         spent, h = [], inp
         for s, stage in enumerate(stages):
             h = h.detach().requires_grad_(h.is_floating_point())
-            sync()
+            synchronize(x.device)
             t0 = time.perf_counter()
             with amp():
                 out = stage(h)
                 loss = (out.float().log_softmax(-1) if s == len(stages) - 1 else out).sum()
             loss.backward()
-            sync()
+            synchronize(x.device)
             spent.append(time.perf_counter() - t0)
             h = out
         for stage in stages:

@@ -19,13 +19,8 @@ from typing import Any, Callable
 import torch
 
 from ..bench.timing import RankTimer, breakdown, write_rank_timing
-from ..devices import peak_memory_bytes
+from ..devices import peak_memory_bytes, synchronize
 from .metrics import MetricsLog, format_summary
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Bookkeeper:
@@ -62,7 +57,7 @@ class Bookkeeper:
 
     def pause_clock(self, pos) -> None:
         """Stop the training clock (before evaluation, a checkpoint, logging): adds to ``pos.train_time_s``."""
-        _sync(self.env.device)
+        synchronize(self.env.device)
         pos.train_time_s += time.perf_counter() - self._tick
 
     def start_interval(self, pos) -> None:
