@@ -1231,6 +1231,31 @@ def test_a_plan_row_carries_its_strategys_measured_error_at_its_own_n(tmp_path):
     assert read_validation(tmp_path / "nothing") == {}
 
 
+def test_a_plan_row_is_extrapolated_beyond_the_measured_n_and_off_the_measured_link_above_one_device(tmp_path):
+    """plan.extrapolated: a validation of single at N = 1 and allreduce at N = 1, 2 (a failed fsdp run
+    at 2). On the measured link: allreduce at 2 is measured, at 4 extrapolated; single at 1 measured;
+    fsdp (no step time) and zero1 (not validated) extrapolated. On a preset (``--interconnect ib400``)
+    every row above one device is extrapolated (its link was not measured), and the one-device row is
+    not: no link prices it."""
+    import json
+
+    from paratrain.bench.plan import extrapolated, read_validation
+
+    rows = [{"strategy": "single", "n": 1, "step_error": 0.10, "memory_error": 0.0},
+            {"strategy": "allreduce", "n": 1, "step_error": 0.02, "memory_error": 0.0},
+            {"strategy": "allreduce", "n": 2, "step_error": 0.05, "memory_error": 0.0},
+            {"strategy": "fsdp", "n": 2, "step_error": float("nan"), "memory_error": 0.0}]
+    (tmp_path / "validation.json").write_text(json.dumps({"rows": rows}))
+    checked = read_validation(tmp_path)
+    measured_link = {(s, n): extrapolated(checked, s, n, preset=False)
+                     for s, n in (("single", 1), ("allreduce", 1), ("allreduce", 2), ("allreduce", 4),
+                                  ("fsdp", 2), ("zero1", 2))}
+    assert measured_link == {("single", 1): False, ("allreduce", 1): False, ("allreduce", 2): False,
+                             ("allreduce", 4): True, ("fsdp", 2): True, ("zero1", 2): True}
+    assert not extrapolated(checked, "single", 1, preset=True) and not extrapolated(checked, "allreduce", 1, True)
+    assert extrapolated(checked, "allreduce", 2, preset=True) and extrapolated(checked, "zero1", 1, preset=True)
+
+
 def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch):
     """plan_validate.plan_first is the plan's rank at N = 2 (the fastest synchronous layout, of a tie the
     least memory; an asynchronous one never), and _runs adds it to each strategy's plain layout where

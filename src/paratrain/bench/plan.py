@@ -38,8 +38,8 @@ from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (
 from .plan_ps import (loaded_exchange, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link, ps_streams,
                       slower)
 from .plan_profile import TIMED_S
-from .plan_rank import (TIE, close_calls, objective_value, pick, rank, read_validation,  # noqa: F401 (API)
-                        recommendation, row_error, unpriced)
+from .plan_rank import (TIE, close_calls, extrapolated, objective_value, pick, rank,  # noqa: F401 (API)
+                        read_validation, recommendation, row_error, unpriced)
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import PS, RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 

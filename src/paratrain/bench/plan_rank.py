@@ -171,3 +171,12 @@ def row_error(checked: dict[str, dict], strategy: str, n: int) -> float | None:
     if not v or not v.get("by_n"):
         return None
     return v["by_n"].get(n, v["error"])
+
+
+def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool) -> bool:
+    """Whether a plan row of ``strategy`` at ``n`` devices is beyond what was measured (``checked``:
+    :func:`read_validation`'s): its strategy was not validated, ``n`` is above the largest N measured,
+    or ``preset`` (the plan prices an ``--interconnect`` preset, not the measured link) at ``n`` > 1. At
+    N = 1 no link is used: the one-device row's prediction is the measured one's on any interconnect."""
+    v = checked.get(strategy)
+    return v is None or n > v["max_n"] or (preset and n > 1)

@@ -79,9 +79,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rescored = rescore(cfg, prof, out, args.config, args.task, args.overrides)
     checked = pl.read_validation(out if args.profile is None else args.profile.parent)  # the profile's machine's
     for r in rows:
-        v = checked.get(r["strategy"])
         r["measured_error"] = pl.row_error(checked, r["strategy"], r["n"])
-        r["extrapolated"] = (v is None) or r["n"] > v["max_n"] or preset is not None
+        r["extrapolated"] = pl.extrapolated(checked, r["strategy"], r["n"], preset is not None)
     ranked = pl.rank(rows, args.objective)
     best = pl.recommendation(ranked)
     extra = list(args.overrides)
