@@ -1792,6 +1792,96 @@ def test_validation_scores_n_gt_1_at_the_compute_speed_measured_again_in_each_ro
     assert side_by_side_ms({"device": "cpu", "workloads": {"1": {**w1, "concurrent": 0}}}) is None
 
 
+def test_validation_paced_per_run_scores_each_run_at_the_speed_measured_just_before_it():
+    """``--validate-pace run``: a row's own side-by-side measurements (one before each of its runs)
+    take the place of the rounds'. Hand-computed: the profile's side-by-side step 4.8 ms; allreduce's
+    runs 9.0 and 10.0 ms, measured before them 4.8 (x1.0) and 6.0 ms (x1.25); predicted 8.2 ms of
+    which 5.0 compute + 0.5 optimizer: run 0 8.2 against 9.0 (-8.89%), run 1 8.2 + 0.25 x 5.5 = 9.575
+    against 10.0 (-4.25%): the median -6.57%. A row without its own (zero1 here) keeps the rounds'
+    (x1.2, x1.1). The report names the per-run pacing and its range."""
+    from paratrain.bench.plan_validate import markdown, same_speed_errors
+
+    def row(strategy, n, predicted, runs, parts=None, own=None):
+        r = {"strategy": strategy, "label": strategy, "n": n, "ok": True, "predicted_step_ms": predicted,
+             "measured_step_ms": min(runs), "measured_step_ms_all": runs, "step_error": predicted / min(runs) - 1,
+             "predicted_memory_bytes": 2 ** 20, "measured_memory_bytes": 2 ** 20, "memory_error": 0.0,
+             "predicted_ms": parts or {}}
+        return {**r, "side_by_side_ms_all": own} if own else r
+
+    parts = {"compute": 5.0, "comm": 2.7, "bubble": 0.0, "optimizer": 0.5}
+    one = row("single", 1, 4.0, [4.0, 4.0])
+    ar = row("allreduce", 2, 8.2, [9.0, 10.0], parts, own=[4.8, 6.0])
+    z1 = row("zero1", 2, 8.2, [9.0, 10.0], parts)
+    paced = {"profile_ms": 4.8, "rounds_ms": [5.76, 5.28], "pace": "run"}
+    same_speed_errors([one, ar, z1], paced)
+    assert ar["step_error_same_speed"] == pytest.approx(((8.2 / 9.0 - 1) + (9.575 / 10.0 - 1)) / 2, rel=1e-12)
+    assert z1["step_error_same_speed"] == pytest.approx(((9.3 / 9.0 - 1) + (8.75 / 10.0 - 1)) / 2, rel=1e-12)
+    assert math.isnan(one["step_error_same_speed"])
+    text = markdown({"config": "c", "rows": [one, ar], "side_by_side": {**paced, "rounds_ms": []}})
+    assert "step error at the run's measured speed" in text and "just before each run" in text
+    assert "measured again just before each of its runs (4.8-6.0 ms)" in text
+
+
+@pytest.mark.parametrize("pace", ["round", "run"])
+def test_validation_measures_the_machines_speed_before_each_round_or_each_multi_process_run(
+        monkeypatch, tmp_path, pace):
+    """plan_validate.validate's order, the runs and the side-by-side measurements stubbed: with
+    ``--validate-pace round`` one measurement before each round (``rounds_ms``); with ``run`` one just
+    before each N > 1 run, none before the one-device run, kept per row (``side_by_side_ms_all``),
+    and each N > 1 error at the speed measured before its own run."""
+    import argparse
+    import json
+    import types
+
+    import paratrain.bench.plan as pl
+    import paratrain.bench.report as report
+    import paratrain.bench.sweep as sweep
+    from paratrain.bench import plan_validate as pv
+
+    events, speeds = [], iter([4.8, 6.0, 5.0, 7.2, 9.9, 9.9])
+    lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2)]
+    monkeypatch.setattr(pv, "_runs", lambda *a, **k: lays)
+    monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])
+    monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: 4.8)
+
+    def paced_now(*a):
+        events.append("pace")
+        return next(speeds)
+
+    monkeypatch.setattr(pv, "_side_by_side_now", paced_now)
+    predicted = {"single": (4.0, {"compute_s": 3.5e-3, "comm_s": 0.0, "bubble_s": 0.0, "optimizer_s": 5e-4}),
+                 "allreduce": (8.2e-3, {"compute_s": 5e-3, "comm_s": 2.7e-3, "bubble_s": 0.0, "optimizer_s": 5e-4})}
+    monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
+        "step_s": predicted[lay.strategy][0] / (1000 if lay.n == 1 else 1), **predicted[lay.strategy][1],
+        "memory": {"total": 2 ** 20}, "units_per_s": 100.0 / lay.n, "synchronous": True, "overrides": {}})
+    measured = {"single": iter([4.0, 4.0]), "allreduce": iter([9.0, 10.0])}
+
+    def fake_sweep(spec, plans, folder, progress):
+        events.append(f"{spec.strategies[0]} N={plans[0].n}")
+        ms = next(measured[spec.strategies[0]])
+        return [types.SimpleNamespace(ms=ms, summary={"tracked_peak_memory_mb": 1.0})]
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
+    monkeypatch.setattr(report, "run_record", lambda o: {"ok": True, "train_step_ms": o.ms, "units_per_s": 1e3 / o.ms,
+                                                         "rank0_timing_ms": {}})
+    args = argparse.Namespace(config="c.toml", task=None, overrides=[], validate_steps=6, timed_seconds=0.0,
+                              validate_repeats=2, validate_runoff=0, validate_pace=pace, data_dir=None)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
+    prof = {"links": {"all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 0.0}}, "cores": 2}
+    pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
+    v = json.loads((tmp_path / "validation.json").read_text())
+    ar = next(r for r in v["rows"] if r["strategy"] == "allreduce")
+    if pace == "round":
+        assert events == ["pace", "single N=1", "allreduce N=2", "pace", "single N=1", "allreduce N=2"]
+        assert v["side_by_side"]["rounds_ms"] == [4.8, 6.0] and "side_by_side_ms_all" not in ar
+    else:
+        assert events == ["single N=1", "pace", "allreduce N=2", "single N=1", "pace", "allreduce N=2"]
+        assert v["side_by_side"] == {"profile_ms": 4.8, "rounds_ms": [], "pace": "run"}
+        assert ar["side_by_side_ms_all"] == [4.8, 6.0]
+    # x1.0 before run 0 (9.0 ms), x1.25 before run 1 (10.0 ms): 8.2 and 9.575 ms predicted at those speeds
+    assert ar["step_error_same_speed"] == pytest.approx(((8.2 / 9.0 - 1) + (9.575 / 10.0 - 1)) / 2, rel=1e-9)
+
+
 class _ClockedStage(torch.nn.Module):
     """A stage whose forward + backward costs ``overhead + rows * per_row`` seconds of a fake clock,
     times the clock's speed; a whole batch through the first stage starts a new round and doubles

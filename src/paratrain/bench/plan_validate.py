@@ -130,18 +130,26 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
             return run_record(outcome), outcome
 
+        per_run = args.validate_pace == "run"
+        paced_runs: list[list[float]] = [[] for _ in runs]  # per_run: the machine's speed before each run
         for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
-            if paced is not None and any(n > 1 for _, n in runs):
+            if paced is not None and any(n > 1 for _, n in runs) and not per_run:
                 rounds.append(_side_by_side_now(args, cfg, prof, paced))
                 print(f"[plan] round {r + 1}: {prof['cores']} one-thread one-device runs side by side: step "
                       f"{rounds[-1]:.1f} ms (the profile's {paced:.1f} ms)", flush=True)
             for i, (lay, n) in enumerate(runs):
+                if paced is not None and per_run and n > 1:
+                    paced_runs[i].append(_side_by_side_now(args, cfg, prof, paced))
+                    print(f"[plan] before {lay.label} N={n}: {prof['cores']} one-thread one-device runs side by "
+                          f"side: step {paced_runs[i][-1]:.1f} ms (the profile's {paced:.1f} ms)", flush=True)
                 done[i].append(run(i, r))
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
-        for (lay, n), got, steps, pred in zip(runs, done, counts, preds):
+        for (lay, n), got, steps, pred, own in zip(runs, done, counts, preds, paced_runs):
             row = _row(lay, n, got, pred)
             row.update(steps=steps, overrides=pred["overrides"])  # the dist keys it ran with
+            if own:  # its runs' own measurements of the machine's speed, run r's before run r
+                row["side_by_side_ms_all"] = own
             rows.append(row)
             print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
                   f"{row['measured_step_ms']:8.1f} ms ({pct(row['step_error'])}); memory predicted "
@@ -157,7 +165,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             runoff = run_off(lambda i, k: run(i, args.validate_repeats + k)[0], where[pair[0]], where[pair[1]],
                              args.validate_runoff, pair)
             choice = judged(choice, runoff)
-    paced_rounds = {"profile_ms": paced, "rounds_ms": rounds} if rounds else None
+    paced_rounds = ({"profile_ms": paced, "rounds_ms": rounds, "pace": "run" if per_run else "round"}
+                    if rounds or any(paced_runs) else None)
     same_speed_errors(rows, paced_rounds)
     result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,
               "side_by_side": paced_rounds, "runoff": runoff, "choice": choice}

@@ -18,11 +18,12 @@ def pct(x: float) -> str:
 
 
 def markdown(result: dict) -> str:
+    per_run = (result.get("side_by_side") or {}).get("pace") == "run"  # --validate-pace run
     lines = [f"# paratrain plan --validate — {result['config']}", "",
              "Step parts in ms, predicted (compute + comm + bubble + optimizer) and measured on rank 0 "
              "(forward + backward + data, comm, idle, optimizer).", "",
              "| layout | N | predicted step ms | measured step ms | step error | runs ms (spread) | "
-             "step error at the round's measured speed | "
+             f"step error at the {'run' if per_run else 'round'}'s measured speed | "
              "predicted memory MiB | measured memory MiB | memory error | predicted parts | measured parts |",
              "|" + "---|" * 12]
     for r in result["rows"]:
@@ -69,14 +70,21 @@ def markdown(result: dict) -> str:
     if paired:
         worst = max(paired, key=lambda r: abs(r["step_error_same_speed"]))
         paced = result.get("side_by_side")
-        how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by that round's "
+        own = [x for r in result["rows"] for x in r.get("side_by_side_ms_all") or []]
+        how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by the one-thread "
+               f"one-device runs side by side measured again just before each of its runs "
+               f"({min(own):.1f}-{max(own):.1f} ms), over the profile's "
+               f"({paced['profile_ms']:.1f} ms): the prediction with the compute it would have measured then"
+               if paced and own else
+               f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by that round's "
                f"one-thread one-device runs side by side, measured again before it "
                f"({', '.join(f'{x:.1f}' for x in paced['rounds_ms'])} ms), over the profile's "
                f"({paced['profile_ms']:.1f} ms): the prediction with the compute it would have measured then"
                if paced else
                "the prediction times that round's measured one-device step over the profile's; the error of the "
                "predicted slowdown from one device, which a uniform change of the machine's speed does not move")
-        lines += ["", f"At the machine's measured speed of each run's own round ({how}), the step errors at N <= 2 "
+        when = "just before each run" if per_run else "of each run's own round"
+        lines += ["", f"At the machine's measured speed {when} ({how}), the step errors at N <= 2 "
                       f"are within {100 * abs(worst['step_error_same_speed']):.1f}% (the largest: {worst['label']} at "
                       f"{worst['n']}). The targets are judged on the step errors themselves."]
     return "\n".join(lines) + "\n"
@@ -152,11 +160,12 @@ def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> lis
     an N > 1 row's prediction in round r has its work on the cores (the predicted compute, optimizer
     and bubble parts) scaled by ``rounds_ms[r] / profile_ms``, and the error is the median over the
     rounds of ``prediction_r / run r - 1``: the model's error with the compute it would have measured
-    then. Otherwise (no such measurement: a GPU's profile, a validation before 2026-11-28, N = 1), its
-    step error with the prediction taken at the machine's speed of the same round of runs
-    (``--validate-repeats`` goes round the layouts, so run r of every layout is in round r), the
-    prediction times (the one-device ``single`` row's measured
-    step in that round / its predicted step, the profile's own measurement): the relative error of
+    then. A row's own ``side_by_side_ms_all`` (``--validate-pace run``: the same runs repeated just
+    before each of its runs) takes the place of ``rounds_ms``. Otherwise (no such measurement: a
+    GPU's profile, a validation before 2026-11-28, N = 1), its step error with the prediction taken
+    at the machine's speed of the same round of runs (``--validate-repeats`` goes round the layouts,
+    so run r of every layout is in round r), the prediction times (the one-device ``single`` row's
+    measured step in that round / its predicted step, the profile's own measurement): the relative error of
     ``predicted / predicted_one`` against the median over the rounds of ``measured / measured_one``
     (run r of the layout over the one-device run r; the mean of the middle two of an even count). A
     change of the machine's speed between the profile and the runs (:func:`machine_drift`) that
@@ -168,9 +177,11 @@ def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> lis
 
     one = next((r for r in rows if r["n"] == 1 and r["strategy"] == "single" and r["ok"]), None)
     base = (one or {}).get("measured_step_ms_all") or []
-    factors = ([x / side_by_side["profile_ms"] for x in side_by_side["rounds_ms"]]
-               if side_by_side and side_by_side.get("profile_ms") else [])
+    profile_ms = (side_by_side or {}).get("profile_ms")
     for r in rows:
+        # the machine's speed of run r: measured before it (--validate-pace run), else before its round
+        speeds = r.get("side_by_side_ms_all") or (side_by_side or {}).get("rounds_ms") or []
+        factors = [x / profile_ms for x in speeds] if profile_ms else []
         if r["n"] > 1 and r["ok"] and factors:
             on_cores = sum(r.get("predicted_ms", {}).get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
             errs = [(r["predicted_step_ms"] + (f - 1) * on_cores) / m - 1
