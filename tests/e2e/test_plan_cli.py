@@ -281,8 +281,11 @@ def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
 
 def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     tmp, _ = planned
+    # --validate-pace round: one speed measurement per round, not one per N > 1 run (the suite's time; the unit
+    # tests run both orders, test_validation_measures_the_machines_speed_before_each_round_or_each_multi_process_run)
     r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--validate", "--validate-steps", "6",
-                  "--timed-seconds", "0", "--validate-runoff", "1", "--out", "p", cwd=tmp, timeout=900)
+                  "--timed-seconds", "0", "--validate-runoff", "1", "--validate-pace", "round", "--out", "p", cwd=tmp,
+                  timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     v = json.loads((tmp / "p" / "validation.json").read_text())
     got = {(row["strategy"], row["n"]) for row in v["rows"]}

@@ -93,11 +93,10 @@ def add_plan_parser(sub) -> None:
                    help="where the recommendation at N = 2 is not the measured fastest, run the two again in PAIRS "
                         "pairs back to back, the order alternating, and judge the 5%% target on the median of the "
                         "pairs' ratios (default 3; 0: none)")
-    p.add_argument("--validate-pace", choices=("round", "run"), default="round",
+    p.add_argument("--validate-pace", choices=("run", "round"), default="run",
                    help="when --validate measures the machine's speed again (the profile's one-thread runs side by "
-                        "side), for each N > 1 error at that speed: before each round of layouts (default), or "
-                        "before each layout's run (a minute apart: slower, and it follows a speed that drifts "
-                        "within a round)")
+                        "side), for each N > 1 error at that speed: just before each N > 1 run (default: it follows "
+                        "a speed that drifts within a round), or once before each round of layouts (fewer runs)")
     p.add_argument("--validate-nproc", help="N to validate at (default 1,2; on a GPU's profile 1; 4 runs "
                    "oversubscribed on a 2-core machine)")
     p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")

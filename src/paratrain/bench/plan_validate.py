@@ -10,7 +10,8 @@ the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder;
 ``paratrain plan`` there shows each strategy's error beside its predictions. Targets: |step error|
 <= 15% at N <= 2, |memory error| <= 20%, and the recommended layout at N = 2 measured within 5%
 of the fastest measured one. Beside each step error, the same error at the machine's speed measured
-in the run's own round (:func:`~.plan_validate_report.same_speed_errors`); the report:
+again just before the run (``--validate-pace run``, the default; ``round``: once before each round of
+layouts) (:func:`~.plan_validate_report.same_speed_errors`); the report:
 :mod:`.plan_validate_report`. Where the recommendation at N = 2 is not the measured fastest, the two
 run again in a paired run-off (:func:`run_off`, ``--validate-runoff`` pairs), and the 5% target is
 judged on it: two layouts' runs minutes apart on a machine whose speed drifts by 20-30% compare the

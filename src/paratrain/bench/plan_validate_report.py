@@ -154,9 +154,9 @@ def _timed(ms: float | None) -> bool:
 
 
 def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> list[dict]:
-    """Set each row's ``step_error_same_speed``: its step error at the machine's speed of the run's
-    own round. With ``side_by_side`` (``{"profile_ms", "rounds_ms"}``: the profile's one-thread runs
-    side by side, :func:`side_by_side_ms`, and the same runs repeated before each round of layouts),
+    """Set each row's ``step_error_same_speed``: its step error at the machine's speed measured just
+    before each of its runs, or in the run's own round. With ``side_by_side`` (``{"profile_ms",
+    "rounds_ms"}``: the profile's one-thread runs side by side, :func:`side_by_side_ms`, and the same runs repeated before each round of layouts),
     an N > 1 row's prediction in round r has its work on the cores (the predicted compute, optimizer
     and bubble parts) scaled by ``rounds_ms[r] / profile_ms``, and the error is the median over the
     rounds of ``prediction_r / run r - 1``: the model's error with the compute it would have measured
