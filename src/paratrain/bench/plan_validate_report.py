@@ -156,17 +156,17 @@ def _timed(ms: float | None) -> bool:
 def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> list[dict]:
     """Set each row's ``step_error_same_speed``: its step error at the machine's speed measured just
     before each of its runs, or in the run's own round. With ``side_by_side`` (``{"profile_ms",
-    "rounds_ms"}``: the profile's one-thread runs side by side, :func:`side_by_side_ms`, and the same runs repeated before each round of layouts),
-    an N > 1 row's prediction in round r has its work on the cores (the predicted compute, optimizer
-    and bubble parts) scaled by ``rounds_ms[r] / profile_ms``, and the error is the median over the
-    rounds of ``prediction_r / run r - 1``: the model's error with the compute it would have measured
-    then. A row's own ``side_by_side_ms_all`` (``--validate-pace run``: the same runs repeated just
-    before each of its runs) takes the place of ``rounds_ms``. Otherwise (no such measurement: a
-    GPU's profile, a validation before 2026-11-28, N = 1), its step error with the prediction taken
-    at the machine's speed of the same round of runs (``--validate-repeats`` goes round the layouts,
-    so run r of every layout is in round r), the prediction times (the one-device ``single`` row's
-    measured step in that round / its predicted step, the profile's own measurement): the relative error of
-    ``predicted / predicted_one`` against the median over the rounds of ``measured / measured_one``
+    "rounds_ms"}``: the profile's one-thread runs side by side, :func:`side_by_side_ms`, and the same
+    runs repeated before each round of layouts), an N > 1 row's prediction in round r has its work on
+    the cores (the predicted compute, optimizer and bubble parts) scaled by ``rounds_ms[r] /
+    profile_ms``, and the error is the median over the rounds of ``prediction_r / run r - 1``: the
+    model's error with the compute it would have measured then. A row's own ``side_by_side_ms_all``
+    (``--validate-pace run``: the same runs repeated just before each of its runs) takes the place of
+    ``rounds_ms``. Otherwise (no such measurement: a GPU's profile, a validation before 2026-11-28,
+    N = 1), its step error with the prediction taken at the machine's speed of the same round of runs
+    (``--validate-repeats`` goes round the layouts, so run r of every layout is in round r), the
+    prediction times (the one-device ``single`` row's measured step in that round / its predicted
+    step, the profile's own measurement): the relative error of ``predicted / predicted_one`` against the median over the rounds of ``measured / measured_one``
     (run r of the layout over the one-device run r; the mean of the middle two of an even count). A
     change of the machine's speed between the profile and the runs (:func:`machine_drift`) that
     scales both steps of a round alike cancels (a uniform change: communication need not slow with
