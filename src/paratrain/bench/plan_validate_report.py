@@ -166,13 +166,13 @@ def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> lis
     N = 1), its step error with the prediction taken at the machine's speed of the same round of runs
     (``--validate-repeats`` goes round the layouts, so run r of every layout is in round r), the
     prediction times (the one-device ``single`` row's measured step in that round / its predicted
-    step, the profile's own measurement): the relative error of ``predicted / predicted_one`` against the median over the rounds of ``measured / measured_one``
-    (run r of the layout over the one-device run r; the mean of the middle two of an even count). A
-    change of the machine's speed between the profile and the runs (:func:`machine_drift`) that
-    scales both steps of a round alike cancels (a uniform change: communication need not slow with
-    compute); what remains is the error of the predicted slowdown from one device (the speedup's,
-    inverted), and the one-device run's own noise. NaN for the one-device row itself, a failed row, or
-    without a one-device row. Returns ``rows``."""
+    step, the profile's own measurement): the relative error of ``predicted / predicted_one`` against
+    the median over the rounds of ``measured / measured_one`` (run r of the layout over the one-device
+    run r; the mean of the middle two of an even count). A change of the machine's speed between the
+    profile and the runs (:func:`machine_drift`) that scales both steps of a round alike cancels (a
+    uniform change: communication need not slow with compute); what remains is the error of the
+    predicted slowdown from one device (the speedup's, inverted), and the one-device run's own noise.
+    NaN for the one-device row itself, a failed row, or without a one-device row. Returns ``rows``."""
     from .costmodel import relative_error
 
     one = next((r for r in rows if r["n"] == 1 and r["strategy"] == "single" and r["ok"]), None)
