@@ -1,0 +1,52 @@
+"""Which measurement of the machine's speed explains `paratrain plan --validate`'s step times best?
+
+For validations run with ``--validate-pace run`` (the default since 2026-11-28: the profile's
+one-thread runs side by side measured again just before each N > 1 run), the N > 1 rows' step
+errors, each the median over the layout's runs of ``prediction_r / run r - 1``, with the
+prediction's work on the cores (compute, optimizer, bubble) scaled by:
+
+- ``none``: 1 (no measurement of the speed; the plain error of each run, then their median);
+- ``round``: the first measurement of run r's round (what ``--validate-pace round`` measures: once,
+  before the round's first N > 1 layout; approximated by the first N > 1 row's measurement);
+- ``run``: the measurement just before run r (``--validate-pace run``).
+
+The same runs under each rule, so the rules compare like for like (the report's plain "step error"
+is of the fastest run alone, which is another estimator). Prints the sum and largest |error|.
+
+    python benchmarks/pace_compare.py benchmarks/results/plan-amd/*-pace/validation.json
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+
+def errors(result: dict) -> dict[str, list[float]]:
+    """{rule: the N > 1 rows' errors} of one ``validation.json`` (``result``) paced per run."""
+    profile_ms = result["side_by_side"]["profile_ms"]
+    rows = [r for r in result["rows"] if r["n"] > 1 and r.get("side_by_side_ms_all")]
+    if not rows:
+        raise SystemExit("no row with side_by_side_ms_all: validate with --validate-pace run")
+    firsts = rows[0]["side_by_side_ms_all"]  # each round's first measurement
+    out: dict[str, list[float]] = {"none": [], "round": [], "run": []}
+    for r in rows:
+        on_cores = sum(r["predicted_ms"].get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
+        runs = r["measured_step_ms_all"]
+        for rule, speeds in (("none", [profile_ms] * len(runs)), ("round", firsts), ("run", r["side_by_side_ms_all"])):
+            out[rule].append(statistics.median(
+                (r["predicted_step_ms"] + (s / profile_ms - 1) * on_cores) / m - 1 for m, s in zip(runs, speeds)))
+    return out
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        with open(path) as f:
+            got = errors(json.load(f))
+        for rule, errs in got.items():
+            print(f"{path}: {rule:>5}: sum |error| {100 * sum(map(abs, errs)):6.1f} points, "
+                  f"largest {100 * max(map(abs, errs)):5.1f}% over {len(errs)} rows")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
