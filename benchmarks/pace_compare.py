@@ -11,32 +11,41 @@ prediction's work on the cores (compute, optimizer, bubble) scaled by:
 - ``run``: the measurement just before run r (``--validate-pace run``).
 
 The same runs under each rule, so the rules compare like for like (the report's plain "step error"
-is of the fastest run alone, which is another estimator). Prints the sum and largest |error|.
+is of the median run alone, the faster of two, which is another estimator). A failed run or
+measurement is left out, as the report does. Prints the sum and largest |error|.
 
     python benchmarks/pace_compare.py benchmarks/results/plan-amd/*-pace/validation.json
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 
 
 def errors(result: dict) -> dict[str, list[float]]:
     """{rule: the N > 1 rows' errors} of one ``validation.json`` (``result``) paced per run."""
+    rows = [r for r in result["rows"] if r["n"] > 1 and r["ok"] and r.get("side_by_side_ms_all")]
+    if not rows or not (result.get("side_by_side") or {}).get("profile_ms"):
+        raise SystemExit("no row with side_by_side_ms_all: validate on a CPU with --validate-pace run")
     profile_ms = result["side_by_side"]["profile_ms"]
-    rows = [r for r in result["rows"] if r["n"] > 1 and r.get("side_by_side_ms_all")]
-    if not rows:
-        raise SystemExit("no row with side_by_side_ms_all: validate with --validate-pace run")
     firsts = rows[0]["side_by_side_ms_all"]  # each round's first measurement
     out: dict[str, list[float]] = {"none": [], "round": [], "run": []}
     for r in rows:
         on_cores = sum(r["predicted_ms"].get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
         runs = r["measured_step_ms_all"]
-        for rule, speeds in (("none", [profile_ms] * len(runs)), ("round", firsts), ("run", r["side_by_side_ms_all"])):
-            out[rule].append(statistics.median(
-                (r["predicted_step_ms"] + (s / profile_ms - 1) * on_cores) / m - 1 for m, s in zip(runs, speeds)))
+        rules = (("none", [profile_ms] * len(runs)), ("round", firsts), ("run", r["side_by_side_ms_all"]))
+        errs = {rule: [(r["predicted_step_ms"] + (s / profile_ms - 1) * on_cores) / m - 1
+                       for m, s in zip(runs, speeds) if _timed(m) and _timed(s)] for rule, speeds in rules}
+        if all(errs.values()):  # the row under every rule, or under none
+            for rule, e in errs.items():
+                out[rule].append(statistics.median(e))
     return out
+
+
+def _timed(ms: float | None) -> bool:
+    return ms is not None and math.isfinite(ms) and ms > 0
 
 
 def main(paths: list[str]) -> None:

@@ -1822,13 +1822,16 @@ def test_validation_paced_per_run_scores_each_run_at_the_speed_measured_just_bef
     assert "measured again just before each of its runs (4.8-6.0 ms)" in text
 
 
-@pytest.mark.parametrize("pace", ["round", "run"])
+@pytest.mark.parametrize("pace", ["round", "run", "run, no side-by-side runs"])
 def test_validation_measures_the_machines_speed_before_each_round_or_each_multi_process_run(
         monkeypatch, tmp_path, pace):
-    """plan_validate.validate's order, the runs and the side-by-side measurements stubbed: with
-    ``--validate-pace round`` one measurement before each round (``rounds_ms``); with ``run`` one just
-    before each N > 1 run, none before the one-device run, kept per row (``side_by_side_ms_all``),
-    and each N > 1 error at the speed measured before its own run."""
+    """plan_validate.validate's order, the runs and the side-by-side measurements stubbed (two N > 1
+    layouts, two rounds, a one-pair run-off): with ``--validate-pace round`` one measurement before
+    each round (``rounds_ms``); with ``run`` one just before each N > 1 run of the rounds, none before
+    the one-device run, kept per row (``side_by_side_ms_all``), and each N > 1 error at the speed
+    measured before its own run; none in the run-off (its pairs are judged by their ratio); a
+    measurement that failed (NaN) leaves that run out; without the profile's side-by-side runs (a
+    GPU's profile), none, and the one-device pairing."""
     import argparse
     import json
     import types
@@ -1838,23 +1841,26 @@ def test_validation_measures_the_machines_speed_before_each_round_or_each_multi_
     import paratrain.bench.sweep as sweep
     from paratrain.bench import plan_validate as pv
 
-    events, speeds = [], iter([4.8, 6.0, 5.0, 7.2, 9.9, 9.9])
-    lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2)]
+    events, speeds = [], iter([4.8, 5.0, 6.0, float("nan")])
+    lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2),
+            (pl.Layout("zero1", 2, {}, "zero1"), 2)]
     monkeypatch.setattr(pv, "_runs", lambda *a, **k: lays)
-    monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])
-    monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: 4.8)
+    monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])  # the recommendation: allreduce
+    monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: None if "no side-by-side" in pace else 4.8)
 
     def paced_now(*a):
         events.append("pace")
         return next(speeds)
 
     monkeypatch.setattr(pv, "_side_by_side_now", paced_now)
-    predicted = {"single": (4.0, {"compute_s": 3.5e-3, "comm_s": 0.0, "bubble_s": 0.0, "optimizer_s": 5e-4}),
-                 "allreduce": (8.2e-3, {"compute_s": 5e-3, "comm_s": 2.7e-3, "bubble_s": 0.0, "optimizer_s": 5e-4})}
+    parts = {"compute_s": 5e-3, "comm_s": 2.7e-3, "bubble_s": 0.0, "optimizer_s": 5e-4}
+    predicted = {"single": (4.0e-3, {"compute_s": 3.5e-3, "comm_s": 0.0, "bubble_s": 0.0, "optimizer_s": 5e-4}),
+                 "allreduce": (8.2e-3, parts), "zero1": (8.2e-3, parts)}
     monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
-        "step_s": predicted[lay.strategy][0] / (1000 if lay.n == 1 else 1), **predicted[lay.strategy][1],
-        "memory": {"total": 2 ** 20}, "units_per_s": 100.0 / lay.n, "synchronous": True, "overrides": {}})
-    measured = {"single": iter([4.0, 4.0]), "allreduce": iter([9.0, 10.0])}
+        "step_s": predicted[lay.strategy][0], **predicted[lay.strategy][1], "memory": {"total": 2 ** 20},
+        "units_per_s": 100.0, "synchronous": True, "overrides": {}})
+    # zero1 measured fastest: the run-off (one pair) runs allreduce and zero1 once more each
+    measured = {"single": iter([4.0, 4.0]), "allreduce": iter([9.0, 10.0, 9.5]), "zero1": iter([8.0, 9.0, 8.1])}
 
     def fake_sweep(spec, plans, folder, progress):
         events.append(f"{spec.strategies[0]} N={plans[0].n}")
@@ -1865,21 +1871,98 @@ def test_validation_measures_the_machines_speed_before_each_round_or_each_multi_
     monkeypatch.setattr(report, "run_record", lambda o: {"ok": True, "train_step_ms": o.ms, "units_per_s": 1e3 / o.ms,
                                                          "rank0_timing_ms": {}})
     args = argparse.Namespace(config="c.toml", task=None, overrides=[], validate_steps=6, timed_seconds=0.0,
-                              validate_repeats=2, validate_runoff=0, validate_pace=pace, data_dir=None)
+                              validate_repeats=2, validate_runoff=1, validate_pace=pace.split(",")[0], data_dir=None)
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
     prof = {"links": {"all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 0.0}}, "cores": 2}
     pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
     v = json.loads((tmp_path / "validation.json").read_text())
-    ar = next(r for r in v["rows"] if r["strategy"] == "allreduce")
+    ar, z1 = (next(r for r in v["rows"] if r["strategy"] == s) for s in ("allreduce", "zero1"))
+    runoff = ["allreduce N=2", "zero1 N=2"]  # no measurement of the speed in the run-off
+    assert v["choice"]["runoff"]["rates"] == [[pytest.approx(1e3 / 9.5), pytest.approx(1e3 / 8.1)]]
+
+    def at(run_ms, speed_ms):  # one run's error at a measured speed: 5.5 ms of the 8.2 on the cores
+        return (8.2 + (speed_ms / 4.8 - 1) * 5.5) / run_ms - 1
+
     if pace == "round":
-        assert events == ["pace", "single N=1", "allreduce N=2", "pace", "single N=1", "allreduce N=2"]
-        assert v["side_by_side"]["rounds_ms"] == [4.8, 6.0] and "side_by_side_ms_all" not in ar
-    else:
-        assert events == ["single N=1", "pace", "allreduce N=2", "single N=1", "pace", "allreduce N=2"]
+        assert events == ["pace", "single N=1", "allreduce N=2", "zero1 N=2",
+                          "pace", "single N=1", "allreduce N=2", "zero1 N=2", *runoff]
+        assert v["side_by_side"]["rounds_ms"] == [4.8, 5.0] and "side_by_side_ms_all" not in ar
+        assert ar["step_error_same_speed"] == pytest.approx((at(9.0, 4.8) + at(10.0, 5.0)) / 2, rel=1e-9)
+        assert z1["step_error_same_speed"] == pytest.approx((at(8.0, 4.8) + at(9.0, 5.0)) / 2, rel=1e-9)
+    elif pace == "run":
+        assert events == ["single N=1", "pace", "allreduce N=2", "pace", "zero1 N=2",
+                          "single N=1", "pace", "allreduce N=2", "pace", "zero1 N=2", *runoff]
         assert v["side_by_side"] == {"profile_ms": 4.8, "rounds_ms": [], "pace": "run"}
-        assert ar["side_by_side_ms_all"] == [4.8, 6.0]
-    # x1.0 before run 0 (9.0 ms), x1.25 before run 1 (10.0 ms): 8.2 and 9.575 ms predicted at those speeds
-    assert ar["step_error_same_speed"] == pytest.approx(((8.2 / 9.0 - 1) + (9.575 / 10.0 - 1)) / 2, rel=1e-9)
+        assert ar["side_by_side_ms_all"] == [4.8, 6.0] and z1["side_by_side_ms_all"][0] == 5.0
+        assert ar["step_error_same_speed"] == pytest.approx((at(9.0, 4.8) + at(10.0, 6.0)) / 2, rel=1e-9)
+        # zero1's second measurement failed (NaN): its first run alone
+        assert math.isnan(z1["side_by_side_ms_all"][1])
+        assert z1["step_error_same_speed"] == pytest.approx(at(8.0, 5.0), rel=1e-9)
+        assert "(4.8-6.0 ms)" in (tmp_path / "validation.md").read_text()
+    else:  # nothing to measure the speed with: the one-device pairing, (8.2 / 4.0) / median(9 / 4, 10 / 4) - 1
+        assert "pace" not in events and v["side_by_side"] is None
+        assert ar["step_error_same_speed"] == pytest.approx(2.05 / 2.375 - 1, rel=1e-9)
+
+
+
+def test_a_failed_measurement_of_the_machines_speed_is_nan_and_the_validation_goes_on(monkeypatch, capsys):
+    """plan_validate._side_by_side_now: where one of the one-thread runs side by side fails
+    (``loop_workloads`` raises UsageError), the measurement is NaN and says so in one line; a
+    successful one is the runs' step in ms."""
+    import argparse
+    import types
+
+    import paratrain.bench.profile_runs as profile_runs
+    from paratrain.bench import plan_validate as pv
+
+    args = argparse.Namespace(config="c.toml", task=None, overrides=[], data_dir=None, validate_steps=6,
+                              timed_seconds=0.0)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
+    prof = {"workloads": {"1": {"concurrent": 2}}}
+
+    def failed(*a, **k):
+        raise UsageError("the one-device run for the profile failed (exit 1): boom")
+
+    monkeypatch.setattr(profile_runs, "loop_workloads", failed)
+    assert math.isnan(pv._side_by_side_now(args, cfg, prof, 5.0))
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "left out" in said[0] and "boom" in said[0]
+    parts = {"data_s": 1e-4, "forward_s": 2.5e-3, "backward_s": 2.2e-3, "optimizer_s": 5e-4}
+    monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {"1": parts})
+    assert pv._side_by_side_now(args, cfg, prof, 5.0) == pytest.approx(5.3, rel=1e-12)
+
+
+def test_rescore_takes_each_error_at_the_measured_speed_against_the_new_profiles_side_by_side_step(tmp_path):
+    """``--rescore`` after ``--reprofile``: the predictions are the new profile's, so the speeds
+    measured in the runs are taken over the new profile's side-by-side step, not the stored one.
+    ptb_small's validation paced per run (2026-11-28, profile 136.7 ms); a profile whose one-thread
+    loop is twice as slow (273.4 ms) gives each run's factor s / 273.4."""
+    import copy
+    import json
+    import shutil
+    import statistics
+    from pathlib import Path
+
+    from paratrain import config as configuration
+    from paratrain.bench.plan_validate import rescore, side_by_side_ms
+
+    root = Path(__file__).resolve().parents[2]
+    stored = root / "benchmarks/results/plan-amd/ptb_small-amd-v32-pace"
+    shutil.copy(stored / "validation.json", tmp_path / "validation.json")
+    prof = json.loads((stored / "profile.json").read_text())
+    cfg = configuration.load(root / "configs/ptb_small.toml")
+    slow = copy.deepcopy(prof)
+    for k in ("data_s", "forward_s", "backward_s", "optimizer_s"):
+        slow["workloads"]["1"][k] *= 2
+    assert side_by_side_ms(slow) == pytest.approx(2 * side_by_side_ms(prof), rel=1e-12)
+    rescore(cfg, slow, tmp_path, "configs/ptb_small.toml")
+    v = json.loads((tmp_path / "validation.json").read_text())
+    assert v["side_by_side"]["profile_ms"] == pytest.approx(side_by_side_ms(slow), rel=1e-12)
+    ar = next(r for r in v["rows"] if r["label"] == "allreduce")
+    on_cores = sum(ar["predicted_ms"][k] for k in ("compute", "optimizer", "bubble"))
+    want = statistics.median((ar["predicted_step_ms"] + (s / side_by_side_ms(slow) - 1) * on_cores) / m - 1
+                             for m, s in zip(ar["measured_step_ms_all"], ar["side_by_side_ms_all"]))
+    assert ar["step_error_same_speed"] == pytest.approx(want, rel=1e-12)
 
 
 class _ClockedStage(torch.nn.Module):

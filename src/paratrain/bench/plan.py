@@ -94,9 +94,10 @@ def add_plan_parser(sub) -> None:
                         "pairs back to back, the order alternating, and judge the 5%% target on the median of the "
                         "pairs' ratios (default 3; 0: none)")
     p.add_argument("--validate-pace", choices=("run", "round"), default="run",
-                   help="when --validate measures the machine's speed again (the profile's one-thread runs side by "
-                        "side), for each N > 1 error at that speed: just before each N > 1 run (default: it follows "
-                        "a speed that drifts within a round), or once before each round of layouts (fewer runs)")
+                   help="on a CPU, when --validate measures the machine's speed again (the profile's one-thread "
+                        "runs side by side) to score each N > 1 run at that speed: run, just before each N > 1 run "
+                        "of the rounds (default: it follows a speed that drifts within a round), or round, once "
+                        "before each round of layouts (fewer runs)")
     p.add_argument("--validate-nproc", help="N to validate at (default 1,2; on a GPU's profile 1; 4 runs "
                    "oversubscribed on a 2-core machine)")
     p.add_argument("--data-dir", help="folder holding ptb/ and wikitext-2/ (default $PARATRAIN_DATA)")

@@ -10,8 +10,9 @@ the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder;
 ``paratrain plan`` there shows each strategy's error beside its predictions. Targets: |step error|
 <= 15% at N <= 2, |memory error| <= 20%, and the recommended layout at N = 2 measured within 5%
 of the fastest measured one. Beside each step error, the same error at the machine's speed measured
-again just before the run (``--validate-pace run``, the default; ``round``: once before each round of
-layouts) (:func:`~.plan_validate_report.same_speed_errors`); the report:
+again just before each of the rounds' N > 1 runs on a CPU (``--validate-pace run``, the default;
+``round``: once before each round of layouts; the run-off's pairs are judged by their ratio and need
+none) (:func:`~.plan_validate_report.same_speed_errors`); the report:
 :mod:`.plan_validate_report`. Where the recommendation at N = 2 is not the measured fastest, the two
 run again in a paired run-off (:func:`run_off`, ``--validate-runoff`` pairs), and the 5% target is
 judged on it: two layouts' runs minutes apart on a machine whose speed drifts by 20-30% compare the
@@ -251,7 +252,8 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
     (the cached profile, or a new one with ``--reprofile``) and the current model, each with the
     ``dist`` keys it ran with (``overrides``, since 2026-11-28: DDP's bucket; before, the recipe's
     ``dist.bucket_mb``, which those runs had), keep the measured
-    steps and memory, rewrite ``validation.json`` and ``validation.md``. No training runs. Raises
+    steps and memory, rewrite ``validation.json`` and ``validation.md``; each error at the measured
+    speed is taken against ``prof``'s own side-by-side step. No training runs. Raises
     UsageError when a validated layout is no longer planned. ``config``, ``task``, ``overrides``: the
     command's (what the recipe refuses is not the plan's first layout, :func:`plan_first`)."""
     from ..errors import UsageError
@@ -271,9 +273,12 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
         ran = pl.Layout(lay.strategy, lay.n, {**lay.overrides, **kept}, lay.label)
         row["overrides"] = ran.overrides  # what the score's tie rule reads (plan_rank.simplicity)
         _predicted(row, pl.predict_layout(ran, prof, cfg, link, on_this_machine=True, global_batch=None))
+    paced, now = result.get("side_by_side"), side_by_side_ms(prof)
+    if paced and now is not None:  # the speeds measured in the runs, over the profile the predictions are of
+        result["side_by_side"] = paced = {**paced, "profile_ms": now}
     if result.get("rounds") or all(len(r.get("measured_step_ms_all") or []) <= 1 for r in result["rows"]):
         # (before "rounds" was kept, run r of two layouts need not share a round)
-        same_speed_errors(result["rows"], result.get("side_by_side"))
+        same_speed_errors(result["rows"], paced)
     result.update({"link": prof["links"], "rescored": True,
                    "choice": _choice(result["rows"], first.label if first else None, result.get("runoff"))})
     path.write_text(json.dumps(result, indent=1))
@@ -351,10 +356,17 @@ def judged(choice: dict, runoff: dict | None) -> dict:
 
 def _side_by_side_now(args: argparse.Namespace, cfg, prof: dict, paced_ms: float) -> float:
     """:func:`side_by_side_ms` measured again now, the profile's runs repeated (a third warm-up, about
-    ``--timed-seconds`` timed)."""
+    ``--timed-seconds`` timed); NaN where one of the runs failed (the validation goes on, and the
+    errors at the measured speed leave that run out: :func:`~.plan_validate_report.same_speed_errors`)."""
+    from ..errors import UsageError
     from .profile_runs import loop_workloads
 
     steps = run_steps(args.validate_steps, paced_ms / 1000, args.timed_seconds)
-    got = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size, steps,
-                         (1,), concurrent=prof["workloads"]["1"]["concurrent"])["1"]
+    try:
+        got = loop_workloads(args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size,
+                             steps, (1,), concurrent=prof["workloads"]["1"]["concurrent"])["1"]
+    except UsageError as e:  # one failed measurement does not end minutes of runs
+        print(f"[plan] the one-thread runs side by side failed, so this measurement of the machine's speed is "
+              f"left out: {e}", flush=True)
+        return math.nan
     return step_ms(got)

@@ -1,7 +1,8 @@
 """``paratrain plan --validate``'s report (:mod:`.plan_validate` runs and scores the layouts):
 ``validation.md`` (:func:`markdown`) and what it says of the runs: their spread
 (:func:`between_runs`), the machine's change of speed since the profile (:func:`machine_drift`) and
-each step error at the machine's measured speed in its own round (:func:`same_speed_errors`)."""
+each step error at the machine's speed measured just before each of its runs, or in its round
+(:func:`same_speed_errors`)."""
 from __future__ import annotations
 
 import math
@@ -70,7 +71,7 @@ def markdown(result: dict) -> str:
     if paired:
         worst = max(paired, key=lambda r: abs(r["step_error_same_speed"]))
         paced = result.get("side_by_side")
-        own = [x for r in result["rows"] for x in r.get("side_by_side_ms_all") or []]
+        own = [x for r in result["rows"] for x in r.get("side_by_side_ms_all") or [] if _timed(x)]
         how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by the one-thread "
                f"one-device runs side by side measured again just before each of its runs "
                f"({min(own):.1f}-{max(own):.1f} ms), over the profile's "
@@ -180,12 +181,11 @@ def same_speed_errors(rows: list[dict], side_by_side: dict | None = None) -> lis
     profile_ms = (side_by_side or {}).get("profile_ms")
     for r in rows:
         # the machine's speed of run r: measured before it (--validate-pace run), else before its round
-        speeds = r.get("side_by_side_ms_all") or (side_by_side or {}).get("rounds_ms") or []
-        factors = [x / profile_ms for x in speeds] if profile_ms else []
-        if r["n"] > 1 and r["ok"] and factors:
+        speeds = (r.get("side_by_side_ms_all") or (side_by_side or {}).get("rounds_ms") or []) if profile_ms else []
+        if r["n"] > 1 and r["ok"] and speeds:
             on_cores = sum(r.get("predicted_ms", {}).get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
-            errs = [(r["predicted_step_ms"] + (f - 1) * on_cores) / m - 1
-                    for m, f in zip(r.get("measured_step_ms_all") or [], factors) if _timed(m)]
+            errs = [(r["predicted_step_ms"] + (s / profile_ms - 1) * on_cores) / m - 1  # (a failed measurement: NaN)
+                    for m, s in zip(r.get("measured_step_ms_all") or [], speeds) if _timed(m) and _timed(s)]
             if errs:
                 r["step_error_same_speed"] = statistics.median(errs)
                 continue
