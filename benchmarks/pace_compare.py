@@ -20,32 +20,27 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
+
+from paratrain.bench.plan_validate_report import same_speed_errors
 
 
 def errors(result: dict) -> dict[str, list[float]]:
-    """{rule: the N > 1 rows' errors} of one ``validation.json`` (``result``) paced per run."""
+    """{rule: the N > 1 rows' errors} of one ``validation.json`` (``result``) paced per run: the
+    report's own :func:`~paratrain.bench.plan_validate_report.same_speed_errors`, each row given the
+    rule's speeds; a row is kept where every rule gives it an error."""
     rows = [r for r in result["rows"] if r["n"] > 1 and r["ok"] and r.get("side_by_side_ms_all")]
     if not rows or not (result.get("side_by_side") or {}).get("profile_ms"):
         raise SystemExit("no row with side_by_side_ms_all: validate on a CPU with --validate-pace run")
     profile_ms = result["side_by_side"]["profile_ms"]
     firsts = rows[0]["side_by_side_ms_all"]  # each round's first measurement
-    out: dict[str, list[float]] = {"none": [], "round": [], "run": []}
-    for r in rows:
-        on_cores = sum(r["predicted_ms"].get(k, 0.0) for k in ("compute", "optimizer", "bubble"))
-        runs = r["measured_step_ms_all"]
-        rules = (("none", [profile_ms] * len(runs)), ("round", firsts), ("run", r["side_by_side_ms_all"]))
-        errs = {rule: [(r["predicted_step_ms"] + (s / profile_ms - 1) * on_cores) / m - 1
-                       for m, s in zip(runs, speeds) if _timed(m) and _timed(s)] for rule, speeds in rules}
-        if all(errs.values()):  # the row under every rule, or under none
-            for rule, e in errs.items():
-                out[rule].append(statistics.median(e))
-    return out
-
-
-def _timed(ms: float | None) -> bool:
-    return ms is not None and math.isfinite(ms) and ms > 0
+    rules = {"none": lambda r: [profile_ms] * len(r["measured_step_ms_all"]), "round": lambda r: firsts,
+             "run": lambda r: r["side_by_side_ms_all"]}
+    got = {rule: [r["step_error_same_speed"] for r in same_speed_errors(
+        [{**r, "side_by_side_ms_all": speeds(r)} for r in rows], result["side_by_side"])]
+        for rule, speeds in rules.items()}
+    kept = [i for i in range(len(rows)) if all(math.isfinite(errs[i]) for errs in got.values())]
+    return {rule: [errs[i] for i in kept] for rule, errs in got.items()}
 
 
 def main(paths: list[str]) -> None:

@@ -132,18 +132,20 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             outcome = run_sweep(spec, [plan], Path(tmp) / str(i), progress=False)[0]
             return run_record(outcome), outcome
 
+        def speed_now(when: str) -> float:  # the machine's speed measured again, said
+            ms = _side_by_side_now(args, cfg, prof, paced)
+            print(f"[plan] {when}: {prof['cores']} one-thread one-device runs side by side: step {ms:.1f} ms "
+                  f"(the profile's {paced:.1f} ms)", flush=True)
+            return ms
+
         per_run = args.validate_pace == "run"
         paced_runs: list[list[float]] = [[] for _ in runs]  # per_run: the machine's speed before each run
         for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
             if paced is not None and any(n > 1 for _, n in runs) and not per_run:
-                rounds.append(_side_by_side_now(args, cfg, prof, paced))
-                print(f"[plan] round {r + 1}: {prof['cores']} one-thread one-device runs side by side: step "
-                      f"{rounds[-1]:.1f} ms (the profile's {paced:.1f} ms)", flush=True)
+                rounds.append(speed_now(f"round {r + 1}"))
             for i, (lay, n) in enumerate(runs):
                 if paced is not None and per_run and n > 1:
-                    paced_runs[i].append(_side_by_side_now(args, cfg, prof, paced))
-                    print(f"[plan] before {lay.label} N={n}: {prof['cores']} one-thread one-device runs side by "
-                          f"side: step {paced_runs[i][-1]:.1f} ms (the profile's {paced:.1f} ms)", flush=True)
+                    paced_runs[i].append(speed_now(f"before {lay.label} N={n}"))
                 done[i].append(run(i, r))
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)

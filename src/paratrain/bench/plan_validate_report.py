@@ -72,15 +72,13 @@ def markdown(result: dict) -> str:
         worst = max(paired, key=lambda r: abs(r["step_error_same_speed"]))
         paced = result.get("side_by_side")
         own = [x for r in result["rows"] for x in r.get("side_by_side_ms_all") or [] if _timed(x)]
-        how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by the one-thread "
-               f"one-device runs side by side measured again just before each of its runs "
-               f"({min(own):.1f}-{max(own):.1f} ms), over the profile's "
-               f"({paced['profile_ms']:.1f} ms): the prediction with the compute it would have measured then"
-               if paced and own else
-               f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by that round's "
-               f"one-thread one-device runs side by side, measured again before it "
-               f"({', '.join(f'{x:.1f}' for x in paced['rounds_ms'])} ms), over the profile's "
-               f"({paced['profile_ms']:.1f} ms): the prediction with the compute it would have measured then"
+        measured = (f"the one-thread one-device runs side by side measured again just before each of its runs "
+                    f"({min(own):.1f}-{max(own):.1f} ms)" if own else
+                    f"that round's one-thread one-device runs side by side, measured again before it "
+                    f"({', '.join(f'{x:.1f}' for x in (paced or {}).get('rounds_ms', []))} ms)")
+        how = (f"each N > 1 prediction's work on the cores (compute, optimizer, bubble) scaled by {measured}, over "
+               f"the profile's ({paced['profile_ms']:.1f} ms): the prediction with the compute it would have "
+               f"measured then"
                if paced else
                "the prediction times that round's measured one-device step over the profile's; the error of the "
                "predicted slowdown from one device, which a uniform change of the machine's speed does not move")
