@@ -11,6 +11,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+# a relative $PARATRAIN_DATA (the README's `export PARATRAIN_DATA=../shared/data`) names a folder beside the
+# directory pytest started in; the e2e tests run paratrain in temporary directories, so it is made absolute
+# here, before the xdist workers start and inherit it
+if os.environ.get("PARATRAIN_DATA"):
+    os.environ["PARATRAIN_DATA"] = str(Path(os.environ["PARATRAIN_DATA"]).resolve())
+
 
 def write_tiny_corpus(root: Path, seed: int = 0, vocab: int = 40, lines: int = 600) -> Path:
     """root/ptb/ptb.{train,valid,test}.txt with a learnable pattern; returns root."""
