@@ -105,8 +105,19 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
             - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)["compute_s"]
             for mine in (True, False))
         assert here == pytest.approx(0.5) and on_a_cluster == 0.0  # a cluster's workers have their own cores
+        # the same job's workers' norm around their exchange (timed as their optimizer): priced in both PS
+        # strategies' optimizer part here, not on a cluster
+        assert prof["loop_ps_async_guard_s"]["ps-async"] > 0
+        guarded = {**prof, "loop_ps_async_guard_s": {"ps-async": prof["loop_ps_async_guard_s"]["ps-async"] + 0.5}}
+        for strategy in ("ps-sync", "ps-async"):
+            lay = Layout(strategy, 2, {"num_ps": 1}, strategy)
+            here, on_a_cluster = (
+                predict_layout(lay, guarded, cfg, link, on_this_machine=mine, global_batch=None)["optimizer_s"]
+                - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)["optimizer_s"]
+                for mine in (True, False))
+            assert here == pytest.approx(0.5) and on_a_cluster == 0.0, strategy
     else:
-        assert "loop_ps_async_stolen_s" not in prof
+        assert "loop_ps_async_stolen_s" not in prof and "loop_ps_async_guard_s" not in prof
     bare = {k: v for k, v in prof.items()
             if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s", "fsdp_step_s")}
     cfg = configuration.load(str(tmp / "gpt.toml"))

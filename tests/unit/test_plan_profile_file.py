@@ -21,7 +21,9 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     assert compatible(PROFILE_VERSION, "cpu") and compatible(PROFILE_VERSION, "cuda:0")
     assert DEVICE_ONLY_CHANGES[20] == DEVICE_ONLY_CHANGES[21] == "cpu"  # the CPU's loop runs alone
     # 32: a GPU's stage profiles on the GPU, a CPU's of a mixed-precision recipe under autocast: no older one is whole
-    assert PROFILE_VERSION == 32 and not compatible(31, "cuda:0") and not compatible(31, "cpu")
+    assert not compatible(31, "cuda:0") and not compatible(31, "cpu")
+    # 33: a CPU's PS workers' guard in the loop: a GPU's 32 is whole, a CPU's is not
+    assert PROFILE_VERSION == 33 and compatible(32, "cuda:0") and not compatible(32, "cpu")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
     # 23, 24: a CPU's loaded PS exchange (2, then 4 workers) and FSDP2 step
     assert DEVICE_ONLY_CHANGES[23] == DEVICE_ONLY_CHANGES[24] == "cpu"

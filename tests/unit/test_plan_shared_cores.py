@@ -109,17 +109,19 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     forward + backward + compute, not its exchange or optimizer; the mean of every worker that timed a
     step, rank 0 or not) less its own round's side-by-side mean, at least 0. A recipe the strategy
     refuses (sync BatchNorm), a failed job or one that timed no step leaves it out with a line; a
-    failed side-by-side run leaves every strategy out."""
+    failed side-by-side run leaves every strategy out. profile_runs_ps.loop_ps_async answers with it the
+    workers' guard: the median over the rounds of the job's mean optimizer time (its timed workers)."""
     import math
     import threading
     from pathlib import Path
 
     from paratrain.bench import report, runner, sweep
-    from paratrain.bench.profile_runs_ps import loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps_async, loop_ps_async_stolen, ps_loop_applies
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0
     side = [7.0, 9.0, 8.0, 9.0, 8.5, 9.5]  # differences 4.0, 4.5, 2.5: median 4.0 (medians apart: 3.5)
+    guard = [0.9, 0.5, 0.6]  # ms the job's workers time as optimizer: median 0.6 (the side-by-side runs' 1.3 unused)
     commands, state = {}, {"ok": True, "side_ok": True, "timed": "both"}
     together = threading.Barrier(2, timeout=10)  # the two single runs of a round run at once
 
@@ -136,7 +138,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
         job_run = "ps-async" in cmd
         # timing.breakdown's rows: compute = forward + backward + compute; the exchange and optimizer apart
         row = {"data_ms": 0.5, "compute_ms": ms - 0.5, "comm_ms": 6.0 if job_run else 0.0,
-               "idle_ms": 0.0, "optimizer_ms": 0.7 if job_run else 1.3}
+               "idle_ms": 0.0, "optimizer_ms": guard[k] if job_run else 1.3}
         row["step_ms"] = sum(row.values())
         untimed = {k: 0.0 for k in row}
         rows = [row]
@@ -149,7 +151,8 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: str(run_dir))
     monkeypatch.setattr(report, "run_record", record)
     sets = ("model.sync_batchnorm=false",)
-    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == pytest.approx({"ps-async": 4.0e-3})
+    stolen, guards = loop_ps_async(recipe, None, sets, None, 64, 12, repeats=3)
+    assert stolen == pytest.approx({"ps-async": 4.0e-3}) and guards == pytest.approx({"ps-async": 0.6e-3})
     assert len(commands) == 9  # 3 rounds x (the job, 2 side by side)
     for cmd in commands.values():
         assert "train.max_steps=12" in cmd
@@ -168,6 +171,9 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     state["timed"] = "rank 1 only"  # rank 0 started late and timed no step: the other worker's steps
     commands.clear()
     job[:] = [12.0]
+    stolen, guards = loop_ps_async(recipe, None, sets, None, 64, 12)
+    assert stolen == pytest.approx({"ps-async": 4.0e-3}) and guards == pytest.approx({"ps-async": 0.9e-3})
+    commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == pytest.approx({"ps-async": 4.0e-3})
     state["timed"] = "none"  # a job that timed no step on any worker
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {}
@@ -178,7 +184,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     assert "left out (a one-thread run side by side failed" in capsys.readouterr().out
     state.update(ok=False, side_ok=True)  # a failed job: left out with a line (the micro-benchmark prices it)
     commands.clear()
-    assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == {} and len(commands) == 1
+    assert loop_ps_async(recipe, None, sets, None, 64, 12) == ({}, {}) and len(commands) == 1
     assert "ps-async's compute in the loop: left out (its job failed" in capsys.readouterr().out
     # measured only where the job's 3 processes outnumber the cores, so its workers compute on one thread
     assert [ps_loop_applies(c) for c in (1, 2, 3, 16)] == [False, True, False, False]

@@ -35,8 +35,8 @@ from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_out
                           sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
-from .plan_ps import (loaded_exchange, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link, ps_streams,
-                      slower)
+from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link,
+                      ps_streams, slower)
 from .plan_profile import TIMED_S
 from .plan_rank import (TIE, close_calls, extrapolated, objective_value, pick, rank,  # noqa: F401 (API)
                         read_validation, recommendation, row_error, unpriced)
@@ -224,6 +224,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "ps_copy_fraction": copies,
               # an async worker's compute among the others' exchanges, measured in the loop (plan_ps.loop_stolen)
               "ps_stolen_s": loop_stolen(prof, n, layout.strategy) if shared_cores else None,
+              # a worker's norm (and clip) around its exchange, measured in the same job (plan_ps.loop_guard)
+              "ps_guard_s": loop_guard(prof, n, layout.strategy) if shared_cores else None,
               "sharded_optimizer_s": prof.get("sharded_optimizer_s", 0.0),
               "sharded_norm_s": prof.get("sharded_norm_s", 0.0),
               "meetings": meetings(prof, n) if shared_cores else None,

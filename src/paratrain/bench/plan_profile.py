@@ -40,7 +40,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .plan_inputs import sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
                                loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
-    from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps_async_stolen, ps_loop_applies
+    from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps_async, ps_loop_applies
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
@@ -91,7 +91,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                     *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
                 progress(f"an async PS worker's compute in the loop's steps: {PS_LOOP_WORKERS} workers")
-                prof["loop_ps_async_stolen_s"] = loop_ps_async_stolen(*recipe, steps, repeats=args.profile_repeats)
+                prof["loop_ps_async_stolen_s"], prof["loop_ps_async_guard_s"] = loop_ps_async(
+                    *recipe, steps, repeats=args.profile_repeats)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

@@ -3,8 +3,9 @@
 (:func:`ps_update_s`), the link its messages take (:func:`ps_message_link`, :func:`slower`), what an
 exchange waits for a core while the other workers compute on the same ones
 (:func:`ps_exchange_wait_s`), what the others' exchanges take of a worker's compute
-(:func:`ps_compute_stolen_s`; measured in the training loop: :func:`loop_stolen`) and the rate of
-asynchronous workers (:func:`ps_async_rate`). Units: seconds, bytes."""
+(:func:`ps_compute_stolen_s`; measured in the training loop: :func:`loop_stolen`), a worker's own
+work around its exchange (:func:`loop_guard`) and the rate of asynchronous workers
+(:func:`ps_async_rate`). Units: seconds, bytes."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -125,6 +126,26 @@ def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     return float(measured)
 
 
+def loop_guard(prof: dict, n: int, strategy: str) -> float | None:
+    """A parameter server's worker's own work around its exchange (``paratrain train`` times it as the
+    worker's optimizer, though the worker steps none): the gradient's norm for the non-finite guard
+    or the clip, a ps-async worker's clip scaling it, and what waits for a core among the others'
+    exchanges meanwhile; measured in the training loop's ps-async job of 2 workers
+    (``loop_ps_async_guard_s``, :func:`~.profile_runs_ps.loop_ps_async`, a CPU's profile since version
+    33), for ``strategy`` ``ps-sync`` or ``ps-async`` at ``n`` >= 2 workers on this machine. A
+    ``ps-sync`` worker's (measured in its runs: 0.6, 1.8 and 2.3 ms against the ps-async job's 0.6,
+    3.8 and 3.3 for digits_cnn, ptb_small and gpt_wt2, 2-vCPU EPYC VM, 2026-11-28) takes the async
+    job's, unmeasured: it computes the same norm, without the clip's scaling, and its exchange is
+    synchronous; so does every n and K (measured at 2 workers and K = 1). None at n = 1 (one device
+    steps its own optimizer, priced by the workload), without the measurement (an older profile, a
+    GPU's, a failed job, a recipe with sync BatchNorm) and off this machine (the caller's), where
+    the plan prices none of it."""
+    if n < 2 or not strategy.startswith("ps-"):
+        return None
+    measured = prof.get("loop_ps_async_guard_s") or {}
+    return float(next(iter(measured.values()))) if measured else None
+
+
 def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
     """Seconds longer that one ``ps-async`` worker's ``compute_s`` of compute takes among workers
     that exchange with their server on the same cores than side by side with none: the threads of
@@ -151,10 +172,10 @@ def worker_stolen_s(loop_s: float | None, loaded: dict | None, compute_s: float)
 
 
 def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0,
-                  wait_s: float = 0.0, stolen_s: float = 0.0) -> tuple[float, float]:
+                  wait_s: float = 0.0, stolen_s: float = 0.0, guard_s: float = 0.0) -> tuple[float, float]:
     """(updates per second of the whole job, seconds of one worker's step) for n asynchronous
     workers and k servers: each worker steps on its own, so the rate is the smaller of the workers'
-    (n / (local + push + pull + update + wait), :func:`~.costmodel_ps.ps_step_s` of one worker) and the
+    (n / (local + guard + push + pull + update + wait), :func:`~.costmodel_ps.ps_step_s` of one worker) and the
     busiest server's (it receives, applies and sends back its shard of every update:
     ``S (2 beta + gamma) + update`` seconds, S its bytes, :func:`~.costmodel_ps.ps_largest_shard_bytes`;
     P/k for an even split of P; Li et al. 2014). ``update_s``: seconds the busiest server spends
@@ -162,10 +183,11 @@ def ps_async_rate(w: Workload, n: int, k: int, link: Link, update_s: float = 0.0
     bounds that server. ``wait_s``: what each exchange waits beyond the link's price for cores the
     other workers compute on (:func:`ps_exchange_wait_s`), in the worker's step only; ``stolen_s``: what
     its compute takes longer for the cores the others' exchanges hold (:func:`ps_compute_stolen_s`),
-    likewise (or :func:`loop_stolen`, measured in the loop)."""
+    likewise (or :func:`loop_stolen`, measured in the loop); ``guard_s``: the worker's own work around
+    its exchange (:func:`loop_guard`), likewise."""
     nbytes = sum(w.param_bytes)
     largest = ps_largest_shard_bytes(w.param_bytes, k)
-    worker_step = w.local_s() + stolen_s + ps_step_s(nbytes, 1, k, link, largest) + update_s + wait_s
+    worker_step = w.local_s() + stolen_s + guard_s + ps_step_s(nbytes, 1, k, link, largest) + update_s + wait_s
     server_update = largest * (2 * link.beta_s_per_byte + link.gamma_s_per_byte) + update_s
     rate = min(n / worker_step, 1 / server_update if server_update > 0 else float("inf"))
     return rate, worker_step
@@ -195,7 +217,7 @@ def ps_copy_fraction(rpc: Link, exchange: Link) -> float:
 
 def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = True, update_s: float = 0.0,
                wait_s: float = 0.0, stolen_s: float = 0.0, compute_scale: float = 1.0, streams: int = 1,
-               copy_fraction: float = 1.0) -> Prediction:
+               copy_fraction: float = 1.0, guard_s: float = 0.0) -> Prediction:
     """One step of n workers and k parameter servers (Li et al. 2014, "Scaling Distributed Machine
     Learning with the Parameter Server"), each worker with ``w``'s batch; ``link``: the servers'
     messages (:func:`ps_message_link`); ``update_s``: the busiest server's update of its shard
@@ -203,8 +225,10 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     by the busiest server, which holds :func:`~.costmodel_ps.ps_largest_shard_bytes` (whole parameters:
     with one dominant tensor, more servers barely shorten it).
 
-    Synchronous: step = local (forward + backward + data) + push + pull (:func:`~.costmodel_ps.ps_step_s`)
-    + update; the workers do not step an optimizer (the servers do: in the exchange). n = 1 is one
+    Synchronous: step = local (forward + backward + data) + guard + push + pull
+    (:func:`~.costmodel_ps.ps_step_s`) + update; the workers do not step an optimizer (the servers do:
+    in the exchange), but ``guard_s`` (:func:`loop_guard`: the gradient's norm and what waits with it;
+    the prediction's optimizer part, where ``paratrain train`` times it) comes before the push. n = 1 is one
     device: local + its optimizer; ``streams``, ``copy_fraction``: a server's messages moving their
     bytes at once and the share of the bytes' cost that can (:func:`ps_streams`,
     :func:`ps_copy_fraction` on one host; 1 on a cluster). Asynchronous: each worker steps on its
@@ -221,12 +245,14 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     _check_n(k, "servers")
     s = compute_scale
     compute = (w.forward_s + w.backward_s + w.data_s) * s
+    guard = guard_s if n > 1 else 0.0
     if synchronous:
-        optimizer = 0.0 if n > 1 else w.optimizer_s * s
-        step = compute + (ps_step_s(sum(w.param_bytes), n, k, link, ps_largest_shard_bytes(w.param_bytes, k),
-                                    streams, copy_fraction) + update_s if n > 1 else optimizer)
+        optimizer = guard if n > 1 else w.optimizer_s * s
+        step = compute + optimizer + (ps_step_s(sum(w.param_bytes), n, k, link,
+                                                ps_largest_shard_bytes(w.param_bytes, k), streams, copy_fraction)
+                                      + update_s if n > 1 else 0.0)
         return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
     stolen = stolen_s if n > 1 else 0.0
-    rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0, stolen)
-    return prediction(w, n, n / rate, compute + stolen, "ps", optimizer_s=0.0)
+    rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0, stolen, guard)
+    return prediction(w, n, n / rate, compute + stolen + guard, "ps", optimizer_s=guard)

@@ -1,6 +1,6 @@
 """An asynchronous parameter server's workers in ``paratrain plan``'s profile: what their compute
-takes longer in the recipe's own ps-async job than in one-thread one-device runs side by side
-(:func:`loop_ps_async_stolen`), on a CPU whose cores the job's processes outnumber
+takes longer in the recipe's own ps-async job than in one-thread one-device runs side by side,
+and their own work around the exchange there (:func:`loop_ps_async`), on a CPU whose cores the job's processes outnumber
 (:func:`ps_loop_applies`). The runs go through :mod:`.profile_runs`' bench sweep."""
 from __future__ import annotations
 
@@ -37,7 +37,22 @@ def ps_loop_applies(cores: int) -> bool:
 def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                          batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
                          ) -> dict[str, float]:
-    """{strategy: seconds per step that an asynchronous parameter server's worker computes longer
+    """:func:`loop_ps_async`'s first answer: {strategy: seconds per step its workers compute longer}."""
+    return loop_ps_async(config, task_entry, overrides, data_dir, batch, steps, repeats, workers)[0]
+
+
+def loop_ps_async(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                  batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+    """(stolen, guard). ``guard``: {strategy: seconds per step of the workers' own work around the
+    exchange in the same job, timed as their optimizer (the mean of the workers that timed a step;
+    the median over the rounds): the gradient's norm for the non-finite guard or the clip (and the
+    clip's scaling; the worker steps no optimizer, the server does) with whatever waits for a core
+    among the others' exchanges meanwhile. On the 2-vCPU EPYC VM (2026-11-28) a ps-async worker timed
+    0.6 (digits_cnn), 3.8 (ptb_small) and 3.3 ms (gpt_wt2) there, where the norm alone takes 0.03,
+    0.4 and 0.4 ms in one process; the plan had priced none of it (:func:`~.plan_ps.loop_guard`).
+
+    ``stolen``: {strategy: seconds per step that an asynchronous parameter server's worker computes longer
     (data + forward + backward + compute, the timed parts, not its exchange; the mean of the workers
     that timed a step) in ``paratrain train``'s own job of ``workers`` workers of batch ``batch``
     each and one server (K = 1, as ``--validate`` runs it) than ``workers`` one-thread one-device
@@ -71,13 +86,14 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
     left_out = {s: why for s in strategies
                 if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
     differences: dict[str, list[float]] = {}
+    guards: dict[str, list[float]] = {}
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
-    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[float | None, str]:
-        """The runs' mean timed compute (seconds) over every worker that timed a step, or None and
-        why not. Every worker, not rank 0 alone: an async job stops on the servers' count of updates,
-        and a worker that starts late (a busy machine) may time none while the others step on."""
-        computes = []
+    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
+        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step, or
+        None and why not. Every worker, not rank 0 alone: an async job stops on the servers' count of
+        updates, and a worker that starts late (a busy machine) may time none while the others step on."""
+        computes, optimizers = [], []
         for rec, rc, said in done:
             if not rec["ok"]:
                 return None, f"failed (exit {rc}): {said}"
@@ -86,7 +102,8 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
                 return None, "timed no step (too few steps)"
             # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
             computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in timed_ranks]
-        return statistics.fmean(computes), ""
+            optimizers += [t.get("optimizer_ms", 0.0) / 1000 for t in timed_ranks]
+        return (statistics.fmean(computes), statistics.fmean(optimizers)), ""
 
     def runs(plans: list) -> list[tuple[dict[str, Any], int, str]]:
         with ThreadPoolExecutor(len(plans)) as pool:  # at once: side by side
@@ -111,9 +128,12 @@ def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[s
             if base is None:
                 left_out.update({s: f"a one-thread run side by side {why}" for s in strategies if s not in left_out})
                 break
-            for strategy, got in jobs.items():
-                differences.setdefault(strategy, []).append(got - base)
+            for strategy, (compute, optimizer) in jobs.items():
+                differences.setdefault(strategy, []).append(compute - base[0])
+                guards.setdefault(strategy, []).append(optimizer)
     for strategy, why in left_out.items():
         print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it from the "
               f"micro-benchmark", flush=True)
-    return {s: max(0.0, statistics.median(d)) for s, d in differences.items() if s not in left_out}
+    kept = [s for s in differences if s not in left_out]
+    return ({s: max(0.0, statistics.median(differences[s])) for s in kept},
+            {s: statistics.median(guards[s]) for s in kept})

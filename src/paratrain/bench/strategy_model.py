@@ -265,7 +265,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     computing workers, :func:`~.plan_ps.ps_exchange_wait_s`, and its compute among exchanging workers,
     :func:`~.plan_ps.ps_compute_stolen_s`; ``inputs["ps_stolen_s"]``, where not None, is that compute's
     loss measured in the training loop instead, :func:`~.plan_ps.loop_stolen`; the choice:
-    :func:`~.plan_ps.worker_stolen_s`). ``inputs["memory_copy"]``: measured
+    :func:`~.plan_ps.worker_stolen_s`); ``inputs["ps_guard_s"]``: a worker's own work around its exchange
+    (:func:`~.plan_ps.loop_guard`; None or absent: unpriced). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
     holds it), FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
@@ -314,7 +315,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
                           wait_s=wait, stolen_s=stolen, compute_scale=compute_scale,
-                          streams=inputs.get("ps_streams", 1), copy_fraction=inputs.get("ps_copy_fraction", 1.0))
+                          guard_s=inputs.get("ps_guard_s") or 0.0, streams=inputs.get("ps_streams", 1),
+                          copy_fraction=inputs.get("ps_copy_fraction", 1.0))
     if model == SHARDED_OPTIMIZER:
         return predict_zero1(w, n, link, bucket_mb=bucket, compute_scale=compute_scale, overlap=overlap,
                              gather_link=links.get("all_gather"), meeting_s=meeting_s, copy_s=copy_s,
