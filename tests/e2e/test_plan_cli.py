@@ -91,33 +91,30 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     from paratrain.bench.plan_ps import loop_stolen
     from paratrain.bench.profile_runs_ps import ps_loop_applies
 
-    if ps_loop_applies(prof["cores"]) and "ps-async" not in prof["loop_ps_async_stolen_s"]:
-        # the tiny model's 6 profile steps: one worker can take every update before rank 0 times one
-        assert "ps-async's compute in the loop: left out (its job timed no step" in r.stdout
-    elif ps_loop_applies(prof["cores"]):  # the recipe's ps-async job of 2 workers against 2 runs side by side
-        stolen = prof["loop_ps_async_stolen_s"]["ps-async"]
-        assert stolen >= 0 and loop_stolen(prof, 2, "ps-async") == stolen and loop_stolen(prof, 4, "ps-async") is None
+    for strategy in ("ps-sync", "ps-async"):  # each the recipe's own job of 2 workers against 2 runs side by side
+        if not ps_loop_applies(prof["cores"]):
+            assert "loop_ps_stolen_s" not in prof and "loop_ps_guard_s" not in prof
+            break
+        if strategy not in prof["loop_ps_stolen_s"]:
+            # the tiny model's 6 profile steps: one worker can take every update before rank 0 times one
+            assert f"{strategy}'s compute in the loop: left out (its job timed no step" in r.stdout
+            continue
+        stolen = prof["loop_ps_stolen_s"][strategy]
+        assert stolen >= 0 and loop_stolen(prof, 2, strategy) == stolen and loop_stolen(prof, 4, strategy) is None
         cfg = configuration.load(str(tmp / "gpt.toml"))
-        lay, link = Layout("ps-async", 2, {"num_ps": 1}, "ps-async"), Link(name="measured", **prof["links"]["rpc"])
-        more = {**prof, "loop_ps_async_stolen_s": {"ps-async": stolen + 0.5}}
-        here, on_a_cluster = (
-            predict_layout(lay, more, cfg, link, on_this_machine=mine, global_batch=None)["compute_s"]
-            - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)["compute_s"]
-            for mine in (True, False))
-        assert here == pytest.approx(0.5) and on_a_cluster == 0.0  # a cluster's workers have their own cores
-        # the same job's workers' norm around their exchange (timed as their optimizer): priced in both PS
-        # strategies' optimizer part here, not on a cluster
-        assert prof["loop_ps_async_guard_s"]["ps-async"] > 0
-        guarded = {**prof, "loop_ps_async_guard_s": {"ps-async": prof["loop_ps_async_guard_s"]["ps-async"] + 0.5}}
-        for strategy in ("ps-sync", "ps-async"):
-            lay = Layout(strategy, 2, {"num_ps": 1}, strategy)
+        lay, link = Layout(strategy, 2, {"num_ps": 1}, strategy), Link(name="measured", **prof["links"]["rpc"])
+        more = {**prof, "loop_ps_stolen_s": {strategy: stolen + 0.5}}
+        # the same job's workers' norm around their exchange, timed as their optimizer
+        guard = prof["loop_ps_guard_s"][strategy]
+        guarded = {**prof, "loop_ps_guard_s": {strategy: guard + 0.5}}
+        assert guard > 0
+        for changed, part in ((more, "compute_s"), (guarded, "optimizer_s")):
             here, on_a_cluster = (
-                predict_layout(lay, guarded, cfg, link, on_this_machine=mine, global_batch=None)["optimizer_s"]
-                - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)["optimizer_s"]
+                predict_layout(lay, changed, cfg, link, on_this_machine=mine, global_batch=None)[part]
+                - predict_layout(lay, prof, cfg, link, on_this_machine=mine, global_batch=None)[part]
                 for mine in (True, False))
-            assert here == pytest.approx(0.5) and on_a_cluster == 0.0, strategy
-    else:
-        assert "loop_ps_async_stolen_s" not in prof and "loop_ps_async_guard_s" not in prof
+            # a cluster's workers have their own cores: neither is priced there
+            assert here == pytest.approx(0.5) and on_a_cluster == 0.0, (strategy, part)
     bare = {k: v for k, v in prof.items()
             if k not in ("meetings", "fsdp_units", "memory_copy", "zero1_step_s", "fsdp_step_s")}
     cfg = configuration.load(str(tmp / "gpt.toml"))

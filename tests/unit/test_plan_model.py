@@ -138,8 +138,8 @@ def test_the_parameter_servers_formula_by_hand():
 def test_a_parameter_server_workers_guard_by_hand():
     """predict_ps's guard_s (a worker's norm and clip around its exchange, plan_ps.loop_guard): before
     the push in both modes, the prediction's optimizer part; none at n = 1 (one device steps its own
-    optimizer). loop_guard: the loop's ps-async job's measurement for both PS strategies at n >= 2 on
-    this machine, None elsewhere."""
+    optimizer). loop_guard: each PS strategy's own measurement in the loop's job, at n >= 2 on this
+    machine; None elsewhere. A synchronous worker's stolen_s (plan_ps.loop_stolen) adds to its compute."""
     from paratrain.bench.plan_ps import loop_guard, predict_ps
 
     link = Link(name="x", alpha_s=0.0, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
@@ -147,16 +147,20 @@ def test_a_parameter_server_workers_guard_by_hand():
     p = predict_ps(W, 4, 2, link, update_s=0.01, guard_s=0.004)
     assert p.step_s == pytest.approx(0.474) and p.optimizer_s == pytest.approx(0.004)
     assert p.compute_s == pytest.approx(0.304) and p.exposed_comm_s == pytest.approx(0.17)
+    # and 0.02 s of compute lost beside the server's process: 0.494 s, of it 0.324 s compute
+    q = predict_ps(W, 4, 2, link, update_s=0.01, guard_s=0.004, stolen_s=0.02)
+    assert q.step_s == pytest.approx(0.494) and q.compute_s == pytest.approx(0.324)
+    assert predict_ps(W, 1, 1, link, stolen_s=0.02).step_s == pytest.approx(0.35)  # one device: no server
     one = predict_ps(W, 1, 1, link, update_s=0.01, guard_s=0.004)  # one device: its own optimizer, no guard term
     assert one.step_s == pytest.approx(0.35) and one.optimizer_s == pytest.approx(0.05)
     # asynchronous, 4 workers, compute twice as slow: 0.6 + 0.004 + 0.08 + 0.02 = 0.704 s a worker's step
     a = predict_ps(W, 4, 1, link, synchronous=False, wait_s=0.02, compute_scale=2.0, guard_s=0.004)
     assert a.step_s == pytest.approx(0.704) and a.optimizer_s == pytest.approx(0.004)
     assert a.compute_s == pytest.approx(0.604)
-    prof = {"loop_ps_async_guard_s": {"ps-async": 6e-4}}
+    prof = {"loop_ps_guard_s": {"ps-async": 6e-4, "ps-sync": 4e-4}}
     assert [loop_guard(prof, n, "ps-async") for n in (1, 2, 4)] == [None, 6e-4, 6e-4]
-    assert loop_guard(prof, 2, "ps-sync") == 6e-4 and loop_guard(prof, 2, "allreduce") is None
-    assert loop_guard({}, 2, "ps-sync") is None and loop_guard({"loop_ps_async_guard_s": {}}, 2, "ps-async") is None
+    assert loop_guard(prof, 2, "ps-sync") == 4e-4 and loop_guard(prof, 2, "allreduce") is None
+    assert loop_guard({}, 2, "ps-sync") is None and loop_guard({"loop_ps_guard_s": {}}, 2, "ps-async") is None
 
 
 def test_sync_overhead_by_hand():
@@ -1547,7 +1551,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
-    monkeypatch.setattr(profile_runs_ps, "loop_ps_async", lambda *a, **k: ({}, {}))
+    monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({}, {}))
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
@@ -1640,7 +1644,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
-    monkeypatch.setattr(profile_runs_ps, "loop_ps_async", lambda *a, **k: ({"ps-async": 0.003}, {"ps-async": 6e-4}))
+    monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({"ps-async": 0.003}, {"ps-async": 6e-4}))
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", lambda *a, **k: pytest.fail("no sync BatchNorm here"))
     monkeypatch.setattr(profile_runs, "loop_buffer_broadcast",
@@ -1655,9 +1659,9 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
         assert k == {"repeats": 3, "accumulation": 1}
     else:
         assert "loop_buffer_broadcast_s" not in prof and not calls
-    # an async PS worker's compute and its guard in the loop: on a CPU of several cores (its workers share them)
-    assert prof.get("loop_ps_async_stolen_s") == ({"ps-async": 0.003} if cores > 1 else None)
-    assert prof.get("loop_ps_async_guard_s") == ({"ps-async": 6e-4} if cores > 1 else None)
+    # a PS worker's compute and its guard in the loop: on a CPU of several cores (its workers share them)
+    assert prof.get("loop_ps_stolen_s") == ({"ps-async": 0.003} if cores > 1 else None)
+    assert prof.get("loop_ps_guard_s") == ({"ps-async": 6e-4} if cores > 1 else None)
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():

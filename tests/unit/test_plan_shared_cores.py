@@ -82,8 +82,20 @@ def test_step_parts_price_the_wait_for_async_workers_only_where_the_loaded_excha
     assert step_parts(cls, lay, W, LINK, Config(), {**inputs, "ps_loaded": stolen, "ps_stolen_s": 0.0}) == loaded
     assert step_parts(cls, one, W, LINK, Config(), {**inputs, "ps_stolen_s": 3.2e-3}) == step_parts(
         cls, one, W, LINK, Config(), inputs)  # one worker: nobody exchanges beside its compute
-    assert step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_stolen_s": 3.2e-3}) == step_parts(
-        sync, lay, W, LINK, Config(), inputs)
+    # ps-sync's workers: only the loop's own measurement of their job (since version 33) adds to their compute
+    plain_sync = step_parts(sync, lay, W, LINK, Config(), inputs)
+    beside = step_parts(sync, lay, W, LINK, Config(), {**inputs, "ps_stolen_s": 3.2e-3})
+    assert beside["compute_s"] == pytest.approx(plain_sync["compute_s"] + 3.2e-3, rel=1e-12)
+    assert beside["step_s"] == pytest.approx(plain_sync["step_s"] + 3.2e-3, rel=1e-12)
+    assert beside["comm_s"] == pytest.approx(plain_sync["comm_s"], rel=1e-12)
+    # a worker's guard is its optimizer part, neither compute nor communication, in both modes
+    for strategy in (cls, sync):
+        base = step_parts(strategy, lay, W, LINK, Config(), inputs)
+        guarded = step_parts(strategy, lay, W, LINK, Config(), {**inputs, "ps_guard_s": 1e-3})
+        assert guarded["optimizer_s"] == pytest.approx(base["optimizer_s"] + 1e-3, rel=1e-12)
+        assert guarded["step_s"] == pytest.approx(base["step_s"] + 1e-3, rel=1e-12)
+        assert (guarded["compute_s"], guarded["comm_s"]) == pytest.approx((base["compute_s"], base["comm_s"]),
+                                                                           rel=1e-12)
 
 
 def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price():
@@ -100,6 +112,11 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
     assert loop_stolen(prof, 2, "ps-sync") is None
     assert loop_stolen({"ps_round_trips_loaded": {"points": []}}, 2, "ps-async") is None
     assert loop_stolen({**prof, "loop_ps_async_stolen_s": {}}, 2, "ps-async") is None  # its run failed
+    # since version 33: loop_ps_stolen_s, each PS strategy's own (ps-sync's too); the older key is not read then
+    new = {**prof, "loop_ps_stolen_s": {"ps-async": 3e-3, "ps-sync": 1e-3}}
+    assert [loop_stolen(new, 2, s) for s in ("ps-async", "ps-sync")] == [3e-3, 1e-3]
+    assert loop_stolen(new, 4, "ps-sync") is None
+    assert loop_stolen({**new, "loop_ps_stolen_s": {}}, 2, "ps-async") is None
 
 
 def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
@@ -109,14 +126,15 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     forward + backward + compute, not its exchange or optimizer; the mean of every worker that timed a
     step, rank 0 or not) less its own round's side-by-side mean, at least 0. A recipe the strategy
     refuses (sync BatchNorm), a failed job or one that timed no step leaves it out with a line; a
-    failed side-by-side run leaves every strategy out. profile_runs_ps.loop_ps_async answers with it the
-    workers' guard: the median over the rounds of the job's mean optimizer time (its timed workers)."""
+    failed side-by-side run leaves every strategy out. profile_runs_ps.loop_ps answers with it the
+    workers' guard: the median over the rounds of the job's mean optimizer time (its timed workers);
+    by default for ps-sync too, its own job in each round before the side-by-side runs."""
     import math
     import threading
     from pathlib import Path
 
     from paratrain.bench import report, runner, sweep
-    from paratrain.bench.profile_runs_ps import loop_ps_async, loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps, loop_ps_async_stolen, ps_loop_applies
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0
@@ -126,7 +144,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     together = threading.Barrier(2, timeout=10)  # the two single runs of a round run at once
 
     def run_cmd(cmd, log, timeout_s, env):
-        if "ps-async" not in cmd:
+        if "ps-async" not in cmd and "ps-sync" not in cmd:
             together.wait()
         commands[cmd[cmd.index("--run-dir") + 1]] = cmd
         return 0, None
@@ -134,11 +152,12 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     def record(run_dir):
         cmd = commands[run_dir]
         k = int(run_dir.rsplit("-r", 1)[1])  # the plan's repeat: the round (job), 2 x round + copy (side by side)
-        ms = job[k] if "ps-async" in cmd else side[k]
-        job_run = "ps-async" in cmd
+        sync_job = "ps-sync" in cmd
+        job_run = "ps-async" in cmd or sync_job
+        ms = (job[k] - 1.0 if sync_job else job[k]) if job_run else side[k]  # ps-sync's 1 ms less
         # timing.breakdown's rows: compute = forward + backward + compute; the exchange and optimizer apart
         row = {"data_ms": 0.5, "compute_ms": ms - 0.5, "comm_ms": 6.0 if job_run else 0.0,
-               "idle_ms": 0.0, "optimizer_ms": guard[k] if job_run else 1.3}
+               "idle_ms": 0.0, "optimizer_ms": (guard[k] - 0.2 * sync_job) if job_run else 1.3}
         row["step_ms"] = sum(row.values())
         untimed = {k: 0.0 for k in row}
         rows = [row]
@@ -151,7 +170,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     monkeypatch.setattr(sweep, "read_outcome", lambda plan, rc, run_dir: str(run_dir))
     monkeypatch.setattr(report, "run_record", record)
     sets = ("model.sync_batchnorm=false",)
-    stolen, guards = loop_ps_async(recipe, None, sets, None, 64, 12, repeats=3)
+    stolen, guards = loop_ps(recipe, None, sets, None, 64, 12, repeats=3, strategies=("ps-async",))
     assert stolen == pytest.approx({"ps-async": 4.0e-3}) and guards == pytest.approx({"ps-async": 0.6e-3})
     assert len(commands) == 9  # 3 rounds x (the job, 2 side by side)
     for cmd in commands.values():
@@ -161,6 +180,11 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
         else:
             assert cmd[cmd.index("--strategy") + 1] == "single" and "train.batch_size=64" in cmd
             assert cmd[cmd.index("--threads") + 1] == "1"
+    commands.clear()  # both PS strategies (the default): ps-sync's job computes 1 ms less, its guard 0.2 ms less
+    stolen, guards = loop_ps(recipe, None, sets, None, 64, 12, repeats=3)
+    assert stolen == pytest.approx({"ps-async": 4.0e-3, "ps-sync": 3.0e-3})  # differences 3.0, 3.5, 1.5
+    assert guards == pytest.approx({"ps-async": 0.6e-3, "ps-sync": 0.4e-3})
+    assert len(commands) == 12 and sum("ps-sync" in cmd for cmd in commands.values()) == 3
     job[:] = [8.0, 8.0, 8.0]  # no slower than side by side: 0, not a negative term
     commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == {"ps-async": 0.0}
@@ -171,7 +195,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     state["timed"] = "rank 1 only"  # rank 0 started late and timed no step: the other worker's steps
     commands.clear()
     job[:] = [12.0]
-    stolen, guards = loop_ps_async(recipe, None, sets, None, 64, 12)
+    stolen, guards = loop_ps(recipe, None, sets, None, 64, 12, strategies=("ps-async",))
     assert stolen == pytest.approx({"ps-async": 4.0e-3}) and guards == pytest.approx({"ps-async": 0.9e-3})
     commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12) == pytest.approx({"ps-async": 4.0e-3})
@@ -184,7 +208,7 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     assert "left out (a one-thread run side by side failed" in capsys.readouterr().out
     state.update(ok=False, side_ok=True)  # a failed job: left out with a line (the micro-benchmark prices it)
     commands.clear()
-    assert loop_ps_async(recipe, None, sets, None, 64, 12) == ({}, {}) and len(commands) == 1
+    assert loop_ps(recipe, None, sets, None, 64, 12, strategies=("ps-async",)) == ({}, {}) and len(commands) == 1
     assert "ps-async's compute in the loop: left out (its job failed" in capsys.readouterr().out
     # measured only where the job's 3 processes outnumber the cores, so its workers compute on one thread
     assert [ps_loop_applies(c) for c in (1, 2, 3, 16)] == [False, True, False, False]
@@ -410,7 +434,8 @@ def test_an_async_workers_compute_among_exchanges_is_the_measured_stolen_time_li
     assert stolen.compute_s - plain.compute_s == pytest.approx(2e-3, rel=1e-9)
     one = [predict_ps(W, 1, 1, LINK, synchronous=False, stolen_s=x).step_s for x in (2e-3, 0.0)]
     assert one[0] == one[1]  # one worker: no other exchanges
-    assert predict_ps(W, 2, 1, LINK, stolen_s=2e-3).step_s == predict_ps(W, 2, 1, LINK).step_s  # synchronous
+    # synchronous: the caller passes only the loop's measurement of its job (beside the server's process)
+    assert predict_ps(W, 2, 1, LINK, stolen_s=2e-3).step_s == pytest.approx(predict_ps(W, 2, 1, LINK).step_s + 2e-3)
 
 
 def test_the_profiles_towers_forward_builds_the_towers_batch_and_skips_a_task_that_cannot_give_it(capsys):

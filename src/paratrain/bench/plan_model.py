@@ -105,8 +105,8 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer
-    elif model == PS and not cls.synchronous:  # an async worker's: with what the others' exchanges take of it
-        compute = p.compute_s
+    elif model == PS:  # a worker's: with what the others' exchanges or the server take of it (not its guard)
+        compute = p.compute_s - optimizer
     return _parts(p.step_s, compute, optimizer, 0.0, p.words_per_s, replicas)
 
 

@@ -1,7 +1,7 @@
 """``paratrain plan``'s profile: the one cached in ``--out`` or a new one, measured with a progress
 bar (:func:`load_profile`): the in-process profile (:mod:`.profile`), the training loop's own runs
 (:mod:`.profile_runs`: the one-device step, each strategy's one-rank runs, sync BatchNorm
-or DDP's buffer broadcast in the loop, an async PS worker's compute in its job), and the layers'
+or DDP's buffer broadcast in the loop, a PS worker's compute and guard in its job), and the layers'
 micro-benchmarks for what the loop leaves out; a profile measured elsewhere, checked against the
 recipe (:func:`read_profile`, ``--profile``); and how many steps a run of the profile or of
 ``--validate`` takes (:func:`run_steps`)."""
@@ -40,14 +40,14 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .plan_inputs import sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
                                loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
-    from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps_async, ps_loop_applies
+    from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps, ps_loop_applies
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
     # the most progress() calls: the profile's 6; the loop's 4 (the one-rank runs; sync BatchNorm's or
-    # DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the async PS job); the
+    # DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the PS jobs); the
     # fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
     phases = 12
 
@@ -90,9 +90,9 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
                     *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
-                progress(f"an async PS worker's compute in the loop's steps: {PS_LOOP_WORKERS} workers")
-                prof["loop_ps_async_stolen_s"], prof["loop_ps_async_guard_s"] = loop_ps_async(
-                    *recipe, steps, repeats=args.profile_repeats)
+                progress(f"a PS worker's compute and guard in the loop's steps: {PS_LOOP_WORKERS} workers")
+                prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(*recipe, steps,
+                                                                            repeats=args.profile_repeats)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

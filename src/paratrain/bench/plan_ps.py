@@ -112,15 +112,17 @@ def ps_exchange_wait_s(loaded: dict | None, idle_s: float | None, compute_s: flo
 
 def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     """What ``strategy``'s workers' compute was measured to take longer in the training loop's job of
-    2 workers than side by side (``loop_ps_async_stolen_s``,
-    :func:`~.profile_runs_ps.loop_ps_async_stolen`, a CPU's profile since version 29), for ``n`` workers
-    where :func:`loaded_exchange` prices them from the 2 workers' tables (fewer than 4 where the
-    profile holds the 4 workers' table); None elsewhere (n = 1, more workers, an older profile, a
-    GPU's, a CPU of more cores, or a run that failed): :func:`ps_compute_stolen_s` of the micro-benchmark
-    then prices it. Measured with K = 1 server and held flat for K > 1; at 4 workers and more the 4
-    workers' micro-benchmark prices it, though on the 2-vCPU EPYC VM the 2 workers' products lost
-    about half of what the loop measured (digits_cnn: 1.1 against 2.3 ms)."""
-    measured = (prof.get("loop_ps_async_stolen_s") or {}).get(strategy)
+    2 workers than side by side (``loop_ps_stolen_s``, :func:`~.profile_runs_ps.loop_ps`, ps-sync's and
+    ps-async's, a CPU's profile since version 33; ``loop_ps_async_stolen_s``, ps-async's, since 29), for
+    ``n`` workers where :func:`loaded_exchange` prices them from the 2 workers' tables (fewer than 4
+    where the profile holds the 4 workers' table); None elsewhere (n = 1, more workers, an older
+    profile, a GPU's, a CPU of more cores, or a run that failed): for ps-async
+    :func:`ps_compute_stolen_s` of the micro-benchmark then prices it, for ps-sync nothing. Measured
+    with K = 1 server and held flat for K > 1; at 4 workers and more the 4 workers' micro-benchmark
+    prices ps-async's, though on the 2-vCPU EPYC VM the 2 workers' products lost about half of what
+    the loop measured (digits_cnn: 1.1 against 2.3 ms)."""
+    loop = prof["loop_ps_stolen_s"] if "loop_ps_stolen_s" in prof else prof.get("loop_ps_async_stolen_s")
+    measured = (loop or {}).get(strategy)
     if measured is None or n < 2 or loaded_exchange(prof, n) is not prof.get(LOADED_PS_KEYS[2]):
         return None
     return float(measured)
@@ -130,20 +132,16 @@ def loop_guard(prof: dict, n: int, strategy: str) -> float | None:
     """A parameter server's worker's own work around its exchange (``paratrain train`` times it as the
     worker's optimizer, though the worker steps none): the gradient's norm for the non-finite guard
     or the clip, a ps-async worker's clip scaling it, and what waits for a core among the others'
-    exchanges meanwhile; measured in the training loop's ps-async job of 2 workers
-    (``loop_ps_async_guard_s``, :func:`~.profile_runs_ps.loop_ps_async`, a CPU's profile since version
-    33), for ``strategy`` ``ps-sync`` or ``ps-async`` at ``n`` >= 2 workers on this machine. A
-    ``ps-sync`` worker's (measured in its runs: 0.6, 1.8 and 2.3 ms against the ps-async job's 0.6,
-    3.8 and 3.3 for digits_cnn, ptb_small and gpt_wt2, 2-vCPU EPYC VM, 2026-11-28) takes the async
-    job's, unmeasured: it computes the same norm, without the clip's scaling, and its exchange is
-    synchronous; so does every n and K (measured at 2 workers and K = 1). None at n = 1 (one device
-    steps its own optimizer, priced by the workload), without the measurement (an older profile, a
-    GPU's, a failed job, a recipe with sync BatchNorm) and off this machine (the caller's), where
-    the plan prices none of it."""
-    if n < 2 or not strategy.startswith("ps-"):
+    exchanges meanwhile; measured in the training loop's job of ``strategy`` (``ps-sync`` or ``ps-async``)
+    with 2 workers and K = 1 (``loop_ps_guard_s``, :func:`~.profile_runs_ps.loop_ps`, a CPU's profile
+    since version 33), for ``n`` >= 2 workers on this machine, held flat for every n and K. None at
+    n = 1 (one device steps its own optimizer, priced by the workload), for another strategy, without
+    the measurement (an older profile, a GPU's, a failed job, ps-async under sync BatchNorm) and off
+    this machine (the caller's), where the plan prices none of it."""
+    if n < 2:
         return None
-    measured = prof.get("loop_ps_async_guard_s") or {}
-    return float(next(iter(measured.values()))) if measured else None
+    measured = (prof.get("loop_ps_guard_s") or {}).get(strategy)
+    return None if measured is None else float(measured)
 
 
 def ps_compute_stolen_s(loaded: dict | None, compute_s: float) -> float:
@@ -225,8 +223,9 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     by the busiest server, which holds :func:`~.costmodel_ps.ps_largest_shard_bytes` (whole parameters:
     with one dominant tensor, more servers barely shorten it).
 
-    Synchronous: step = local (forward + backward + data) + guard + push + pull
-    (:func:`~.costmodel_ps.ps_step_s`) + update; the workers do not step an optimizer (the servers do:
+    Synchronous: step = local (forward + backward + data) + stolen + guard + push + pull
+    (:func:`~.costmodel_ps.ps_step_s`) + update (``stolen_s``: what the workers' compute takes longer
+    beside the server's process, :func:`loop_stolen`); the workers do not step an optimizer (the servers do:
     in the exchange), but ``guard_s`` (:func:`loop_guard`: the gradient's norm and what waits with it;
     the prediction's optimizer part, where ``paratrain train`` times it) comes before the push. n = 1 is one
     device: local + its optimizer; ``streams``, ``copy_fraction``: a server's messages moving their
@@ -246,13 +245,14 @@ def predict_ps(w: Workload, n: int, k: int, link: Link, *, synchronous: bool = T
     s = compute_scale
     compute = (w.forward_s + w.backward_s + w.data_s) * s
     guard = guard_s if n > 1 else 0.0
+    stolen = stolen_s if n > 1 else 0.0
     if synchronous:
         optimizer = guard if n > 1 else w.optimizer_s * s
+        compute += stolen
         step = compute + optimizer + (ps_step_s(sum(w.param_bytes), n, k, link,
                                                 ps_largest_shard_bytes(w.param_bytes, k), streams, copy_fraction)
                                       + update_s if n > 1 else 0.0)
         return prediction(w, n, step, compute + optimizer, "ps", optimizer_s=optimizer)  # strategy_model.PS
     scaled = replace(w, forward_s=w.forward_s * s, backward_s=w.backward_s * s, data_s=w.data_s * s, optimizer_s=0.0)
-    stolen = stolen_s if n > 1 else 0.0
     rate, _ = ps_async_rate(scaled, n, k, link, update_s, wait_s if n > 1 else 0.0, stolen, guard)
     return prediction(w, n, n / rate, compute + stolen + guard, "ps", optimizer_s=guard)

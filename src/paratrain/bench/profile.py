@@ -17,8 +17,9 @@ steps and the bf16 hook between two processes).
 ``paratrain plan`` adds what allreduce, zero1 and fsdp add to the training loop's step as one rank
 (``loop_one_rank_s``, :func:`~.profile_runs.loop_one_rank_overheads`), which prices them in place of
 the dispatch terms: a GPU's at every N > 1, a CPU's on a preset interconnect (on this machine's CPU the
-two-process terms above price them); on 2 cores, an async PS worker's compute in its job beyond side
-by side (``loop_ps_async_stolen_s``, :func:`~.profile_runs_ps.loop_ps_async_stolen`). Pipeline stage
+two-process terms above price them); on 2 cores, a PS worker's compute in its job (ps-sync's and
+ps-async's) beyond side by side (``loop_ps_stolen_s``) and its norm and clip around its exchange there
+(``loop_ps_guard_s``, :func:`~.profile_runs_ps.loop_ps`). Pipeline stage
 profiles for 2 and 4 stages where the model cuts (:func:`~.strategy_model.strategy_inputs`). Where
 the recipe sets ``model.sync_batchnorm``: the input shape of every BatchNorm layer
 (``batchnorm_inputs``). What synchronising them costs a step is the training loop's own measurement

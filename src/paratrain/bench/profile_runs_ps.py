@@ -1,6 +1,6 @@
 """An asynchronous parameter server's workers in ``paratrain plan``'s profile: what their compute
 takes longer in the recipe's own ps-async job than in one-thread one-device runs side by side,
-and their own work around the exchange there (:func:`loop_ps_async`), on a CPU whose cores the job's processes outnumber
+and their own work around the exchange there (:func:`loop_ps`), on a CPU whose cores the job's processes outnumber
 (:func:`ps_loop_applies`). The runs go through :mod:`.profile_runs`' bench sweep."""
 from __future__ import annotations
 
@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from .profile_runs import _loop_run, _loop_spec
+
+
+def ps_strategies() -> tuple[str, ...]:
+    """The registry's parameter-server strategies (the ``ps`` cost model), synchronous or not: those
+    whose workers' compute and guard :func:`loop_ps` measures."""
+    from ..strategies import modelled
+    from .strategy_model import PS
+
+    return tuple(modelled(PS))
 
 
 def async_ps_strategies() -> tuple[str, ...]:
@@ -37,34 +46,41 @@ def ps_loop_applies(cores: int) -> bool:
 def loop_ps_async_stolen(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                          batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
                          ) -> dict[str, float]:
-    """:func:`loop_ps_async`'s first answer: {strategy: seconds per step its workers compute longer}."""
-    return loop_ps_async(config, task_entry, overrides, data_dir, batch, steps, repeats, workers)[0]
+    """:func:`loop_ps`' first answer for :func:`async_ps_strategies` alone: {strategy: seconds per step
+    its workers compute longer}."""
+    return loop_ps(config, task_entry, overrides, data_dir, batch, steps, repeats, workers,
+                   strategies=async_ps_strategies())[0]
 
 
-def loop_ps_async(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
-                  batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS
-                  ) -> tuple[dict[str, float], dict[str, float]]:
-    """(stolen, guard). ``guard``: {strategy: seconds per step of the workers' own work around the
+def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+            batch: int, steps: int, repeats: int = 1, workers: int = PS_LOOP_WORKERS,
+            strategies: tuple[str, ...] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """(stolen, guard) of each of ``strategies`` (default :func:`ps_strategies`: ps-sync and ps-async),
+    each its own job. ``guard``: {strategy: seconds per step of the workers' own work around the
     exchange in the same job, timed as their optimizer (the mean of the workers that timed a step;
-    the median over the rounds): the gradient's norm for the non-finite guard or the clip (and the
-    clip's scaling; the worker steps no optimizer, the server does) with whatever waits for a core
-    among the others' exchanges meanwhile. On the 2-vCPU EPYC VM (2026-11-28) a ps-async worker timed
-    0.6 (digits_cnn), 3.8 (ptb_small) and 3.3 ms (gpt_wt2) there, where the norm alone takes 0.03,
-    0.4 and 0.4 ms in one process; the plan had priced none of it (:func:`~.plan_ps.loop_guard`).
+    the median over the rounds): the gradient's norm for the non-finite guard or the clip (a
+    ps-async worker's clip scaling it too; the worker steps no optimizer, the server does) with
+    whatever waits for a core meanwhile. On the 2-vCPU EPYC VM (2026-11-28) a ps-async worker timed
+    0.6 (digits_cnn), 3.8 (ptb_small) and 3.3 ms (gpt_wt2) there, a ps-sync worker 0.6, 1.8 and 2.3
+    ms, where the norm alone takes 0.03, 0.4 and 0.4 ms in one process; the plan had priced none of
+    it (:func:`~.plan_ps.loop_guard`).
 
-    ``stolen``: {strategy: seconds per step that an asynchronous parameter server's worker computes longer
+    ``stolen``: {strategy: seconds per step that a parameter server's worker computes longer
     (data + forward + backward + compute, the timed parts, not its exchange; the mean of the workers
     that timed a step) in ``paratrain train``'s own job of ``workers`` workers of batch ``batch``
     each and one server (K = 1, as ``--validate`` runs it) than ``workers`` one-thread one-device
-    runs of the same batch side by side}, for :func:`async_ps_strategies`. Each of ``repeats``
-    rounds runs the job, then the side-by-side runs at once (their mean); the answer is the median
+    runs of the same batch side by side}. Each of ``repeats``
+    rounds runs each job, then the side-by-side runs at once (their mean); the answer is the median
     over the rounds of the job's compute less its own round's side-by-side compute, at least 0. For
     :func:`~.plan_ps.loop_stolen`, which the plan uses in place of
     :func:`~.plan_ps.ps_compute_stolen_s`, on a CPU where :func:`ps_loop_applies`.
 
     What it holds: while one worker computes, the other workers' exchanges run on the same cores
     (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
-    for a core and finds its caches emptied. A micro-benchmark's compute (products of a 64 x 64
+    for a core and finds its caches emptied. A synchronous server's workers compute at the same time and
+    exchange together, yet ptb_small's ps-sync workers computed 9 ms (11%) longer than side by side on
+    that VM at versions 32 and 33 (digits_cnn without sync BatchNorm 1.4 ms): the server's process and
+    its RPC threads share the 2 cores with them. A micro-benchmark's compute (products of a 64 x 64
     matrix, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
     On the 2-vCPU EPYC VM (2026-11-28) digits_cnn's two ps-async workers computed 12.3 ms a step
     against 7.9 ms side by side, where the products priced 1.4 ms; the workers' main threads waited
@@ -82,7 +98,7 @@ def loop_ps_async(config: str, task_entry: str | None, overrides: tuple[str, ...
     from .plan_model import Layout, refusal
     from .sweep import RunPlan
 
-    strategies = async_ps_strategies()
+    strategies = ps_strategies() if strategies is None else strategies
     left_out = {s: why for s in strategies
                 if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
     differences: dict[str, list[float]] = {}
@@ -109,7 +125,7 @@ def loop_ps_async(config: str, task_entry: str | None, overrides: tuple[str, ...
         with ThreadPoolExecutor(len(plans)) as pool:  # at once: side by side
             return list(pool.map(lambda p: _loop_run(spec, p, Path(tmp) / p.name), plans))
 
-    with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-async-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-") as tmp:
         for r in range(repeats):
             jobs = {}
             for strategy in strategies:
@@ -132,8 +148,8 @@ def loop_ps_async(config: str, task_entry: str | None, overrides: tuple[str, ...
                 differences.setdefault(strategy, []).append(compute - base[0])
                 guards.setdefault(strategy, []).append(optimizer)
     for strategy, why in left_out.items():
-        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it from the "
-              f"micro-benchmark", flush=True)
+        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it "
+              f"{'from the micro-benchmark' if strategy in async_ps_strategies() else 'at 0'}", flush=True)
     kept = [s for s in differences if s not in left_out]
     return ({s: max(0.0, statistics.median(differences[s])) for s in kept},
             {s: statistics.median(guards[s]) for s in kept})

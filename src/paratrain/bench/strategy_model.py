@@ -310,7 +310,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         compute = (w.data_s + w.forward_s + w.backward_s) * compute_scale
         among = n > 1 and not synchronous  # an async worker among others on these cores
         wait = ps_exchange_wait_s(inputs.get("ps_loaded"), inputs.get("ps_round_trip_s"), compute) if among else 0.0
-        stolen = worker_stolen_s(inputs.get("ps_stolen_s"), inputs.get("ps_loaded"), compute) if among else 0.0
+        stolen = worker_stolen_s(inputs.get("ps_stolen_s"), inputs.get("ps_loaded"), compute) if among else (
+            inputs.get("ps_stolen_s") or 0.0)  # a synchronous worker's: the loop's measurement alone
         share = ps_busiest_share(w.param_bytes, d.num_ps)
         return predict_ps(w, n, d.num_ps, links.get("rpc") or link, synchronous=synchronous,
                           update_s=ps_update_s(inputs.get("ps_update_s"), n, d.num_ps, synchronous, share),
