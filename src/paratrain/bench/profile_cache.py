@@ -13,7 +13,8 @@ import torch
 
 PROFILE_VERSION = 33  # 33: a CPU's loop_ps_stolen_s and loop_ps_guard_s (ps-sync's and ps-async's jobs in the
 # loop: their workers' compute beyond side by side, and their norm and clip around the exchange);
-# 32: pipeline stage profiles on the recipe's device (a GPU's were timed on its host CPU) and under its precision's autocast (as the pipeline runs them);
+# 32: pipeline stage profiles on the recipe's device (a GPU's were timed on its host CPU) and under its
+# precision's autocast (as the pipeline runs them);
 # 31: a CPU's pipeline stage profiles at a stage process' threads, their
 # microbatch_factor the median of paired rounds (was: 3 whole passes, then 3 split ones);
 # 30: skipped (a reverted commit, 6f863a7, measured CPU profiles as 30: they must not read as 31's);
