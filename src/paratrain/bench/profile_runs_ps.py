@@ -78,10 +78,14 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     What it holds: while one worker computes, the other workers' exchanges run on the same cores
     (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
     for a core and finds its caches emptied. A synchronous server's workers compute at the same time and
-    exchange together, yet ptb_small's ps-sync workers computed 9 ms (11%) longer than side by side on
-    that VM at versions 32 and 33 (digits_cnn without sync BatchNorm 1.4 ms): the server's process and
-    its RPC threads share the 2 cores with them. A micro-benchmark's compute (products of a 64 x 64
-    matrix, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
+    exchange together, yet ptb_small's ps-sync workers computed 3-9 ms longer than side by side on
+    that VM and waited 7-12 ms more for each other, about 16 ms in all in two validations at version 33
+    (the split between the two varied, the sum did not): the server's process and its RPC threads
+    share the 2 cores with them, and not evenly. A synchronous strategy's answer is therefore its job's
+    compute and its wait for the other workers (``idle``) less the side-by-side compute; the plan then
+    prices no other wait for the last worker (:func:`~.strategy_model.straggler_wait_s`). A
+    micro-benchmark's compute (products of a 64 x 64 matrix,
+    :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
     On the 2-vCPU EPYC VM (2026-11-28) digits_cnn's two ps-async workers computed 12.3 ms a step
     against 7.9 ms side by side, where the products priced 1.4 ms; the workers' main threads waited
     for a core 10% of the time (``/proc/PID/task/TID/schedstat``) and spent about 35% more CPU time
@@ -105,10 +109,12 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     guards: dict[str, list[float]] = {}
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
-    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
-        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step, or
-        None and why not. Every worker, not rank 0 alone: an async job stops on the servers' count of
-        updates, and a worker that starts late (a busy machine) may time none while the others step on."""
+    def timed(done: list[tuple[dict[str, Any], int, str]], idle: bool = False
+              ) -> tuple[tuple[float, float] | None, str]:
+        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step (with
+        ``idle``, the compute with the wait for the other workers), or None and why not. Every worker,
+        not rank 0 alone: an async job stops on the servers' count of updates, and a worker that starts
+        late (a busy machine) may time none while the others step on."""
         computes, optimizers = [], []
         for rec, rc, said in done:
             if not rec["ok"]:
@@ -117,7 +123,8 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
             if not timed_ranks:
                 return None, "timed no step (too few steps)"
             # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
-            computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in timed_ranks]
+            computes += [(t["data_ms"] + t["compute_ms"] + (t.get("idle_ms", 0.0) if idle else 0.0)) / 1000
+                         for t in timed_ranks]
             optimizers += [t.get("optimizer_ms", 0.0) / 1000 for t in timed_ranks]
         return (statistics.fmean(computes), statistics.fmean(optimizers)), ""
 
@@ -132,7 +139,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                 if strategy in left_out:
                     continue
                 got, why = timed(runs([RunPlan(strategy=strategy, n=workers, global_batch=batch * workers,
-                                               repeat=r)]))
+                                               repeat=r)]), idle=strategy not in async_ps_strategies())
                 if got is None:
                     left_out[strategy] = f"its job {why}"
                 else:
