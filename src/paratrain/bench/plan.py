@@ -222,7 +222,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # a synchronous server's messages moving their bytes side by side on these cores (plan_ps.ps_streams)
               "ps_streams": ps_streams(prof["cores"], servers) if shared_cores else 1,
               "ps_copy_fraction": copies,
-              # an async worker's compute among the others' exchanges, measured in the loop (plan_ps.loop_stolen)
+              # a PS worker's compute beside the others' exchanges and the server, measured in the loop (loop_stolen)
               "ps_stolen_s": loop_stolen(prof, n, layout.strategy) if shared_cores else None,
               # a worker's norm (and clip) around its exchange, measured in the same job (plan_ps.loop_guard)
               "ps_guard_s": loop_guard(prof, n, layout.strategy) if shared_cores else None,

@@ -47,9 +47,9 @@ class Layout:
 def step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[str, Any], *,
                compute_scale: float = 1.0, overlap: bool = True, links: dict[str, Link] | None = None
                ) -> dict[str, float] | None:
-    """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data; an async PS
-    worker's with what the others' exchanges take of it, :func:`~.plan_ps.ps_compute_stolen_s` or, measured
-    in the loop, :func:`~.plan_ps.loop_stolen`),
+    """Predicted step of a layout: ``step_s``, ``compute_s`` (forward + backward + data; a PS worker's
+    with what the others' exchanges or the server take of it, measured in the loop,
+    :func:`~.plan_ps.loop_stolen`, or for ps-async :func:`~.plan_ps.ps_compute_stolen_s`),
     ``optimizer_s``, ``bubble_s``, ``comm_s`` (exposed), ``units_per_s``, ``replicas``; None where
     the layout does not exist (a model that does not pipeline). The step is
     :func:`~.strategy_model.predict_model`'s for the strategy's cost model (``cls.cost_model``, its
@@ -102,7 +102,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
         inputs = {**inputs, "hook_bucket_s": bucket_s}
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links, synchronous=cls.synchronous)
-    optimizer = p.optimizer_s  # the formula's: its share, or the measured sharded step (ZeRO-1, FSDP); a PS's workers 0
+    optimizer = p.optimizer_s  # the formula's: its share, the measured sharded step (ZeRO-1, FSDP), a PS worker's guard
     if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
         compute = p.compute_s - optimizer
     elif model == PS:  # a worker's: with what the others' exchanges or the server take of it (not its guard)

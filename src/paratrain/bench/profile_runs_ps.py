@@ -1,7 +1,7 @@
-"""An asynchronous parameter server's workers in ``paratrain plan``'s profile: what their compute
-takes longer in the recipe's own ps-async job than in one-thread one-device runs side by side,
-and their own work around the exchange there (:func:`loop_ps`), on a CPU whose cores the job's processes outnumber
-(:func:`ps_loop_applies`). The runs go through :mod:`.profile_runs`' bench sweep."""
+"""A parameter server's workers in ``paratrain plan``'s profile: what their compute takes longer in
+the recipe's own ps-sync and ps-async jobs than in one-thread one-device runs side by side, and
+their own work around the exchange there (:func:`loop_ps`), on a CPU whose cores the jobs' processes
+outnumber (:func:`ps_loop_applies`). The runs go through :mod:`.profile_runs`' bench sweep."""
 from __future__ import annotations
 
 import statistics
@@ -22,7 +22,8 @@ def ps_strategies() -> tuple[str, ...]:
 
 def async_ps_strategies() -> tuple[str, ...]:
     """The registry's asynchronous parameter-server strategies (the ``ps`` cost model, not
-    synchronous): those whose workers' compute :func:`loop_ps_async_stolen` measures."""
+    synchronous): those whose workers' compute :func:`loop_ps_async_stolen` measures, and the ones
+    whose compute :func:`~.plan_ps.ps_compute_stolen_s` prices where the loop did not measure it."""
     from ..strategies import STRATEGIES, modelled
     from .strategy_model import PS
 
@@ -30,11 +31,11 @@ def async_ps_strategies() -> tuple[str, ...]:
 
 
 PS_LOOP_WORKERS = 2
-"""The workers of :func:`loop_ps_async_stolen`'s job (one server: 3 processes)."""
+"""The workers of each of :func:`loop_ps`' jobs (one server: 3 processes)."""
 
 
 def ps_loop_applies(cores: int) -> bool:
-    """Whether :func:`loop_ps_async_stolen` measures on a CPU of ``cores`` cores: more than one, and
+    """Whether :func:`loop_ps` measures on a CPU of ``cores`` cores: more than one, and
     fewer than its job's processes (:data:`PS_LOOP_WORKERS` workers and a server), so that the job's
     workers compute on one thread each, as its one-thread side-by-side runs and the plan's
     one-thread workload of the cores' processes side by side do (2 cores). On more cores the
@@ -78,14 +79,13 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     What it holds: while one worker computes, the other workers' exchanges run on the same cores
     (their RPC threads, the server's handler and update, TensorPipe's copies), so the worker waits
     for a core and finds its caches emptied. A synchronous server's workers compute at the same time and
-    exchange together, yet ptb_small's ps-sync workers computed 3-9 ms longer than side by side on
-    that VM and waited 7-12 ms more for each other, about 16 ms in all in two validations at version 33
-    (the split between the two varied, the sum did not): the server's process and its RPC threads
-    share the 2 cores with them, and not evenly. A synchronous strategy's answer is therefore its job's
-    compute and its wait for the other workers (``idle``) less the side-by-side compute; the plan then
-    prices no other wait for the last worker (:func:`~.strategy_model.straggler_wait_s`). A
-    micro-benchmark's compute (products of a 64 x 64 matrix,
-    :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
+    exchange together, yet in the validations' runs ptb_small's ps-sync workers computed 3-9 ms longer
+    than side by side on that VM (the server's process and its RPC threads share the 2 cores with
+    them); the profile's own ps-sync job measured 0.9 ms of it (2026-11-28, version 33), so most of
+    that stays unpriced; of the 7-13 ms rank 0 of those runs waited for the other worker, the plan
+    prices the wait for the last worker of the meetings' micro-benchmark or the step's spread
+    (:func:`~.strategy_model.straggler_wait_s`, about 2-4 ms). A micro-benchmark's compute (products of a 64 x 64
+    matrix, :func:`~.microbench_rpc.measured_ps_round_trips_loaded`) fits in the first-level cache.
     On the 2-vCPU EPYC VM (2026-11-28) digits_cnn's two ps-async workers computed 12.3 ms a step
     against 7.9 ms side by side, where the products priced 1.4 ms; the workers' main threads waited
     for a core 10% of the time (``/proc/PID/task/TID/schedstat``) and spent about 35% more CPU time
@@ -109,12 +109,10 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     guards: dict[str, list[float]] = {}
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
-    def timed(done: list[tuple[dict[str, Any], int, str]], idle: bool = False
-              ) -> tuple[tuple[float, float] | None, str]:
-        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step (with
-        ``idle``, the compute with the wait for the other workers), or None and why not. Every worker,
-        not rank 0 alone: an async job stops on the servers' count of updates, and a worker that starts
-        late (a busy machine) may time none while the others step on."""
+    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
+        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step, or
+        None and why not. Every worker, not rank 0 alone: an async job stops on the servers' count of
+        updates, and a worker that starts late (a busy machine) may time none while the others step on."""
         computes, optimizers = [], []
         for rec, rc, said in done:
             if not rec["ok"]:
@@ -123,8 +121,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
             if not timed_ranks:
                 return None, "timed no step (too few steps)"
             # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
-            computes += [(t["data_ms"] + t["compute_ms"] + (t.get("idle_ms", 0.0) if idle else 0.0)) / 1000
-                         for t in timed_ranks]
+            computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in timed_ranks]
             optimizers += [t.get("optimizer_ms", 0.0) / 1000 for t in timed_ranks]
         return (statistics.fmean(computes), statistics.fmean(optimizers)), ""
 
@@ -139,7 +136,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                 if strategy in left_out:
                     continue
                 got, why = timed(runs([RunPlan(strategy=strategy, n=workers, global_batch=batch * workers,
-                                               repeat=r)]), idle=strategy not in async_ps_strategies())
+                                               repeat=r)]))
                 if got is None:
                     left_out[strategy] = f"its job {why}"
                 else:
@@ -155,8 +152,9 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                 differences.setdefault(strategy, []).append(compute - base[0])
                 guards.setdefault(strategy, []).append(optimizer)
     for strategy, why in left_out.items():
-        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices it "
-              f"{'from the micro-benchmark' if strategy in async_ps_strategies() else 'at 0'}", flush=True)
+        print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices "
+              f"{'it from the micro-benchmark' if strategy in async_ps_strategies() else 'none of it'}, nor its "
+              f"guard", flush=True)
     kept = [s for s in differences if s not in left_out]
     return ({s: max(0.0, statistics.median(differences[s])) for s in kept},
             {s: statistics.median(guards[s]) for s in kept})

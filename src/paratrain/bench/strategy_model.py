@@ -93,10 +93,7 @@ def straggler_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[s
     a step: the waits of further buckets ride on the first, and a strategy that meets several times
     a step (FSDP's units, synchronised BatchNorm) waits at each, which the spread's term leaves out.
     A PS with backup workers (``dist.backup_workers``) does not wait for the last worker: the
-    straggle, as before. A synchronous PS whose job the profile's loop measured (``inputs["ps_stolen_s"]``
-    not None, :func:`~.plan_ps.loop_stolen`): 0, that measurement holds its workers' wait for each other."""
-    if model == PS and n > 1 and inputs.get("ps_stolen_s") is not None:
-        return 0.0
+    straggle, as before."""
     wait = straggle_s(n, w.local_sd_s * compute_scale)
     if (model not in (RING, SHARDED_OPTIMIZER, PS) or overlap or n < 2 or not inputs.get("meetings")
             or (model == PS and backup_workers)):
