@@ -116,6 +116,9 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
     new = {**prof, "loop_ps_stolen_s": {"ps-async": 3e-3, "ps-sync": 1e-3}}
     assert [loop_stolen(new, 2, s) for s in ("ps-async", "ps-sync")] == [3e-3, 1e-3]
     assert loop_stolen(new, 4, "ps-sync") is None
+    # a recipe with synchronised BatchNorm: ps-sync's job timed the layers' meetings as compute, priced apart
+    bn = {**new, "batchnorm_inputs": [[64, 16, 8, 8]]}
+    assert loop_stolen(bn, 2, "ps-sync") is None and loop_stolen(bn, 2, "ps-async") == 3e-3
     assert loop_stolen({**new, "loop_ps_stolen_s": {}}, 2, "ps-async") is None
 
 
