@@ -124,7 +124,9 @@ def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     the loop measured (digits_cnn: 1.1 against 2.3 ms)."""
     loop = prof["loop_ps_stolen_s"] if "loop_ps_stolen_s" in prof else prof.get("loop_ps_async_stolen_s")
     measured = (loop or {}).get(strategy)
-    if strategy == "ps-sync" and prof.get("batchnorm_inputs"):
+    from ..strategies import STRATEGIES
+
+    if STRATEGIES[strategy].synchronous and prof.get("batchnorm_inputs"):
         # its job synchronised BatchNorm inside the forward and backward it timed as compute (digits_cnn:
         # 18 ms of 19, 2026-11-28), which sync_overhead_s prices apart: the term would count it twice
         return None
