@@ -31,7 +31,7 @@ config keys (--set section.key=value; values are TOML literals):
   dist.nnodes  dist.node_rank  dist.rdzv_endpoint  dist.max_restarts  dist.bucket_mb
   dist.comm_hook none|fp16|bf16|powersgd  dist.matrix_approximation_rank  dist.start_powerSGD_iter
   dist.devices  dist.visible_devices  dist.strict_placement  dist.log_placement  dist.interop_threads
-  dist.memory_fraction  dist.expandable_segments
+  dist.memory_fraction  dist.expandable_segments  dist.cpu_allocator retain|default
   [placement] "module.pattern" = "device"  (model parallel; e.g. "decoder" = "cuda:1")
   dist.num_ps  dist.backup_workers  dist.max_staleness  dist.staleness_lr
   dist.pipeline_stages  dist.microbatches  dist.pipeline_schedule gpipe|1f1b  dist.pipeline_split "3,1"
@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     dv.add_argument("--log-placement", action="store_true", help="print and record where each parameter lives")
     dv.add_argument("--memory-fraction", type=float, help="CUDA: cap this process at a fraction of device memory")
     dv.add_argument("--expandable-segments", action="store_true", help="CUDA: allocator expandable segments")
+    dv.add_argument("--cpu-allocator", choices=("retain", "default"),
+                    help="host memory: retain = glibc reuses the blocks a step frees (default), default = glibc's own")
     dv.add_argument("--threads", type=int, help="intra-op threads per process (default cores // (processes x towers))")
     dv.add_argument("--interop-threads", type=int, help="inter-op threads per process")
     t.add_argument("--slow-rank", type=int, help="straggler injection: this rank sleeps --slow-ms before every step")
@@ -239,6 +241,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import json
 
     from . import config, launch
+    from .devices import apply_cpu_allocator
     from .env import default_threads
     from .strategies import STRATEGIES, default_for
 
@@ -272,6 +275,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     cfg = config.load(None, args.overrides, {"dist": dist})  # validated like a recipe's [dist]
     cls = STRATEGIES[cfg.dist.strategy]
     os.environ["PARATRAIN_STRATEGY"] = cfg.dist.strategy
+    apply_cpu_allocator(cfg.dist.cpu_allocator)  # the script's processes read it from their environment
     os.environ["PARATRAIN_CONFIG"] = json.dumps({"dist": config.to_dict(cfg)["dist"],
                                                  "train": {"timeout_s": cfg.train.timeout_s}})
     for key, value in cls.launch_env.items():

@@ -148,6 +148,7 @@ class DistConfig:
     interop_threads: int = 0  # inter-op threads per process; 0 = torch's default
     memory_fraction: float = 0.0  # CUDA: torch.cuda.set_per_process_memory_fraction; 0 = off
     expandable_segments: bool = False  # CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    cpu_allocator: str = "retain"  # host memory: retain (glibc reuses freed blocks) | default; devices.py
     check_sync_every: int = 0  # steps between cross-rank parameter checksums; 0 = off
     fault: str = ""  # fault injection, e.g. "kill:rank=1:step=50,delay:rank=0:ms=200" (see paratrain.faults)
 
@@ -158,6 +159,7 @@ class DistConfig:
         check_at_least("dist", "nproc", self.nproc, 1)
         check_at_least("dist", "nnodes", self.nnodes, 1)
         check_at_least("dist", "threads", self.threads, 0)
+        check_choice("dist", "cpu_allocator", self.cpu_allocator, ("retain", "default"))
         check_at_least("dist", "max_restarts", self.max_restarts, 0)
         check_at_least("dist", "rdzv_timeout_s", self.rdzv_timeout_s, 1)
         check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)

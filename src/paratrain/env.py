@@ -109,6 +109,7 @@ class ProcessSettings:
     backend: str = "auto"
     threads: int = 0
     interop_threads: int = 0
+    cpu_allocator: str = "retain"
     timeout_s: float = 600.0
     startup_timeout_s: float = 300.0
     options: dict = field(default_factory=dict)
@@ -135,9 +136,13 @@ def init(settings: ProcessSettings | None = None) -> DistEnv:
 
     Every rank must call it (collective when world_size > 1). Sets the intra-op
     threads (``settings.threads``, default cores // local processes) and the CUDA
-    device. Raises UsageError for an impossible device/backend.
+    device, and how host memory is kept between steps (``settings.cpu_allocator``,
+    :func:`~paratrain.devices.apply_cpu_allocator`). Raises UsageError for an impossible device/backend.
     """
+    from .devices import apply_cpu_allocator
+
     s = settings or ProcessSettings()
+    apply_cpu_allocator(s.cpu_allocator)
     rank, world_size = s.resolved("rank"), s.resolved("world_size")
     local_rank, local_world = s.resolved("local_rank"), s.resolved("local_world_size")
     dev, backend = resolve_device_backend(s.device, s.backend, local_rank, local_world)

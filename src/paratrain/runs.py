@@ -54,7 +54,7 @@ def _flag_overrides(args: argparse.Namespace, base_strategy: str | None) -> dict
     for flag in ("staleness_lr", "strict_placement", "log_placement", "expandable_segments"):
         if getattr(args, flag, False):
             dist[flag] = True
-    for key in ("devices", "visible_devices", "memory_fraction", "interop_threads", "threads"):
+    for key in ("devices", "visible_devices", "memory_fraction", "interop_threads", "threads", "cpu_allocator"):
         if getattr(args, key, None) is not None:
             dist[key] = getattr(args, key)
     if getattr(args, "fault", None):
@@ -293,6 +293,7 @@ def _new_run_dir(requested: Path | None, name: str) -> Path:
 def start_run(run: PreparedRun) -> int:
     """Train in this process (``single``) or in ``dist.nproc`` workers via torchrun."""
     from . import launch
+    from .devices import apply_cpu_allocator
     from .env import default_threads
 
     cfg = run.cfg
@@ -303,6 +304,7 @@ def start_run(run: PreparedRun) -> int:
     if cfg.dist.visible_devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.dist.visible_devices
     os.environ["PARATRAIN_FAULT"] = cfg.dist.fault  # this attempt's faults (config.toml never holds them)
+    apply_cpu_allocator(cfg.dist.cpu_allocator)  # this process (single, towers) and, by its environment, the workers
     if STRATEGIES[cfg.dist.strategy].in_process and not cfg.dist.max_restarts:  # restarts need torchrun's agent
         from .worker import train_worker
 

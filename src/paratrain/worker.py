@@ -31,6 +31,7 @@ def process_settings(cfg: config.Config, **overrides):
 
     d = cfg.dist
     return ProcessSettings(device=d.device, backend=d.backend, threads=d.threads, interop_threads=d.interop_threads,
+                           cpu_allocator=d.cpu_allocator,
                            timeout_s=cfg.train.timeout_s, options=STRATEGIES[d.strategy].options(cfg), **overrides)
 
 

@@ -86,6 +86,7 @@ def test_train_two_workers(runs):
     assert all(r["words_per_s"] > 0 for r in recs if r["kind"] == "train")
     summary = [r for r in recs if r["kind"] == "summary"][-1]
     assert summary["world_size"] == 2 and summary["steps"] == 10 and summary["test_ppl"] > 1
+    assert summary["cpu_allocator"] == "retain"  # the default, in the workers too (by their environment)
     assert list((tmp / "full" / "tb").glob("events.out.tfevents.*")), "TensorBoard scalars written"
     assert (tmp / "full" / "config.toml").is_file()
 
@@ -138,12 +139,14 @@ def test_quick_recipe_on_real_ptb(real_data, tmp_path):
 def test_replicate_towers_and_placement_log(tiny_data, tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY)
     res = paratrain("train", "tiny.toml", "--strategy", "replicate", "--devices", "cpu:0,cpu:1", "--log-placement",
-                    "--run-dir", "rep", "--data-dir", tiny_data, "--set", "train.max_steps=4", cwd=tmp_path)
+                    "--cpu-allocator", "default", "--run-dir", "rep", "--data-dir", tiny_data,
+                    "--set", "train.max_steps=4", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     text = (tmp_path / "rep" / "placement.txt").read_text()
     assert "tower 0: cpu:0" in text and "tower 1: cpu:1" in text and "decoder.weight" in text
     summary = [r for r in records(tmp_path / "rep") if r["kind"] == "summary"][-1]
     assert summary["strategy"] == "replicate" and summary["per_replica_batch"] == 2 and summary["peak_memory_mb"] > 0
+    assert summary["cpu_allocator"] == "default"  # --cpu-allocator default: glibc's own
 
 
 def test_model_parallel_recipe_places_by_plan_and_trains_like_the_unplaced_model(real_data, tmp_path):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from ..devices import apply_cpu_allocator
 from ..env import (
     DistEnv,
     ProcessSettings,
@@ -63,6 +64,7 @@ def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
     join_process_group("gloo", rank, layout.world_size, settings)
     server_group, worker_group = (_group(ranks, settings) for ranks in (layout.server_ranks(), layout.worker_ranks()))
     torch.set_num_threads(settings.threads or default_threads(layout.per_node))
+    apply_cpu_allocator(settings.cpu_allocator)
     # a step's RPC ends by the servers' own timeout_s (they fail a step that waits too long); the RPC
     # timeout only bounds what has no such answer, start-up included
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=max(16, 4 * layout.num_workers),

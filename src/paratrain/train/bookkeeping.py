@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..bench.timing import RankTimer, breakdown, write_rank_timing
-from ..devices import peak_memory_bytes, synchronize
+from ..devices import cpu_allocator_in_effect, peak_memory_bytes, synchronize
 from .metrics import MetricsLog, format_summary
 
 
@@ -121,6 +121,7 @@ class Bookkeeper:
             "device": str(env.device),
             "backend": env.backend if env.world_size > 1 else "-", "threads_per_process": torch.get_num_threads(),
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
+            "cpu_allocator": cpu_allocator_in_effect(),  # host memory between steps (devices.apply_cpu_allocator)
         }
         timing = self.timer.summary()
         write_rank_timing(self.run_dir, env.rank, {"rank": env.rank, "world_size": env.world_size,
