@@ -63,6 +63,8 @@ from _runner import run_cmd  # noqa: E402
 PEERS = {"plain": ("ddp_plain.py", None), "accelerate": ("accelerate_lm.py", "accelerate"),
          "fabric": ("fabric_lm.py", "lightning_fabric")}  # name: (script, module it needs)
 PROGRAMS = [*PEERS, "paratrain"]
+# paratrain with glibc's own allocator (--cpu-allocator default), as the peers run: not in the default list
+OPTIONAL = ["paratrain-default"]
 
 
 def run_peer(name: str, a: argparse.Namespace, i: int, logdir: Path, env: dict) -> dict:
@@ -100,18 +102,19 @@ def paratrain_wps_after(records: list[dict], warmup: int) -> float:
     return steps / time_units if time_units else math.nan
 
 
-def run_paratrain(a: argparse.Namespace, i: int, logdir: Path, env: dict) -> dict:
+def run_paratrain(a: argparse.Namespace, i: int, logdir: Path, env: dict, name: str = "paratrain") -> dict:
     with tempfile.TemporaryDirectory(prefix="compare_peers-") as tmp:
         run_dir = Path(tmp) / "run"  # must not exist yet
-        cmd = [sys.executable, "-m", "paratrain.cli", "train", a.config, "--nproc", str(a.nproc),
+        allocator = ["--cpu-allocator", "default"] if name == "paratrain-default" else []
+        cmd = [sys.executable, "-m", "paratrain.cli", "train", a.config, "--nproc", str(a.nproc), *allocator,
                "--run-dir", str(run_dir), "--data-dir", a.data_dir,
                "--set", f"train.epochs={a.epochs}", "--set", f"train.max_steps={a.steps}",
                "--set", f"train.log_every={a.log_every}"]
-        rc, wall = run_cmd(cmd, logdir / f"paratrain-{i}.log", a.timeout_s, env)
+        rc, wall = run_cmd(cmd, logdir / f"{name}-{i}.log", a.timeout_s, env)
         metrics = run_dir / "metrics.jsonl"
         records = []
         if metrics.is_file():
-            shutil.copy(metrics, logdir / f"paratrain-{i}.metrics.jsonl")  # checkpoints are not kept
+            shutil.copy(metrics, logdir / f"{name}-{i}.metrics.jsonl")  # checkpoints are not kept
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     summaries = [r for r in records if r.get("kind") == "summary"]
     s = summaries[-1] if summaries else {}
@@ -123,7 +126,7 @@ def run_paratrain(a: argparse.Namespace, i: int, logdir: Path, env: dict) -> dic
 
 
 def run_program(name: str, a: argparse.Namespace, i: int, logdir: Path, env: dict) -> dict:
-    return run_paratrain(a, i, logdir, env) if name == "paratrain" else run_peer(name, a, i, logdir, env)
+    return run_paratrain(a, i, logdir, env, name) if name.startswith("paratrain") else run_peer(name, a, i, logdir, env)
 
 
 def stats(values: list[float]) -> dict:
@@ -176,9 +179,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.steps and a.warmup_steps >= a.steps:
         p.error(f"--warmup-steps {a.warmup_steps} leaves nothing of --steps {a.steps} to measure")
     a.programs = [x.strip() for x in a.only.split(",") if x.strip()]
-    unknown = sorted(set(a.programs) - set(PROGRAMS))
+    unknown = sorted(set(a.programs) - set(PROGRAMS + OPTIONAL))
     if unknown or not a.programs or len(set(a.programs)) != len(a.programs):
-        p.error(f"--only takes distinct names from {', '.join(PROGRAMS)}; got {a.only!r}")
+        p.error(f"--only takes distinct names from {', '.join(PROGRAMS + OPTIONAL)}; got {a.only!r}")
     missing = [m for name in a.programs if name in PEERS and (m := PEERS[name][1])
                and importlib.util.find_spec(m) is None]
     if missing:
@@ -195,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0))
     # the same threads for every program; this checkout's paratrain, whatever the editable install points at
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // a.nproc)),
+    env = {k: v for k, v in os.environ.items()  # glibc's malloc as a peer's user gets it (paratrain sets its own)
+           if not k.startswith("MALLOC_") and k != "PARATRAIN_CPU_ALLOCATOR"}
+    env = dict(env, OMP_NUM_THREADS=str(max(1, cores // a.nproc)),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     if sys.platform.startswith("linux"):  # paratrain pins gloo to loopback on one node; so do the peers here
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -108,6 +108,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import report
 
     cfg = _load_config(args.config, args.overrides, args.task)
+    from ..devices import apply_cpu_allocator
+
+    apply_cpu_allocator(cfg.dist.cpu_allocator)  # what it times in this process and its runs, as training keeps memory
     spec = BenchSpec(config=args.config, task=args.task, strategies=tuple(s for s in args.strategies.split(",") if s),
                      nprocs=_ints(args.nproc, "--nproc"), batches=_ints(args.batch, "--batch"),
                      scaling=tuple(s for s in args.scaling.split(",") if s), steps=args.steps,
