@@ -17,6 +17,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 if os.environ.get("PARATRAIN_DATA"):
     os.environ["PARATRAIN_DATA"] = str(Path(os.environ["PARATRAIN_DATA"]).resolve())
 
+_MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PARATRAIN_CPU_ALLOCATOR")
+
+
+@pytest.fixture(autouse=True)
+def _malloc_environment():
+    """pt.init() and the paratrain commands a test runs in its own process put glibc's malloc variables
+    into os.environ for the processes they start (devices.apply_cpu_allocator): each test leaves the
+    ones it found, so that no later test's processes inherit them."""
+    saved = {k: os.environ.get(k) for k in _MALLOC_KEYS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
 
 def write_tiny_corpus(root: Path, seed: int = 0, vocab: int = 40, lines: int = 600) -> Path:
     """root/ptb/ptb.{train,valid,test}.txt with a learnable pattern; returns root."""

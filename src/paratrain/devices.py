@@ -191,71 +191,97 @@ CPU_ALLOCATORS = ("retain", "default")
 
 # glibc's malloc(3) parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: blocks below it come from the heap and are reused when freed
+RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: a main-thread block below it comes from the heap and is reused when freed
+OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most a glibc before 2.35 takes (HEAP_MAX_SIZE / 2 on 64-bit)
 RETAIN_TRIM_THRESHOLD = 2 ** 31 - 1  # bytes (mallopt takes an int): the heap's free top is kept up to it
-_RETAIN_ENV = {"MALLOC_MMAP_THRESHOLD_": str(RETAIN_MMAP_THRESHOLD),
-               "MALLOC_TRIM_THRESHOLD_": str(RETAIN_TRIM_THRESHOLD)}
-_SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # names the mode that set the variables above in this process tree
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # "retain": paratrain set the variables above in this process tree
 
 
-def apply_cpu_allocator(mode: str = "retain") -> bool:
+def _users_own(environ) -> bool:
+    """Whether the user set glibc's malloc parameters themselves (not a paratrain parent)."""
+    own = environ.get(_SET_BY) != "retain" and any(k in environ for k in _ENV)
+    return own or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+
+
+# what glibc read at this process' start (it reads the variables once, at exec)
+_STATE = {"user": _users_own(os.environ),
+          "retain": os.environ.get(_SET_BY) == "retain" and all(k in os.environ for k in _ENV)}
+
+
+def _glibc_mallopt():
+    """glibc's ``mallopt``, or None where the C library is not glibc (macOS, musl)."""
+    import ctypes
+
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        mallopt = ctypes.CDLL(None).mallopt
+    except (ValueError, OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def apply_cpu_allocator(mode: str = "retain") -> str:
     """Host memory between steps, for this process and the processes it starts (``dist.cpu_allocator``).
 
     ``"retain"``: glibc's malloc keeps the blocks a step frees for the next step. By default it gives
     a freed block of more than its mmap threshold (128 KiB, raised by each freed block up to 32 MiB)
     back to the kernel, and trims the heap's free top above twice that; a training step frees and
     allocates the same large activations every step, so the kernel maps and zeroes their pages again
-    every step (minor page faults, in system time). Here the mmap threshold is 1 GiB and the trim
-    threshold 2 GiB - 1 (``mallopt(3)`` in this process, and ``MALLOC_MMAP_THRESHOLD_`` /
-    ``MALLOC_TRIM_THRESHOLD_`` in ``os.environ`` for the processes it starts, which glibc reads at their
-    start). PyTorch's CPU performance tuning guide recommends an allocator that reuses memory
-    (jemalloc, tcmalloc) for the same reason; these are glibc's own settings and need no library.
-    Measured on a 2-vCPU EPYC VM (1 thread a process), the step of ``paratrain train`` with the default
-    and with ``"retain"``: gpt_wt2 one device 1192 -> 743 ms, ptb_small one device 88 -> 70 ms, ptb_small
-    allreduce N = 2 108-111 -> 86-88 ms; digits_cnn (small tensors) unchanged. The cost: memory a
-    step frees stays in the process (its resident size does not fall after a peak); the peak is the same.
+    every step (minor page faults, in system time). Here the mmap threshold is 1 GiB (32 MiB where a
+    glibc before 2.35 refuses more) and the trim threshold 2 GiB - 1: ``mallopt(3)`` in this process,
+    and ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in ``os.environ`` (only the values
+    glibc took) for the processes it starts, which glibc reads at their start. A thread other than
+    the main one allocates from an arena whose heaps hold at most 64 MiB: a larger block of such a
+    thread (a CPU tower's forward, an RPC thread) is still mapped per allocation. PyTorch's CPU
+    performance tuning guide recommends an allocator that reuses memory (jemalloc, tcmalloc) for
+    the same reason; these are glibc's own settings and need no library. Measured with
+    ``benchmarks/cpu_allocator.py`` (``benchmarks/RESULTS.md``, "Host memory"): gpt_wt2's step 1.58x and
+    ptb_small's 1.12-1.24x faster on a 2-vCPU VM. The cost: memory a step frees stays with the process,
+    and the peak resident set can grow where blocks glibc mapped apart now share the heap (gpt_wt2's by 47%).
 
-    ``"default"``: glibc's defaults; variables this function set in a parent (``$PARATRAIN_CPU_ALLOCATOR``)
-    are removed from ``os.environ`` for the processes this one starts (this process read them at its start
-    and keeps them). Where the user set either variable, both modes leave them and glibc to the user.
+    ``"default"``: glibc's own behaviour for the processes this one starts: the variables a parent
+    set (``$PARATRAIN_CPU_ALLOCATOR``) are removed from ``os.environ``. This process keeps what glibc
+    read at its start and what an earlier call set (glibc cannot go back to its dynamic thresholds).
 
-    Returns whether the settings apply here: False for ``"default"`` and where the C library is not
-    glibc (macOS, musl: nothing changes). Raises UsageError for another ``mode``. Call it in every
-    process that trains, before its first step; a CUDA device's memory is not affected."""
+    Where the user set glibc's malloc parameters (either variable, or ``glibc.malloc.*`` in
+    ``GLIBC_TUNABLES``), both modes leave them and glibc to the user. Returns what holds in this process
+    after the call (:func:`cpu_allocator_in_effect`). Raises UsageError for another ``mode``. Call it
+    in every process that trains, before its first step; a CUDA device's memory is not affected."""
     if mode not in CPU_ALLOCATORS:
         raise UsageError(f"dist.cpu_allocator = {mode!r} is not allowed; use one of {', '.join(CPU_ALLOCATORS)}")
+    if _STATE["user"] or _users_own(os.environ):
+        return cpu_allocator_in_effect()
     if mode == "default":
         if os.environ.get(_SET_BY) == "retain":
-            for key, value in _RETAIN_ENV.items():
-                if os.environ.get(key) == value:
-                    del os.environ[key]
-            del os.environ[_SET_BY]
-        return False
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    user = {k: os.environ[k] for k in _RETAIN_ENV if k in os.environ and os.environ.get(_SET_BY) != "retain"}
-    if user:  # the user's own values: glibc applied them at this process' start
-        return True
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, RETAIN_MMAP_THRESHOLD))
-    ok = bool(mallopt(_M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD)) and ok
-    if ok:
-        os.environ.update(_RETAIN_ENV, **{_SET_BY: "retain"})
-    return ok
+            for key in (*_ENV, _SET_BY):
+                os.environ.pop(key, None)
+        return cpu_allocator_in_effect()
+    mallopt = _glibc_mallopt()
+    if mallopt is None:
+        return cpu_allocator_in_effect()
+    took = {}
+    for value in (RETAIN_MMAP_THRESHOLD, OLD_GLIBC_MMAP_THRESHOLD):
+        if mallopt(_M_MMAP_THRESHOLD, value):
+            took["MALLOC_MMAP_THRESHOLD_"] = str(value)
+            break
+    if mallopt(_M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD):
+        took["MALLOC_TRIM_THRESHOLD_"] = str(RETAIN_TRIM_THRESHOLD)
+    if len(took) == len(_ENV):
+        os.environ.update(took, **{_SET_BY: "retain"})
+        _STATE["retain"] = True
+    return cpu_allocator_in_effect()
 
 
 def cpu_allocator_in_effect() -> str:
-    """How this process keeps host memory, for summaries: ``"retain"`` (:func:`apply_cpu_allocator` set
-    it), ``"user"`` (the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``) or ``"default"``."""
-    if os.environ.get(_SET_BY) == "retain":
-        return "retain"
-    return "user" if any(k in os.environ for k in _RETAIN_ENV) else "default"
+    """How this process' glibc keeps host memory, for summaries: ``"retain"`` (:func:`apply_cpu_allocator`
+    set it here, or a parent did before this process started), ``"user"`` (the user's own malloc
+    parameters) or ``"default"`` (glibc's own, or not glibc)."""
+    if _STATE["user"]:
+        return "user"
+    return "retain" if _STATE["retain"] else "default"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

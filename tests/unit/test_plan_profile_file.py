@@ -77,6 +77,17 @@ def test_a_profile_recording_its_recipe_is_read_for_that_recipe_alone(digits):
         read_profile(_write(tmp, {**prof, "recipe": config_text(other)}), cfg, task)
 
 
+def test_a_gpu_profile_older_than_a_recipe_key_is_read_for_the_recipe_without_it(digits):
+    cfg, task, tmp = digits
+    here = config_text(cfg)
+    assert 'cpu_allocator = "retain"' in here  # added by profile version 34
+    written = "".join(line for line in here.splitlines(keepends=True) if not line.startswith("cpu_allocator"))
+    prof = {**WHOLE, "version": 33, "device": "cuda:0", "recipe": written, "param_bytes": []}
+    assert read_profile(_write(tmp, prof), cfg, task) == prof
+    with pytest.raises(UsageError, match="another recipe"):  # at version 34 the key is the recipe's
+        read_profile(_write(tmp, {**prof, "version": PROFILE_VERSION}), cfg, task)
+
+
 def test_a_profile_without_its_recipe_is_checked_by_task_batch_precision_parameters_and_sync_batchnorm(digits):
     """As a profile from before 2026-11-27 was (no ``recipe``): since version 32 none of those is
     read, so this one is of the current version with the key left out."""

@@ -107,6 +107,18 @@ REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size
 """What every profile :func:`read_profile` accepts holds (since version 19), by type."""
 
 
+ADDED_KEYS = {34: ("cpu_allocator",)}
+"""Recipe keys by the profile version that added them: a recipe written by an older profile lacks them."""
+
+
+def recipe_as_of(text: str, version: int) -> str:
+    """A recipe's TOML (:func:`~paratrain.consistency.config_text`) without the keys added after profile
+    ``version`` (:data:`ADDED_KEYS`), as a profile of that version wrote its recipe."""
+    later = {k for v, keys in ADDED_KEYS.items() if v > version for k in keys}
+    return "\n".join(line for line in text.splitlines(keepends=False) if line.split(" = ", 1)[0] not in later) + (
+        "\n" if text.endswith("\n") else "")
+
+
 def read_profile(path: Path, cfg, task) -> dict:
     """``paratrain plan --profile PATH``: a profile measured elsewhere (e.g. on a GPU lent for
     minutes), checked against this recipe, to plan from without measuring here.
@@ -150,7 +162,7 @@ def read_profile(path: Path, cfg, task) -> dict:
         raise UsageError(f"--profile {path} lacks {', '.join(wrong)} (or has the wrong type): give a whole "
                          f"profile.json of a `paratrain plan --out DIR` run")
     if "recipe" in prof:
-        here = config_text(cfg)
+        here = recipe_as_of(config_text(cfg), prof["version"])
         if prof["recipe"] != here:
             diff = [d for d in difflib.unified_diff(prof["recipe"].splitlines(), here.splitlines(), lineterm="", n=0)
                     if d[:1] in "+-" and d[:3] not in ("+++", "---")]

@@ -61,10 +61,10 @@ def join(settings: ProcessSettings, mode: str) -> tuple[DistEnv | None, dict]:
     layout = layout_of(settings)
     rank = settings.resolved("rank")
     role, index = layout.role(rank)
+    apply_cpu_allocator(settings.cpu_allocator)
     join_process_group("gloo", rank, layout.world_size, settings)
     server_group, worker_group = (_group(ranks, settings) for ranks in (layout.server_ranks(), layout.worker_ranks()))
     torch.set_num_threads(settings.threads or default_threads(layout.per_node))
-    apply_cpu_allocator(settings.cpu_allocator)
     # a step's RPC ends by the servers' own timeout_s (they fail a step that waits too long); the RPC
     # timeout only bounds what has no such answer, start-up included
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=max(16, 4 * layout.num_workers),
