@@ -211,11 +211,11 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
 
 
 def test_an_async_ps_workers_compute_is_measured_in_its_own_job_against_runs_side_by_side():
-    """profile_runs_ps.loop_ps_async_stolen on the digits recipe (sync BatchNorm off, which ps-async
+    """profile_runs_ps.loop_ps for ps-async on the digits recipe (sync BatchNorm off, which ps-async
     needs), real runs: the ps-async job of 2 workers and 2 one-thread single runs side by side, one
     round; a measured value (seconds, >= 0, under the job's whole step) for ps-async. On a machine
     where it does not apply (not 2 cores) the plan never calls it, and this checks nothing more."""
-    from paratrain.bench.profile_runs_ps import loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps, ps_loop_applies
     from paratrain.env import available_cores
 
     from ..conftest import REPO
@@ -223,8 +223,8 @@ def test_an_async_ps_workers_compute_is_measured_in_its_own_job_against_runs_sid
     pytest.importorskip("sklearn")  # the digits data set
     if not ps_loop_applies(available_cores()):
         pytest.skip("the loop's async PS measurement is for 2 cores (its job's 3 processes outnumber them)")
-    got = loop_ps_async_stolen(str(REPO / "configs" / "digits_cnn.toml"), None, ("model.sync_batchnorm=false",),
-                               None, 64, 80, repeats=1)
+    got, _ = loop_ps(str(REPO / "configs" / "digits_cnn.toml"), None, ("model.sync_batchnorm=false",),
+                     None, 64, 80, repeats=1, strategies=("ps-async",))
     assert set(got) == {"ps-async"} and 0.0 <= got["ps-async"] < 1.0
 
 

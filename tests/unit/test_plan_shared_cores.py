@@ -116,14 +116,11 @@ def test_the_loops_async_compute_prices_the_workers_the_two_workers_tables_price
     new = {**prof, "loop_ps_stolen_s": {"ps-async": 3e-3, "ps-sync": 1e-3}}
     assert [loop_stolen(new, 2, s) for s in ("ps-async", "ps-sync")] == [3e-3, 1e-3]
     assert loop_stolen(new, 4, "ps-sync") is None
-    # a recipe with synchronised BatchNorm: ps-sync's job timed the layers' meetings as compute, priced apart
-    bn = {**new, "batchnorm_inputs": [[64, 16, 8, 8]]}
-    assert loop_stolen(bn, 2, "ps-sync") is None and loop_stolen(bn, 2, "ps-async") == 3e-3
     assert loop_stolen({**new, "loop_ps_stolen_s": {}}, 2, "ps-async") is None
 
 
-def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
-    """profile_runs_ps.loop_ps_async_stolen with the runs stubbed: each round runs ps-async with 2
+def test_loop_ps_is_each_jobs_compute_less_its_rounds_side_by_side_one_thread_runs(monkeypatch, capsys):
+    """profile_runs_ps.loop_ps with the runs stubbed, ps-async's alone: each round runs ps-async with 2
     workers of the recipe's batch (global batch 2 B, one server), then 2 one-thread single runs of
     batch B at once; the answer is the median over the rounds of the job's timed compute (data +
     forward + backward + compute, not its exchange, idle or optimizer; the mean of every worker that timed a
@@ -131,13 +128,18 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     refuses (sync BatchNorm), a failed job or one that timed no step leaves it out with a line; a
     failed side-by-side run leaves every strategy out. profile_runs_ps.loop_ps answers with it the
     workers' guard: the median over the rounds of the job's mean optimizer time (its timed workers);
-    by default for ps-sync too, its own job in each round before the side-by-side runs."""
+    by default for ps-sync too, its own job in each round before the side-by-side runs. With the
+    recipe's BatchNorm synchronised, ps-sync's compute is no term (its job timed the layers' meetings as
+    compute, which the plan prices apart), while its guard stays."""
     import math
     import threading
     from pathlib import Path
 
     from paratrain.bench import report, runner, sweep
-    from paratrain.bench.profile_runs_ps import loop_ps, loop_ps_async_stolen, ps_loop_applies
+    from paratrain.bench.profile_runs_ps import loop_ps, ps_loop_applies
+
+    def loop_ps_async_stolen(*args, **kwargs):  # ps-async's compute alone
+        return loop_ps(*args, strategies=("ps-async",), **kwargs)[0]
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     job = [12.0, 13.0, 11.5]  # ms of timed compute; the rounds' side-by-side means 8.0, 8.5, 9.0
@@ -189,6 +191,11 @@ def test_loop_ps_async_stolen_is_the_jobs_compute_less_its_rounds_side_by_side_o
     assert stolen == pytest.approx({"ps-async": 4.0e-3, "ps-sync": 3.0e-3})  # differences 3.0, 3.5, 1.5
     assert guards == pytest.approx({"ps-async": 0.6e-3, "ps-sync": 0.4e-3})
     assert len(commands) == 12 and sum("ps-sync" in cmd for cmd in commands.values()) == 3
+    commands.clear()  # sync BatchNorm: ps-sync's job ran (its guard is kept), its compute is no term
+    stolen, guards = loop_ps(recipe, None, sets, None, 64, 12, repeats=3, synced_batchnorm=True)
+    assert stolen == pytest.approx({"ps-async": 4.0e-3}) and "ps-sync" not in stolen
+    assert guards == pytest.approx({"ps-async": 0.6e-3, "ps-sync": 0.4e-3}) and len(commands) == 12
+    assert "ps-sync's compute in the loop: not a term" in capsys.readouterr().out
     job[:] = [8.0, 8.0, 8.0]  # no slower than side by side: 0, not a negative term
     commands.clear()
     assert loop_ps_async_stolen(recipe, None, sets, None, 64, 12, repeats=3) == {"ps-async": 0.0}

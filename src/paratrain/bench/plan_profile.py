@@ -91,8 +91,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                     *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
             if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
                 progress(f"a PS worker's compute and guard in the loop's steps: {PS_LOOP_WORKERS} workers")
-                prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(*recipe, steps,
-                                                                            repeats=args.profile_repeats)
+                prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(
+                    *recipe, steps, repeats=args.profile_repeats, synced_batchnorm=bool(prof.get("batchnorm_inputs")))
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

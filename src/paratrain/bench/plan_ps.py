@@ -116,20 +116,15 @@ def loop_stolen(prof: dict, n: int, strategy: str) -> float | None:
     ps-async's, a CPU's profile since version 33; ``loop_ps_async_stolen_s``, ps-async's, since 29), for
     ``n`` workers where :func:`loaded_exchange` prices them from the 2 workers' tables (fewer than 4
     where the profile holds the 4 workers' table); None elsewhere (n = 1, more workers, an older
-    profile, a GPU's, a CPU of more cores, a run that failed, or ps-sync with synchronised BatchNorm, whose
-    job's compute holds the layers' meetings that the plan prices apart): for ps-async
+    profile, a GPU's, a CPU of more cores, a run that failed, or a synchronous strategy with synchronised
+    BatchNorm, whose job's compute holds the layers' meetings that the plan prices apart, which
+    :func:`~.profile_runs_ps.loop_ps` leaves out since version 34): for ps-async
     :func:`ps_compute_stolen_s` of the micro-benchmark then prices it, for ps-sync nothing. Measured
     with K = 1 server and held flat for K > 1; at 4 workers and more the 4 workers' micro-benchmark
     prices ps-async's, though on the 2-vCPU EPYC VM the 2 workers' products lost about half of what
     the loop measured (digits_cnn: 1.1 against 2.3 ms)."""
     loop = prof["loop_ps_stolen_s"] if "loop_ps_stolen_s" in prof else prof.get("loop_ps_async_stolen_s")
     measured = (loop or {}).get(strategy)
-    from ..strategies import STRATEGIES
-
-    if STRATEGIES[strategy].synchronous and prof.get("batchnorm_inputs"):
-        # its job synchronised BatchNorm inside the forward and backward it timed as compute (digits_cnn:
-        # 18 ms of 19, 2026-11-28), which sync_overhead_s prices apart: the term would count it twice
-        return None
     if measured is None or n < 2 or loaded_exchange(prof, n) is not prof.get(LOADED_PS_KEYS[2]):
         return None
     return float(measured)
