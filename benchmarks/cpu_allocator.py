@@ -24,6 +24,8 @@ from pathlib import Path
 
 from _runner import REPO, run_cmd
 
+from paratrain.devices import without_cpu_allocator
+
 # (name, recipe, strategy, nproc, global batch, steps); steps include the summary's timing warm-up (5)
 CASES = [
     ("ptb_small single", "configs/ptb_small.toml", "single", 1, 20, 150),
@@ -42,7 +44,7 @@ def run(case: tuple, mode: str, tmp: Path, timeout_s: float) -> dict:
            "--set", f"train.max_steps={steps}", "--set", f"train.log_every={min(50, steps // 3)}"]
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "PARATRAIN_CPU_ALLOCATOR"}
+    env = without_cpu_allocator(os.environ)
     before = os.times()
     rc, wall = run_cmd(cmd, run_dir.with_suffix(".log"), timeout_s, env)
     after = os.times()

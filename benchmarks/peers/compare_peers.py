@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0))
     # the same threads for every program; this checkout's paratrain, whatever the editable install points at
-    env = {k: v for k, v in os.environ.items()  # glibc's malloc as a peer's user gets it (paratrain sets its own)
-           if not k.startswith("MALLOC_") and k != "PARATRAIN_CPU_ALLOCATOR"}
-    env = dict(env, OMP_NUM_THREADS=str(max(1, cores // a.nproc)),
+    from paratrain.devices import without_cpu_allocator
+
+    # glibc's malloc as a peer's user gets it (paratrain sets its own)
+    env = dict(without_cpu_allocator(os.environ), OMP_NUM_THREADS=str(max(1, cores // a.nproc)),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     if sys.platform.startswith("linux"):  # paratrain pins gloo to loopback on one node; so do the peers here
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")

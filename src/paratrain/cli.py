@@ -47,6 +47,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .config import CPU_ALLOCATORS
+
     from .strategies import STRATEGIES
 
     p = _Parser(prog="paratrain", description="Train PyTorch models on many devices, processes and machines.")
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     dv.add_argument("--log-placement", action="store_true", help="print and record where each parameter lives")
     dv.add_argument("--memory-fraction", type=float, help="CUDA: cap this process at a fraction of device memory")
     dv.add_argument("--expandable-segments", action="store_true", help="CUDA: allocator expandable segments")
-    dv.add_argument("--cpu-allocator", choices=("retain", "default"),
+    dv.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
                     help="host memory: retain = glibc reuses the blocks a step frees (default), default = glibc's own")
     dv.add_argument("--threads", type=int, help="intra-op threads per process (default cores // (processes x towers))")
     dv.add_argument("--interop-threads", type=int, help="inter-op threads per process")

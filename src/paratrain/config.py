@@ -27,6 +27,8 @@ from typing import Any
 from .checks import check_at_least, check_choice, key_hint, section_table, update_section
 from .errors import UsageError
 
+CPU_ALLOCATORS = ("retain", "default")  # dist.cpu_allocator (devices.apply_cpu_allocator)
+
 
 def _strategies():
     from . import strategies
@@ -159,7 +161,7 @@ class DistConfig:
         check_at_least("dist", "nproc", self.nproc, 1)
         check_at_least("dist", "nnodes", self.nnodes, 1)
         check_at_least("dist", "threads", self.threads, 0)
-        check_choice("dist", "cpu_allocator", self.cpu_allocator, ("retain", "default"))
+        check_choice("dist", "cpu_allocator", self.cpu_allocator, CPU_ALLOCATORS)
         check_at_least("dist", "max_restarts", self.max_restarts, 0)
         check_at_least("dist", "rdzv_timeout_s", self.rdzv_timeout_s, 1)
         check_at_least("dist", "bucket_mb", self.bucket_mb, 0, strict=True)

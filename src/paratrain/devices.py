@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from .config import CPU_ALLOCATORS
 from .errors import UsageError
 
 
@@ -186,9 +187,6 @@ def apply_memory_controls(device: torch.device, fraction: float = 0.0, expandabl
     return notes
 
 
-CPU_ALLOCATORS = ("retain", "default")
-"""``dist.cpu_allocator``: how host memory is kept between steps (:func:`apply_cpu_allocator`)."""
-
 # glibc's malloc(3) parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: a main-thread block below it comes from the heap and is reused when freed
@@ -207,6 +205,12 @@ def _users_own(environ) -> bool:
 # what glibc read at this process' start (it reads the variables once, at exec)
 _STATE = {"user": _users_own(os.environ),
           "retain": os.environ.get(_SET_BY) == "retain" and all(k in os.environ for k in _ENV)}
+
+
+def without_cpu_allocator(environ) -> dict[str, str]:
+    """``environ`` without glibc's ``MALLOC_*`` variables and paratrain's marker of them: for a process
+    that must start with glibc's own behaviour (a peer's program, a test's measurement)."""
+    return {k: v for k, v in environ.items() if not k.startswith("MALLOC_") and k != _SET_BY}
 
 
 def _glibc_mallopt():

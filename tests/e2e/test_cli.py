@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paratrain.devices import without_cpu_allocator
+
 from ..conftest import REPO
 from ..preload import run_cli
 
@@ -41,8 +43,7 @@ nproc = 2
 def paratrain(*args, cwd: Path, timeout: float = 180, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m paratrain.cli ARGS`` in ``cwd``, its output captured: a process forked from the
     tests' preloaded server (:func:`tests.preload.run_cli`), or with ``fresh`` a new interpreter."""
-    env = {**{k: v for k, v in os.environ.items()  # glibc's malloc as paratrain sets it, not the caller's
-              if not k.startswith("MALLOC_") and k != "PARATRAIN_CPU_ALLOCATOR"}, "PYTHONUNBUFFERED": "1"}
+    env = {**without_cpu_allocator(os.environ), "PYTHONUNBUFFERED": "1"}  # glibc's malloc as paratrain sets it
     if not fresh:
         return run_cli([str(a) for a in args], cwd, env, timeout)
     return subprocess.run([sys.executable, "-m", "paratrain.cli", *map(str, args)], cwd=cwd, env=env,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from paratrain import config
-from paratrain.devices import apply_cpu_allocator
+from paratrain.devices import apply_cpu_allocator, without_cpu_allocator
 from paratrain.errors import UsageError
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -40,8 +40,8 @@ print(json.dumps([resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, c
 
 
 def _clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("PARATRAIN_CPU_ALLOCATOR", "GLIBC_TUNABLES")}
+    env = without_cpu_allocator(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
     return {**env, **extra}
 
 

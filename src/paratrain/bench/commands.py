@@ -82,9 +82,13 @@ def add_predict_parser(sub) -> None:
 def _load_config(path: str, overrides: list[str], task: str | None = None):
     from .. import config
 
+    from ..devices import apply_cpu_allocator
+
     if not Path(path).is_file():
         raise UsageError(f"config {path!r} does not exist; give a TOML recipe such as {DEFAULT_CONFIG}")
-    return config.load(path, overrides, {"task": {"entry": task}} if task else None)
+    cfg = config.load(path, overrides, {"task": {"entry": task}} if task else None)
+    apply_cpu_allocator(cfg.dist.cpu_allocator)  # what bench, predict and plan time keeps memory as training does
+    return cfg
 
 
 def _machine() -> dict:
@@ -108,9 +112,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import report
 
     cfg = _load_config(args.config, args.overrides, args.task)
-    from ..devices import apply_cpu_allocator
-
-    apply_cpu_allocator(cfg.dist.cpu_allocator)  # what it times in this process and its runs, as training keeps memory
     spec = BenchSpec(config=args.config, task=args.task, strategies=tuple(s for s in args.strategies.split(",") if s),
                      nprocs=_ints(args.nproc, "--nproc"), batches=_ints(args.batch, "--batch"),
                      scaling=tuple(s for s in args.scaling.split(",") if s), steps=args.steps,

@@ -115,8 +115,7 @@ def recipe_as_of(text: str, version: int) -> str:
     """A recipe's TOML (:func:`~paratrain.consistency.config_text`) without the keys added after profile
     ``version`` (:data:`ADDED_KEYS`), as a profile of that version wrote its recipe."""
     later = {k for v, keys in ADDED_KEYS.items() if v > version for k in keys}
-    return "\n".join(line for line in text.splitlines(keepends=False) if line.split(" = ", 1)[0] not in later) + (
-        "\n" if text.endswith("\n") else "")
+    return "".join(line for line in text.splitlines(keepends=True) if line.split(" = ", 1)[0] not in later)
 
 
 def read_profile(path: Path, cfg, task) -> dict:

@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..devices import apply_cpu_allocator
 from ..errors import UsageError
 from . import plan as pl
 from . import plan_profile
@@ -23,7 +22,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     ns, preset = pl._args(args)
     cfg = _load_config(args.config, args.overrides, args.task)
-    apply_cpu_allocator(cfg.dist.cpu_allocator)  # the profile and its runs keep memory as training does
     from ..runs import build_task
 
     task = build_task(cfg, args.data_dir, world_size=1)  # the whole global batch on one device

@@ -27,9 +27,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.num_ps < 1:
         raise UsageError(f"--num-ps {args.num_ps}: use 1 or more")
     cfg = _load_config(args.config, args.overrides, args.task)
-    from ..devices import apply_cpu_allocator
-
-    apply_cpu_allocator(cfg.dist.cpu_allocator)  # what it times in this process and its runs, as training keeps memory
     hook = args.comm_hook or cfg.dist.comm_hook
     if hook != "none" and args.algorithm == "ps":
         raise UsageError(f"--comm-hook {hook}: communication hooks compress all-reduce (ring, tree), not the "
