@@ -187,12 +187,13 @@ def apply_memory_controls(device: torch.device, fraction: float = 0.0, expandabl
     return notes
 
 
-# glibc's malloc(3) parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's malloc(3) parameters (malloc.h): M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3, M_ARENA_MAX -8
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: a main-thread block below it comes from the heap and is reused when freed
 OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most a glibc before 2.35 takes (HEAP_MAX_SIZE / 2 on 64-bit)
 RETAIN_TRIM_THRESHOLD = 2 ** 31 - 1  # bytes (mallopt takes an int): the heap's free top is kept up to it
-_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+RETAIN_ARENA_MAX = 1  # every thread allocates from the main arena (a thread arena's heaps hold at most 64 MiB)
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 _SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # "retain": paratrain set the variables above in this process tree
 
 
@@ -235,22 +236,31 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     back to the kernel, and trims the heap's free top above twice that; a training step frees and
     allocates the same large activations every step, so the kernel maps and zeroes their pages again
     every step (minor page faults, in system time). Here the mmap threshold is 1 GiB (32 MiB where a
-    glibc before 2.35 refuses more) and the trim threshold 2 GiB - 1: ``mallopt(3)`` in this process,
-    and ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in ``os.environ`` (only the values
-    glibc took) for the processes it starts, which glibc reads at their start. A thread other than
-    the main one allocates from an arena whose heaps hold at most 64 MiB: a larger block of such a
-    thread (a CPU tower's forward, an RPC thread) is still mapped per allocation. PyTorch's CPU
-    performance tuning guide recommends an allocator that reuses memory (jemalloc, tcmalloc) for
-    the same reason; these are glibc's own settings and need no library. Measured with
-    ``benchmarks/cpu_allocator.py`` (``benchmarks/RESULTS.md``, "Host memory"): gpt_wt2's step 1.58x and
-    ptb_small's 1.12-1.24x faster on a 2-vCPU VM. The cost: memory a step frees stays with the process,
-    and the peak resident set can grow where blocks glibc mapped apart now share the heap (gpt_wt2's by 47%).
+    glibc before 2.35 refuses more) and the trim threshold 2 GiB - 1. Also by default, a thread other
+    than the main one allocates from an arena of its own, whose heaps hold at most 64 MiB (glibc's
+    ``HEAP_MAX_SIZE``) and are unmapped when empty: a larger block of such a thread (a CPU tower's
+    forward, an intra-op worker's temporary) is mapped and unmapped per allocation whatever the
+    thresholds. So the number of arenas is 1 (``M_ARENA_MAX``): every thread allocates from the main
+    arena's heap. Its lock is shared; measured, the all-reduce and parameter-server steps (gloo and
+    RPC threads) were not slower.
+
+    glibc takes these by ``mallopt(3)`` in this process (the arena limit holds for the threads that
+    have not allocated yet: call it before the first parallel work), and by the variables
+    ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` in ``os.environ``
+    (only the values glibc took) for the processes it starts, which glibc reads at their start.
+    PyTorch's CPU performance tuning guide recommends an allocator that reuses memory (jemalloc,
+    tcmalloc) for the same reason; these are glibc's own settings and need no library. Measured with
+    ``benchmarks/cpu_allocator.py`` (``benchmarks/RESULTS.md``, "Host memory", 2-vCPU VM): the
+    thresholds made gpt_wt2's step 1.58x and ptb_small's 1.12-1.24x faster, and the single arena
+    gpt_wt2's towers 1.29x faster again. The cost: memory a step frees stays with the process, and
+    the peak resident set can grow where blocks glibc mapped apart now share the heap (gpt_wt2's by
+    47%).
 
     ``"default"``: glibc's own behaviour for the processes this one starts: the variables a parent
     set (``$PARATRAIN_CPU_ALLOCATOR``) are removed from ``os.environ``. This process keeps what glibc
     read at its start and what an earlier call set (glibc cannot go back to its dynamic thresholds).
 
-    Where the user set glibc's malloc parameters (either variable, or ``glibc.malloc.*`` in
+    Where the user set glibc's malloc parameters (any of the variables, or ``glibc.malloc.*`` in
     ``GLIBC_TUNABLES``), both modes leave them and glibc to the user. Returns what holds in this process
     after the call (:func:`cpu_allocator_in_effect`). Raises UsageError for another ``mode``. Call it
     in every process that trains, before its first step; a CUDA device's memory is not affected."""
@@ -273,6 +283,8 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
             break
     if mallopt(_M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD):
         took["MALLOC_TRIM_THRESHOLD_"] = str(RETAIN_TRIM_THRESHOLD)
+    if mallopt(_M_ARENA_MAX, RETAIN_ARENA_MAX):
+        took["MALLOC_ARENA_MAX"] = str(RETAIN_ARENA_MAX)
     if len(took) == len(_ENV):
         os.environ.update(took, **{_SET_BY: "retain"})
         _STATE["retain"] = True

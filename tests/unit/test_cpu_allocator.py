@@ -26,16 +26,27 @@ BLOCK = 64 * 2**20  # bytes: above glibc's largest dynamic mmap threshold (32 Mi
 STEPS, WARMUP = 10, 20
 PAGES = BLOCK // os.sysconf("SC_PAGE_SIZE")
 
-# a "step" allocates and fills a block, then frees it: the faults of STEPS steps after WARMUP, and the state
+# a "step" allocates and fills a block, then frees it: the faults of STEPS steps after WARMUP, and the
+# state. The steps run in the main thread, or (THREAD) in a thread started after the settings, as a CPU
+# tower's forward does: a thread arena's heap holds at most 64 MiB, so BLOCK does not fit one.
 _MEASURE = f"""
-import json, resource, torch
+import json, resource, threading, torch
 from paratrain.devices import cpu_allocator_in_effect
-for _ in range({WARMUP}):  # glibc settles in the first steps (an aligned request outgrows a freed block)
-    torch.empty({BLOCK} // 4).fill_(1.0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range({STEPS}):
-    torch.empty({BLOCK} // 4).fill_(1.0)
-print(json.dumps([resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, cpu_allocator_in_effect()]))
+def steps(out):
+    for _ in range({WARMUP}):  # glibc settles in the first steps (an aligned request outgrows a freed block)
+        torch.empty({BLOCK} // 4).fill_(1.0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range({STEPS}):
+        torch.empty({BLOCK} // 4).fill_(1.0)
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+out = []
+if THREAD:
+    t = threading.Thread(target=steps, args=(out,))
+    t.start()
+    t.join()
+else:
+    steps(out)
+print(json.dumps([out[0], cpu_allocator_in_effect()]))
 """
 
 
@@ -45,20 +56,22 @@ def _clean_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
-def _measure(modes: list[str], *, in_child: bool = False, **env: str) -> dict:
+def _measure(modes: list[str], *, in_child: bool = False, in_thread: bool = False, **env: str) -> dict:
     """A fresh process applies ``modes`` in turn; then it (or, ``in_child``, a process it starts, which
-    applies nothing itself) runs the steps. Returns the faults, the measuring process' state
+    applies nothing itself) runs the steps, in its main thread or (``in_thread``) a thread it starts
+    after. Returns the faults, the measuring process' state
     (:func:`cpu_allocator_in_effect`), what each call returned and the malloc variables passed on."""
+    measure = f"THREAD = {in_thread!r}\n{_MEASURE}"
     script = textwrap.dedent(f"""
         import json, os, subprocess, sys
         from paratrain.devices import apply_cpu_allocator
         got = [apply_cpu_allocator(m) for m in {modes!r}]
         passed = {{k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "PARATRAIN_CPU_ALLOCATOR"}}
         if {in_child!r}:
-            print(subprocess.run([sys.executable, "-c", {_MEASURE!r}], capture_output=True, text=True, check=True,
+            print(subprocess.run([sys.executable, "-c", {measure!r}], capture_output=True, text=True, check=True,
                                  timeout=100).stdout.strip())
         else:
-            exec({_MEASURE!r})
+            exec({measure!r})
         print(json.dumps({{"returned": got, "passed": passed}}))
     """)
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_clean_env(**env),
@@ -77,10 +90,26 @@ def test_retain_reuses_a_freed_block_where_default_maps_it_again_every_step():
 
 
 @glibc
+def test_retain_reuses_a_threads_freed_block_larger_than_a_thread_arenas_heap():
+    # a tower's thread: by default it has an arena of its own, whose 64 MiB heaps cannot hold BLOCK,
+    # so BLOCK is mapped and unmapped every step even under the thresholds; with one arena it is not
+    default = _measure(["default"], in_thread=True)
+    assert default["faults"] >= STEPS * PAGES // 2
+    thresholds_only = _measure(["default"], in_thread=True, MALLOC_MMAP_THRESHOLD_=str(2**30),
+                               MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
+    assert thresholds_only["faults"] >= STEPS * PAGES // 2
+    retain = _measure(["retain"], in_thread=True)
+    assert retain["faults"] < PAGES and retain["state"] == "retain"
+    child = _measure(["retain"], in_child=True, in_thread=True)  # the arena limit reaches the processes it starts
+    assert child["faults"] < PAGES and child["passed"]["MALLOC_ARENA_MAX"] == "1"
+
+
+@glibc
 def test_the_processes_it_starts_retain_too_and_a_later_default_starts_them_with_glibcs_own():
     child = _measure(["retain"], in_child=True)
     assert child["faults"] < PAGES and child["state"] == "retain"
-    assert set(child["passed"]) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PARATRAIN_CPU_ALLOCATOR"}
+    assert set(child["passed"]) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                                    "PARATRAIN_CPU_ALLOCATOR"}
     # retain, then default in the same process: it cannot undo its own glibc (and says so); its children can
     later = _measure(["retain", "default"], in_child=True)
     assert later["returned"] == ["retain", "retain"] and later["passed"] == {}
