@@ -47,7 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .config import CPU_ALLOCATORS
+    from .dist_config import CPU_ALLOCATORS
 
     from .strategies import STRATEGIES
 

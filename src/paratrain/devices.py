@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from .config import CPU_ALLOCATORS
+from .dist_config import CPU_ALLOCATORS
 from .errors import UsageError
 
 
@@ -191,7 +191,8 @@ def apply_memory_controls(device: torch.device, fraction: float = 0.0, expandabl
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: a main-thread block below it comes from the heap and is reused when freed
 OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most a glibc before 2.35 takes (HEAP_MAX_SIZE / 2 on 64-bit)
-RETAIN_TRIM_THRESHOLD = 2 ** 31 - 1  # bytes (mallopt takes an int): the heap's free top is kept up to it
+RETAIN_TRIM_THRESHOLD = -1  # mallopt(3): the heap's free top is never trimmed (given back to the kernel)
+NEVER_TRIM = str(2 ** 64 - 1)  # the same for MALLOC_TRIM_THRESHOLD_ (glibc reads a size_t; 2 GiB - 1 was too low)
 RETAIN_ARENA_MAX = 1  # every thread allocates from the main arena (a thread arena's heaps hold at most 64 MiB)
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 _SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # "retain": paratrain set the variables above in this process tree
@@ -236,13 +237,15 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     back to the kernel, and trims the heap's free top above twice that; a training step frees and
     allocates the same large activations every step, so the kernel maps and zeroes their pages again
     every step (minor page faults, in system time). Here the mmap threshold is 1 GiB (32 MiB where a
-    glibc before 2.35 refuses more) and the trim threshold 2 GiB - 1. Also by default, a thread other
-    than the main one allocates from an arena of its own, whose heaps hold at most 64 MiB (glibc's
-    ``HEAP_MAX_SIZE``) and are unmapped when empty: a larger block of such a thread (a CPU tower's
-    forward, an intra-op worker's temporary) is mapped and unmapped per allocation whatever the
-    thresholds. So the number of arenas is 1 (``M_ARENA_MAX``): every thread allocates from the main
-    arena's heap. Its lock is shared; measured, the all-reduce and parameter-server steps (gloo and
-    RPC threads) were not slower.
+    glibc before 2.35 refuses more) and the heap is never trimmed: a trim threshold of 2 GiB - 1 (the
+    most ``mallopt`` takes as a number) still trimmed the top of gpt_wt2's heap at batch 64, whose
+    step frees more than 2 GiB. Also by default, a thread other than the main one allocates from an
+    arena of its own, whose heaps hold at most 64 MiB (glibc's ``HEAP_MAX_SIZE``) and are unmapped
+    when empty: a larger block of such a thread (a CPU tower's forward, an intra-op worker's
+    temporary) is mapped and unmapped per allocation whatever the thresholds. So the number of
+    arenas is 1 (``M_ARENA_MAX``): every thread allocates from the main arena's heap. Its lock is
+    shared; measured, the all-reduce and parameter-server steps (gloo and RPC threads) were not
+    slower.
 
     glibc takes these by ``mallopt(3)`` in this process (the arena limit holds for the threads that
     have not allocated yet: call it before the first parallel work), and by the variables
@@ -282,7 +285,7 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
             took["MALLOC_MMAP_THRESHOLD_"] = str(value)
             break
     if mallopt(_M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD):
-        took["MALLOC_TRIM_THRESHOLD_"] = str(RETAIN_TRIM_THRESHOLD)
+        took["MALLOC_TRIM_THRESHOLD_"] = NEVER_TRIM
     if mallopt(_M_ARENA_MAX, RETAIN_ARENA_MAX):
         took["MALLOC_ARENA_MAX"] = str(RETAIN_ARENA_MAX)
     if len(took) == len(_ENV):

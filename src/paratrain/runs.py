@@ -86,6 +86,7 @@ def _strategy_in(path: Path | str | None) -> str | None:
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
     """Validate flags, config, task and data; create (or reopen) the run directory and write config.toml."""
+    from .devices import apply_cpu_allocator
     from .train.checkpoint import list_checkpoints, newest_loadable
 
     resume_state = None
@@ -111,6 +112,9 @@ def prepare_run(args: argparse.Namespace) -> PreparedRun:
     cfg = config.load(cfg_path, args.overrides, _flag_overrides(args, _strategy_in(cfg_path)))
     cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, entry=tasks.normalise(cfg.task.entry)))
     cfg.check_world()
+    # this process' host memory (single, towers) and, by its environment, the workers': before the task loads
+    # its data, whose threads would otherwise take malloc arenas of their own (devices.apply_cpu_allocator)
+    apply_cpu_allocator(cfg.dist.cpu_allocator)
     task = build_task(cfg, args.data_dir, download=True)
     if resume_state is not None:
         old = config.load(cfg_path)
@@ -293,7 +297,6 @@ def _new_run_dir(requested: Path | None, name: str) -> Path:
 def start_run(run: PreparedRun) -> int:
     """Train in this process (``single``) or in ``dist.nproc`` workers via torchrun."""
     from . import launch
-    from .devices import apply_cpu_allocator
     from .env import default_threads
 
     cfg = run.cfg
@@ -304,7 +307,6 @@ def start_run(run: PreparedRun) -> int:
     if cfg.dist.visible_devices:
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.dist.visible_devices
     os.environ["PARATRAIN_FAULT"] = cfg.dist.fault  # this attempt's faults (config.toml never holds them)
-    apply_cpu_allocator(cfg.dist.cpu_allocator)  # this process (single, towers) and, by its environment, the workers
     if STRATEGIES[cfg.dist.strategy].in_process and not cfg.dist.max_restarts:  # restarts need torchrun's agent
         from .worker import train_worker
 

@@ -104,6 +104,44 @@ def test_retain_reuses_a_threads_freed_block_larger_than_a_thread_arenas_heap():
     assert child["faults"] < PAGES and child["passed"]["MALLOC_ARENA_MAX"] == "1"
 
 
+# a step of gpt_wt2 at batch 64 frees more than 2 GiB: three blocks under the mmap threshold, freed together
+# into the heap's top (glibc's malloc and memset, no torch: its aligned requests settle only after many steps)
+_LARGE_STEP = """
+import ctypes, json, resource
+from paratrain.devices import apply_cpu_allocator
+apply_cpu_allocator("retain")
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+size = 800 << 20
+def step():
+    blocks = [libc.malloc(size) for _ in range(3)]
+    for b in blocks:
+        libc.memset(b, 1, size)
+    for b in blocks:
+        libc.free(b)
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(2):
+    step()
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
+"""
+
+
+@glibc
+def test_retain_keeps_a_heap_top_larger_than_2_gib_that_a_trim_threshold_of_2_gib_gives_back():
+    def faults(**env: str) -> int:
+        res = subprocess.run([sys.executable, "-c", _LARGE_STEP], capture_output=True, text=True,
+                             env=_clean_env(**env), timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    pages = 3 * (800 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert faults() < pages // 10  # never trimmed: the three blocks' pages stay mapped
+    # the largest trim threshold mallopt takes as a number (the user's here, so retain leaves it): trimmed each step
+    assert faults(MALLOC_MMAP_THRESHOLD_=str(2**30), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1)) >= pages
+
+
 @glibc
 def test_the_processes_it_starts_retain_too_and_a_later_default_starts_them_with_glibcs_own():
     child = _measure(["retain"], in_child=True)

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 35  # 35: measured with one malloc arena (dist.cpu_allocator's retain: a CPU tower's thread
+PROFILE_VERSION = 35  # 35: measured with one malloc arena and a heap never trimmed (dist.cpu_allocator's retain: a CPU tower's thread
 # and the intra-op workers allocate from the main heap, their blocks above 64 MiB no longer mapped per step);
 # 34: measured under dist.cpu_allocator (devices.apply_cpu_allocator: glibc keeps freed
 # blocks, 20-38% off a CPU's step of the LSTM and GPT recipes), in the profile's own process and every one it starts;
