@@ -11,8 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 35  # 35: measured with one malloc arena and a heap never trimmed (dist.cpu_allocator's retain: a CPU tower's thread
-# and the intra-op workers allocate from the main heap, their blocks above 64 MiB no longer mapped per step);
+PROFILE_VERSION = 35  # 35: measured with one malloc arena and a heap never trimmed (dist.cpu_allocator's
+# retain: a CPU tower's thread and the intra-op workers allocate from the main heap, their blocks above 64 MiB
+# no longer mapped per step, nor a step's frees above 2 GiB);
 # 34: measured under dist.cpu_allocator (devices.apply_cpu_allocator: glibc keeps freed
 # blocks, 20-38% off a CPU's step of the LSTM and GPT recipes), in the profile's own process and every one it starts;
 # 33: a CPU's loop_ps_stolen_s and loop_ps_guard_s (ps-sync's and ps-async's jobs in the
