@@ -192,7 +192,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 RETAIN_MMAP_THRESHOLD = 1 << 30  # bytes: a main-thread block below it comes from the heap and is reused when freed
 OLD_GLIBC_MMAP_THRESHOLD = 32 << 20  # the most a glibc before 2.35 takes (HEAP_MAX_SIZE / 2 on 64-bit)
 RETAIN_TRIM_THRESHOLD = -1  # mallopt(3): the heap's free top is never trimmed (given back to the kernel)
-NEVER_TRIM = str(2 ** 64 - 1)  # the same for MALLOC_TRIM_THRESHOLD_ (glibc reads a size_t; 2 GiB - 1 was too low)
+# the same for MALLOC_TRIM_THRESHOLD_: more than any heap, in 19 digits (glibc 2.39's tunables reject a value that
+# fills 64 bits, 2 ** 64 - 1, as unparsed; before 2.26 glibc read it with atoi, which gives -1)
+NEVER_TRIM = str(2 ** 63)
 RETAIN_ARENA_MAX = 1  # every thread allocates from the main arena (a thread arena's heaps hold at most 64 MiB)
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 _SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # "retain": paratrain set the variables above in this process tree
@@ -244,28 +246,31 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     when empty: a larger block of such a thread (a CPU tower's forward, an intra-op worker's
     temporary) is mapped and unmapped per allocation whatever the thresholds. So the number of
     arenas is 1 (``M_ARENA_MAX``): every thread allocates from the main arena's heap. Its lock is
-    shared; measured, the all-reduce and parameter-server steps (gloo and RPC threads) were not
-    slower.
+    shared; measured on 2 vCPUs, the all-reduce and parameter-server steps (gloo and RPC threads) moved
+    within the machine's drift (RESULTS). The limit holds only for the threads that have not allocated
+    yet: a thread that allocated before the call keeps its arena, and a later thread may be handed one
+    of those; call it first in a process (``paratrain train`` does before it loads the data), or
+    export ``MALLOC_ARENA_MAX=1`` before the process starts.
 
-    glibc takes these by ``mallopt(3)`` in this process (the arena limit holds for the threads that
-    have not allocated yet: call it before the first parallel work), and by the variables
+    glibc takes these by ``mallopt(3)`` in this process, and by the variables
     ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` in ``os.environ``
     (only the values glibc took) for the processes it starts, which glibc reads at their start.
     PyTorch's CPU performance tuning guide recommends an allocator that reuses memory (jemalloc,
     tcmalloc) for the same reason; these are glibc's own settings and need no library. Measured with
     ``benchmarks/cpu_allocator.py`` (``benchmarks/RESULTS.md``, "Host memory", 2-vCPU VM): the
-    thresholds made gpt_wt2's step 1.58x and ptb_small's 1.12-1.24x faster, and the single arena
-    gpt_wt2's towers 1.29x faster again. The cost: memory a step frees stays with the process, and
-    the peak resident set can grow where blocks glibc mapped apart now share the heap (gpt_wt2's by
-    47%).
+    thresholds made gpt_wt2's step 1.58x and ptb_small's 1.12-1.24x faster; in A/B runs the single
+    arena made gpt_wt2's towers 1.29x faster again, and no trimming their backward 1.37x. The cost:
+    memory a step frees stays with the process, and the peak resident set can grow where blocks glibc
+    mapped apart now share the heap (gpt_wt2's by 47%).
 
     ``"default"``: glibc's own behaviour for the processes this one starts: the variables a parent
     set (``$PARATRAIN_CPU_ALLOCATOR``) are removed from ``os.environ``. This process keeps what glibc
     read at its start and what an earlier call set (glibc cannot go back to its dynamic thresholds).
 
-    Where the user set glibc's malloc parameters (any of the variables, or ``glibc.malloc.*`` in
-    ``GLIBC_TUNABLES``), both modes leave them and glibc to the user. Returns what holds in this process
-    after the call (:func:`cpu_allocator_in_effect`). Raises UsageError for another ``mode``. Call it
+    Where the user set glibc's malloc parameters (any of the three variables, ``MALLOC_ARENA_MAX``
+    alone too, or ``glibc.malloc.*`` in ``GLIBC_TUNABLES``), both modes leave them and glibc to the
+    user: no threshold or arena is set, and summaries say ``"user"``. Returns what holds in this
+    process after the call (:func:`cpu_allocator_in_effect`). Raises UsageError for another ``mode``. Call it
     in every process that trains, before its first step; a CUDA device's memory is not affected."""
     if mode not in CPU_ALLOCATORS:
         raise UsageError(f"dist.cpu_allocator = {mode!r} is not allowed; use one of {', '.join(CPU_ALLOCATORS)}")
