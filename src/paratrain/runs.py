@@ -85,7 +85,9 @@ def _strategy_in(path: Path | str | None) -> str | None:
 
 
 def prepare_run(args: argparse.Namespace) -> PreparedRun:
-    """Validate flags, config, task and data; create (or reopen) the run directory and write config.toml."""
+    """Validate flags, config, task and data; create (or reopen) the run directory and write config.toml.
+    Applies ``dist.cpu_allocator`` to this process (and the environment its workers inherit) before the
+    task loads its data (:func:`~paratrain.devices.apply_cpu_allocator`)."""
     from .devices import apply_cpu_allocator
     from .train.checkpoint import list_checkpoints, newest_loadable
 
