@@ -17,7 +17,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 if os.environ.get("PARATRAIN_DATA"):
     os.environ["PARATRAIN_DATA"] = str(Path(os.environ["PARATRAIN_DATA"]).resolve())
 
-_MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "PARATRAIN_CPU_ALLOCATOR")
+from paratrain.devices import CPU_ALLOCATOR_VARIABLES as _MALLOC_KEYS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -198,6 +198,7 @@ NEVER_TRIM = str(2 ** 63)
 RETAIN_ARENA_MAX = 1  # every thread allocates from the main arena (a thread arena's heaps hold at most 64 MiB)
 _ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 _SET_BY = "PARATRAIN_CPU_ALLOCATOR"  # "retain": paratrain set the variables above in this process tree
+CPU_ALLOCATOR_VARIABLES = (*_ENV, _SET_BY)  # what retain may put into os.environ (tests restore them)
 
 
 def _users_own(environ) -> bool:
