@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -251,7 +252,8 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     within the machine's drift (RESULTS). The limit holds only for the threads that have not allocated
     yet: a thread that allocated before the call keeps its arena, and a later thread may be handed one
     of those; call it first in a process (``paratrain train`` does before it loads the data), or
-    export ``MALLOC_ARENA_MAX=1`` before the process starts.
+    export ``MALLOC_ARENA_MAX=1`` before the process starts. Where such arenas exist when it sets
+    the limit (:func:`malloc_arenas`), it prints one line saying so, once a process.
 
     glibc takes these by ``mallopt(3)`` in this process, and by the variables
     ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` in ``os.environ``
@@ -297,7 +299,42 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     if len(took) == len(_ENV):
         os.environ.update(took, **{_SET_BY: "retain"})
         _STATE["retain"] = True
+        _report_late_arenas()
     return cpu_allocator_in_effect()
+
+
+def malloc_arenas() -> int | None:
+    """How many malloc arenas glibc has in this process: the ``<heap nr=...>`` entries of
+    ``malloc_info(3)``, the main arena and one per arena a thread took. None where the C library is
+    not glibc or the count cannot be read. Any thread may call it; it takes each arena's lock briefly."""
+    import ctypes
+    import tempfile
+
+    if _glibc_mallopt() is None:
+        return None
+    libc = ctypes.CDLL(None)
+    libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
+    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.TemporaryFile() as f:
+        stream = libc.fdopen(os.dup(f.fileno()), b"w")
+        if not stream:
+            return None
+        ok = libc.malloc_info(0, stream) == 0
+        libc.fclose(stream)
+        f.seek(0)
+        return f.read().count(b"<heap nr=") if ok else None
+
+
+def _report_late_arenas() -> None:
+    """One line on stderr, once a process, where ``retain`` set one arena after threads had taken
+    arenas of their own (:func:`malloc_arenas` above 1): those threads keep them."""
+    arenas = malloc_arenas()
+    if arenas and arenas > 1 and not _STATE.get("reported"):
+        _STATE["reported"] = True
+        print(f"[paratrain] dist.cpu_allocator: {arenas - 1} malloc arena(s) of threads that allocated before "
+              "it was applied stay in use (their blocks over 64 MiB are mapped per allocation); call pt.init() "
+              "before other work, or export MALLOC_ARENA_MAX=1 before the process starts", file=sys.stderr,
+              flush=True)
 
 
 def cpu_allocator_in_effect() -> str:

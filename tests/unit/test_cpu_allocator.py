@@ -186,3 +186,40 @@ def test_an_unknown_allocator_is_a_usage_error():
         config.load(None, ['dist.cpu_allocator="jemalloc"'])
     assert config.load(None, ['dist.cpu_allocator="default"']).dist.cpu_allocator == "default"
     assert config.load(None, []).dist.cpu_allocator == "retain"
+
+
+# a thread allocates (taking an arena of its own unless the limit is already 1), before or after retain
+_LATE = """
+import json, os, threading
+from paratrain.devices import apply_cpu_allocator, malloc_arenas
+def allocate():
+    global kept
+    kept = [bytearray(4096) for _ in range(8)]
+def thread():
+    t = threading.Thread(target=allocate)
+    t.start()
+    t.join()
+before = malloc_arenas()
+if os.environ["ORDER"] == "thread first":
+    thread()
+got = [apply_cpu_allocator("retain"), apply_cpu_allocator("retain")]
+if os.environ["ORDER"] == "retain first":
+    thread()
+print(json.dumps({"before": before, "after": malloc_arenas(), "got": got}))
+"""
+
+
+@glibc
+def test_retain_says_once_when_a_thread_took_an_arena_before_it_and_not_when_it_came_first():
+    def run(order: str) -> tuple[dict, str]:
+        res = subprocess.run([sys.executable, "-c", _LATE], capture_output=True, text=True,
+                             env=_clean_env(ORDER=order), timeout=60)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+    late, said = run("thread first")
+    assert late["before"] == 1 and late["after"] == 2 and late["got"] == ["retain", "retain"]
+    lines = [line for line in said.splitlines() if "malloc arena" in line]
+    assert len(lines) == 1 and "1 malloc arena(s)" in lines[0] and "MALLOC_ARENA_MAX=1" in lines[0]
+    first, said = run("retain first")
+    assert first["before"] == 1 and first["after"] == 1 and "malloc arena" not in said
