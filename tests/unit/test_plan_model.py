@@ -1479,9 +1479,10 @@ def test_loop_sync_batchnorm_is_each_strategys_two_replica_step_with_the_key_on_
 def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_measure(monkeypatch):
     """profile_runs.sync_batchnorm_fallbacks with the micro-benchmarks stubbed: the loop's measurement of
     both strategies leaves nothing to time; a strategy it left out (a failed run) or no loop at all
-    (a GPU) times the layers apart, with each layer's share of the step's compute, and tells the
+    times the layers apart, with each layer's share of the step's compute, and tells the
     progress bar each one it runs; no BatchNorm
-    inputs, no links or no towers' forwards: nothing for what needs them."""
+    inputs, no links or no towers' forwards: nothing for what needs them; a GPU's profile: not the
+    processes' (its plan never reads them)."""
     from paratrain.bench import microbench_meetings, microbench_towers
     from paratrain.bench.profile_runs import sync_batchnorm_fallbacks, sync_batchnorm_strategies
 
@@ -1512,9 +1513,14 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
     calls.clear()
     for bare in (profile(batchnorm_inputs=[]), {k: v for k, v in profile().items() if k != "links"}):
         sync_batchnorm_fallbacks(bare, {})
-    gpu = {k: v for k, v in profile().items() if k != "towers_forward_threads"}
-    sync_batchnorm_fallbacks(gpu, {})
+    few_cores = {k: v for k, v in profile().items() if k != "towers_forward_threads"}  # no towers' forward
+    sync_batchnorm_fallbacks(few_cores, {})
     assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003)))]
+    calls.clear()
+    gpu = {**profile(), "device": "cuda"}  # a GPU's profile plans its measured link at N = 1 alone: unread
+    del gpu["towers_forward_threads"]
+    sync_batchnorm_fallbacks(gpu, {})
+    assert not calls and "sync_batchnorm_s" not in gpu
 
 
 @pytest.mark.parametrize("cores", [2, 4])

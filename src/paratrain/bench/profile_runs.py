@@ -235,13 +235,16 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     forward split over the layers, as the profile measured it: since version 26 with their join and
     the loss on it) unless it measured the towers' strategy. Nothing
     without BatchNorm inputs or links (``profile.profile_model(links=False)``); the towers' only
-    where their forwards were measured (a CPU of several cores). ``progress`` is told which runs, for
-    the profile's progress bar. Call in the profiling process, at its default threads."""
+    where their forwards were measured (a CPU of several cores); the processes' only for a CPU's
+    profile (``prof["device"]``, a CPU where absent): a GPU's is planned on its measured link at N = 1
+    alone, and on a preset link by the ring's formula (:func:`~.plan_inputs.sync_batchnorm_s`), so the
+    seconds of CPU processes would go unread. ``progress`` is told which runs, for the profile's
+    progress bar. Call in the profiling process, at its default threads."""
     shapes = prof.get("batchnorm_inputs")
     if not shapes or "links" not in prof:
         return
     processes, towers = sync_batchnorm_strategies()
-    if processes not in measured_in_loop:
+    if processes not in measured_in_loop and prof.get("device", "cpu") == "cpu":
         from .microbench_meetings import measured_sync_batchnorm
 
         progress("sync BatchNorm micro-benchmark: 2 processes")
