@@ -11,16 +11,34 @@
 # $WORK in $OUT/plan-gpu-small.tgz (name it last).
 # On a 15-minute lease (2026-11-27, H200): env gpt_bf16 ptb digits towers_tf32 nvlink pack takes about
 # 12 minutes; give each call's steps so that the call ends inside its limit, and pack in every call.
+# BUDGET (seconds, default 540: the device tool's 600 s a call, less the pack and the transfers): no
+# step runs past it, a step that would start with under 30 s left is skipped, and pack always runs.
+# The data: the device machine has no ../shared, so stage a copy in the ignored gpudata/ and carry it:
+#   mkdir -p gpudata && cp -r ../shared/data/ptb ../shared/data/wikitext-2 gpudata/
+#   device run, carry ["gpudata/ptb", "gpudata/wikitext-2"]:
+#   PYTHONPATH=src bash benchmarks/gpu_plan_validation.sh env gpt_bf16 ptb digits pack
+# PARATRAIN_DATA defaults to gpudata where it exists and ../shared/data is missing. Remove gpudata/ after.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/plan-gpu}
 PY=${PYTHON:-python3}
+BUDGET=${BUDGET:-540}
+if [ -z "${PARATRAIN_DATA:-}" ] && [ ! -d ../shared/data ] && [ -d gpudata ]; then
+  export PARATRAIN_DATA=$PWD/gpudata
+fi
 mkdir -p "$WORK"
 T0=$(date +%s)
 
-run() {  # run NAME LIMIT_S COMMAND...: one step, its log in $WORK/NAME.log, its tail printed
-  local name=$1 limit=$2 rc
+run() {  # run NAME LIMIT_S COMMAND...: one step, its log in $WORK/NAME.log, its tail printed; the limit is
+  # cut to what BUDGET leaves (pack's own steps are never cut)
+  local name=$1 limit=$2 rc left
   shift 2
+  left=$((BUDGET - ($(date +%s) - T0)))
+  if [ "$left" -lt 30 ]; then
+    echo "=== $name: skipped at +$(($(date +%s) - T0)) s (under 30 s of BUDGET=$BUDGET left)"
+    return 0
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   echo "=== $name: start at +$(($(date +%s) - T0)) s (limit $limit s)"
   timeout -k 10 "$limit" "$@" > "$WORK/$name.log" 2>&1
   rc=$?
