@@ -475,12 +475,14 @@ def test_towers_forward_side_by_side_is_the_threads_measurement_where_the_profil
     assert towers_forward_s(prof, 1) is None
 
 
-def test_the_towers_forward_microbenchmark_times_cpu_towers_forward_with_the_join_after_a_full_thread_step():
-    """Three towers whose forwards each sleep 50 ms (a sleep, which a busy machine does not shorten):
-    the timed loss runs through CPUTowers, so each tower gets its third of the batch in its own
-    thread, with its share of the intra-op threads, on its own replica, side by side (about 50 ms,
-    not 150 in a row), and the loss sees the joined outputs of the whole batch; every step before
-    them has the process' threads, and so does the caller after."""
+def test_the_towers_microbenchmark_times_cpu_towers_forward_with_the_join_and_their_backward_after_a_full_step():
+    """Three towers whose forwards each sleep 50 ms and whose backward sleeps 30 ms once per tower (a
+    sleep, which a busy machine does not shorten): the timed loss runs through CPUTowers, so each tower
+    gets its third of the batch in its own thread, with its share of the intra-op threads, on its own
+    replica, side by side (about 50 ms, not 150 in a row), and the loss sees the joined outputs of the
+    whole batch; the one backward runs through the three towers' graphs in the caller (3 x 30 ms);
+    every step before them has the process' threads, and so does the caller after; the gradients are
+    left as None, as the loop's zero_grad leaves them."""
     import threading
     import time
 
@@ -490,15 +492,25 @@ def test_the_towers_forward_microbenchmark_times_cpu_towers_forward_with_the_joi
 
     seen, steps, joined = [], [], []
 
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.03)
+            return grad
+
     class Sleepy(torch.nn.Module):
-        def __init__(self):
+        def __init__(self, forward_s: float = 0.05):
             super().__init__()
-            self.lin = torch.nn.Linear(3, 3)
+            self.lin, self.forward_s = torch.nn.Linear(3, 3), forward_s
 
         def forward(self, x):
             seen.append((threading.get_ident(), torch.get_num_threads(), id(self), x.shape[1]))
-            time.sleep(0.05)
-            return self.lin(x)
+            time.sleep(self.forward_s)
+            return SlowBackward.apply(self.lin(x))
 
     model = Sleepy()
     x = torch.randn(4, 6, 3)  # batch dimension 1, as the LSTM's (T, B) inputs
@@ -511,13 +523,56 @@ def test_the_towers_forward_microbenchmark_times_cpu_towers_forward_with_the_joi
     threads = torch.get_num_threads()
     got = measured_towers_forward(model, loss_of, lambda: steps.append(torch.get_num_threads()), 3, 1,
                                   repeats=3, warmup=1)
-    assert 0.05 <= got < 0.1
+    assert 0.05 <= got["seconds"] < 0.1 and 0.09 <= got["backward_seconds"] < 0.15 and got["repeats"] == 3
+    assert "sync_batchnorm_s" not in got and all(p.grad is None for p in model.parameters())
     assert steps == [threads] * 4 and torch.get_num_threads() == threads
     assert joined == [(4, 6, 3)] * 4  # the loss on the joined outputs
     assert {b for *_, b in seen} == {2}  # each tower its third of the batch
     assert {n for _, n, _, _ in seen} == {max(1, threads // 3)}
     assert len({m for _, _, m, _ in seen}) == 3 and id(model) in {m for _, _, m, _ in seen}
     assert len({t for t, *_ in seen[:3]}) == 3
+
+
+def test_the_towers_microbenchmark_times_the_synchronised_towers_in_turn_and_keeps_the_difference():
+    """The plain towers (forward 20 ms, backward 3 x 30 ms) and the synchronised ones (forward 60 ms,
+    the same backward), each after its own training step, in turn: the difference is their forward's
+    40 ms; the plain model's forward and backward are still what is kept; and the timed steps go on
+    past ``repeats`` until they last ``least_s``."""
+    import time
+
+    import torch
+
+    from paratrain.bench.microbench_towers import measured_towers_forward
+    from paratrain.strategies.towers import TowerGroup
+
+    class SlowBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.03)
+            return grad
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self, forward_s: float):
+            super().__init__()
+            self.lin, self.forward_s = torch.nn.Linear(3, 3), forward_s
+
+        def forward(self, x):
+            time.sleep(self.forward_s)
+            return SlowBackward.apply(self.lin(x))
+
+    steps = []
+    plain, synced = Sleepy(0.02), Sleepy(0.06)
+    got = measured_towers_forward(plain, lambda engine: engine(torch.randn(6, 3)).sum(), lambda: steps.append(1), 3,
+                                  0, repeats=2, warmup=1, least_s=1.0, synced=(synced, TowerGroup(3)))
+    assert 0.02 <= got["seconds"] < 0.05 and 0.09 <= got["backward_seconds"] < 0.15
+    assert 0.03 <= got["sync_batchnorm_s"] < 0.07
+    # each round: both, each after a step; past 2 repeats until the timed steps (110 + 150 ms a round) last 1 s
+    assert 3 <= got["repeats"] <= 6 and len(steps) == 2 * (got["repeats"] + 1)
+    assert all(p.grad is None for m in (plain, synced) for p in m.parameters())
 
 
 def test_latency_bandwidth_fit_is_exact_on_noise_free_messages():
@@ -946,6 +1001,38 @@ def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minu
     assert tower_sync_batchnorm_s(loop, cfg, 2, on_this_machine=True) == 0.012
     assert tower_sync_batchnorm_s(loop, cfg, 3, on_this_machine=True) == pytest.approx(0.024)
     assert tower_sync_batchnorm_s(loop, cfg, 2, on_this_machine=False) == 0.0
+    # since version 36 the towers' own steps, plain and synchronised in turn, at m = 4 towers (4 cores):
+    # before the loop's; x (n - 1) / (m - 1): 2 towers meet a third as often per tower pair, 7 towers twice
+    steps = {**loop, "towers_forward_threads": {"towers": 4, "seconds": 0.02, "sync_batchnorm_s": 0.009}}
+    assert tower_sync_batchnorm_s(steps, cfg, 4, on_this_machine=True) == pytest.approx(0.009)
+    assert tower_sync_batchnorm_s(steps, cfg, 2, on_this_machine=True) == pytest.approx(0.003)
+    assert tower_sync_batchnorm_s(steps, cfg, 7, on_this_machine=True) == pytest.approx(0.018)
+    assert tower_sync_batchnorm_s(steps, off, 4, on_this_machine=True) == 0.0
+
+
+def test_the_towers_backward_is_the_measured_one_times_n_over_cores_and_replaces_n_backwards():
+    from paratrain.bench.costmodel import Link
+    from paratrain.bench.costmodel_sharded import predict_towers
+    from paratrain.bench.plan import towers_backward_s
+
+    prof = {"towers_forward_threads": {"towers": 2, "joined": True, "seconds": 0.04, "backward_seconds": 0.03}}
+    assert towers_backward_s(prof, 2) == pytest.approx(0.03)
+    assert towers_backward_s(prof, 4) == pytest.approx(0.06)  # 4 towers on 2 cores: twice the graphs
+    assert towers_backward_s(prof, 2, ratio=0.5) == pytest.approx(0.015)  # half the batch per tower
+    assert towers_backward_s(prof, 1) is None  # fewer towers than cores: not measured
+    older = {"towers_forward_threads": {"towers": 2, "joined": True, "seconds": 0.04}}  # version 35 and before
+    assert towers_backward_s(older, 2) is None and towers_backward_s({}, 2) is None
+    w = Workload(forward_s=0.02, backward_s=0.01, data_s=0.001, optimizer_s=0.002, param_bytes=(1000,),
+                 tokens_per_step=100.0)
+    link = Link(name="t", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
+    measured = predict_towers(w, 2, link, output_bytes=0.0, shared_cores=True, forward_side_by_side_s=0.04,
+                              joined=True, backward_measured_s=0.03)
+    assert measured.step_s == pytest.approx(0.04 + 0.03 + 0.001 + 0.002)  # not 0.04 + 2 x 0.01 + ...
+    unmeasured = predict_towers(w, 2, link, output_bytes=0.0, shared_cores=True, forward_side_by_side_s=0.04,
+                                joined=True)
+    assert unmeasured.step_s == pytest.approx(0.04 + 2 * 0.01 + 0.001 + 0.002)
+    apart = predict_towers(w, 2, link, output_bytes=0.0, backward_measured_s=0.03)  # own devices: ignored
+    assert apart.compute_s == pytest.approx(0.02 + 0.01 + 0.001 + 0.002)
 
 
 def test_the_tower_microbenchmark_prices_the_threads_meeting_in_synchronised_batchnorm(monkeypatch):
@@ -1517,6 +1604,9 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
     sync_batchnorm_fallbacks(few_cores, {})
     assert calls == [("processes", (pytest.approx(0.002), pytest.approx(0.003)))]
     calls.clear()
+    steps = profile(towers_forward_threads={"towers": 2, "seconds": 0.010, "sync_batchnorm_s": 0.004})
+    sync_batchnorm_fallbacks(steps, {processes: 0.031})  # the towers' steps timed synchronised: no layers alone
+    assert not calls and "tower_sync_batchnorm_s" not in steps
     gpu = {**profile(), "device": "cuda"}  # a GPU's profile plans its measured link at N = 1 alone: unread
     del gpu["towers_forward_threads"]
     sync_batchnorm_fallbacks(gpu, {})
@@ -1548,10 +1638,11 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         measured = {processes: 0.03, towers: 0.01} if replicas == 2 else {processes: 0.085}
         return {k: v for k, v in measured.items() if k not in failing}
 
+    in_process = {}  # the towers' steps timed in the profile's process (version 36)
     monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "buffer_bytes": 920, "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
-                                       "optimizer_s": 0.002}}})
+                                       "optimizer_s": 0.002}}, **in_process})
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks",
                         lambda prof, loop, progress: fallbacks.append(dict(loop)))
     monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
@@ -1568,17 +1659,23 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     assert not cached and prof["loop_sync_batchnorm_s"] == {processes: 0.03, towers: 0.01}
     assert prof["loop_one_rank_s"] == one_rank
     assert "loop_buffer_broadcast_s" not in prof  # sync BatchNorm: DDP sends no buffers
+    both = (processes, towers)
     if cores < 4:
-        assert loops == [(2, steps, None), (4, plan_profile.run_steps(6, 0.02, 2.0), (processes,))]
+        assert loops == [(2, steps, both), (4, plan_profile.run_steps(6, 0.02, 2.0), (processes,))]
         assert prof["loop_sync_batchnorm_oversubscribed"] == {"processes": 4, "seconds": 0.085}
     else:
-        assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
+        assert loops == [(2, steps, both)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{processes: 0.03, towers: 0.01}]
     loops.clear(), fallbacks.clear()
     failing = (processes,)  # its 2-replica run failed: no 4-replica run, the micro-benchmark for it
     prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path / "b")
-    assert loops == [(2, steps, None)] and "loop_sync_batchnorm_oversubscribed" not in prof
+    assert loops == [(2, steps, both)] and "loop_sync_batchnorm_oversubscribed" not in prof
     assert fallbacks == [{towers: 0.01}]
+    loops.clear(), fallbacks.clear()
+    failing = ()  # the towers' steps plain and synchronised were timed in the profile's process: the processes' pair
+    in_process["towers_forward_threads"] = {"towers": cores, "seconds": 0.01, "sync_batchnorm_s": 0.002}
+    prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path / "c")
+    assert loops[0] == (2, steps, (processes,))
 
 
 def test_loop_buffer_broadcast_is_ddps_two_replica_step_with_the_broadcast_minus_without(monkeypatch, capsys):

@@ -353,7 +353,8 @@ def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[flo
 
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
                    shared_cores: bool = False, copy_s: Callable[[float], float] | None = None,
-                   forward_side_by_side_s: float | None = None, joined: bool = False) -> Prediction:
+                   forward_side_by_side_s: float | None = None, joined: bool = False,
+                   backward_measured_s: float | None = None) -> Prediction:
     """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
     (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
     devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
@@ -367,13 +368,16 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     backward runs in the calling thread with every thread through the n towers' graphs (n x backward);
     the join of their outputs is a memory copy of n x ``output_bytes``: ``copy_s(n output_bytes)``
     (none without ``copy_s``), unless ``joined``: ``forward_side_by_side_s`` was measured with the
-    join and the loss on the joined outputs in it (:func:`~.microbench_towers.measured_towers_forward`)."""
+    join and the loss on the joined outputs in it (:func:`~.microbench_towers.measured_towers_forward`).
+    ``backward_measured_s``: that backward as measured after that forward (shared cores only; None: n x
+    backward)."""
     _check_n(n)
     s, P = compute_scale, sum(w.param_bytes)
     towers = n if shared_cores else 1
     measured = shared_cores and forward_side_by_side_s is not None
     forward = forward_side_by_side_s if measured else w.forward_s * towers
-    compute = (forward + w.backward_s * towers + w.data_s + w.optimizer_s) * s
+    backward = backward_measured_s if shared_cores and backward_measured_s is not None else w.backward_s * towers
+    compute = (forward + backward + w.data_s + w.optimizer_s) * s
     if n == 1:
         comm = 0.0
     elif shared_cores:

@@ -32,7 +32,7 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
-                          sync_batchnorm_s, tower_sync_batchnorm_s, towers_forward_s, workload)
+                          sync_batchnorm_s, tower_sync_batchnorm_s, towers_backward_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
 from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link,
@@ -236,6 +236,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
+              "towers_backward_s": towers_backward_s(prof, n, ratio) if shared_cores else None,
               # a profile since version 26 measured the towers' join and loss in their forward
               "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined")),
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a

@@ -175,19 +175,39 @@ def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
     return seconds * ratio * n / cores
 
 
+def towers_backward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
+    """Seconds of the one backward of n CPU towers on this machine's cores, through every tower's
+    graph in the calling thread: the profile's, timed after the towers' forward as ``replicate``
+    runs it (``towers_forward_threads["backward_seconds"]``, since version 36,
+    :func:`~.microbench_towers.measured_towers_forward`), times n / cores, the batch scaled by
+    ``ratio``. None where it was not measured (an older profile: the plan then prices n one-device
+    backwards) or n < cores."""
+    got = prof.get("towers_forward_threads") or {}
+    if "backward_seconds" not in got or n < int(got["towers"]):
+        return None
+    return got["backward_seconds"] * ratio * n / int(got["towers"])
+
+
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
     """Seconds per step that ``model.sync_batchnorm`` adds to n CPU towers of one process here: the
-    profile's measurement at two towers (the training loop's own where the profile has it,
-    ``loop_sync_batchnorm_s`` of the towers' strategy, :func:`~.profile_runs.loop_sync_batchnorm`; else
-    ``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`: the tower
-    threads meet twice per BatchNorm layer in the forward), times n - 1 beyond two (each
-    meeting waits for every other tower: an extrapolation, not measured). 0 without BatchNorm, without
-    the key, at n = 1, and for a cluster's devices (their towers exchange C + 1 numbers per layer
-    between device threads: not modelled)."""
+    profile's measurement at m towers, times (n - 1) / (m - 1) (each meeting waits for every other
+    tower: beyond m an extrapolation, not measured). Since version 36 the towers' steps plain and
+    synchronised in turn in one process, m = the cores (``towers_forward_threads["sync_batchnorm_s"]``,
+    :func:`~.microbench_towers.measured_towers_forward`); before, m = 2: the training loop's own
+    (``loop_sync_batchnorm_s`` of the towers' strategy, :func:`~.profile_runs.loop_sync_batchnorm`),
+    else ``tower_sync_batchnorm_s`` (:func:`~.microbench_towers.measured_tower_sync_batchnorm`: the
+    tower threads meet twice per BatchNorm layer in the forward). The loop's runs with the key on and
+    off, a minute apart, moved with the machine: digits_cnn's term was 0.17, 0.67 and 1.85 ms in three
+    profiles on the 2-vCPU EPYC VM, where its towers paid 1.1-2.1 ms (2026-11-29). 0 without
+    BatchNorm, without the key, at n = 1, and for a cluster's devices (their towers exchange C + 1
+    numbers per layer between device threads: not modelled)."""
     if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
         return 0.0
     from .profile_runs import sync_batchnorm_strategies
 
     _, towers = sync_batchnorm_strategies()
+    in_process = prof.get("towers_forward_threads") or {}
+    if "sync_batchnorm_s" in in_process and int(in_process["towers"]) > 1:
+        return in_process["sync_batchnorm_s"] * (n - 1) / (int(in_process["towers"]) - 1)
     measured = (prof.get("loop_sync_batchnorm_s") or {}).get(towers, prof.get("tower_sync_batchnorm_s", 0.0))
     return measured * (n - 1)

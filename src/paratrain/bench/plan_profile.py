@@ -76,8 +76,11 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
                 loop = functools.partial(loop_sync_batchnorm, *recipe, steps=steps, repeats=args.profile_repeats,
                                          accumulation=cfg.train.accumulation)
-                prof["loop_sync_batchnorm_s"] = loop()
-                processes, _ = sync_batchnorm_strategies()
+                processes, towers = sync_batchnorm_strategies()
+                # the towers' term, since version 36, from their steps plain and synchronised in turn in one
+                # process (microbench_towers): the loop's on/off pair a minute apart moved with the machine
+                in_process = "sync_batchnorm_s" in (prof.get("towers_forward_threads") or {})
+                prof["loop_sync_batchnorm_s"] = loop(strategies=(processes,) if in_process else (processes, towers))
                 if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
                     # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
                     fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)

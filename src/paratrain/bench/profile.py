@@ -218,7 +218,8 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         progress("CPU towers' forward")
         from .microbench_towers import towers_forward
 
-        towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size)
+        towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size,
+                                sync_batchnorm=bool(out["batchnorm_inputs"]))
         if towers:
             out["towers_forward_threads"] = towers
     return out

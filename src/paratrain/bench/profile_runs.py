@@ -233,7 +233,9 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
     BatchNorm calls) unless the loop measured the processes' strategy, and between CPU towers
     (``tower_sync_batchnorm_s``, :func:`~.microbench_towers.measured_tower_sync_batchnorm`; the towers'
     forward split over the layers, as the profile measured it: since version 26 with their join and
-    the loss on it) unless it measured the towers' strategy. Nothing
+    the loss on it) unless it measured the towers' strategy or (since version 36) the towers' steps
+    plain and synchronised were timed in one process (``towers_forward_threads["sync_batchnorm_s"]``,
+    :func:`~.microbench_towers.measured_towers_forward`). Nothing
     without BatchNorm inputs or links (``profile.profile_model(links=False)``); the towers' only
     where their forwards were measured (a CPU of several cores); the processes' only for a CPU's
     profile (``prof["device"]``, a CPU where absent): a GPU's is planned on its measured link at N = 1
@@ -252,7 +254,8 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
         calls = len(shapes)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(
             shapes, compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls), repeats=80)
-    if towers not in measured_in_loop and prof.get("towers_forward_threads"):
+    measured_towers = prof.get("towers_forward_threads") or {}
+    if towers not in measured_in_loop and measured_towers and "sync_batchnorm_s" not in measured_towers:
         from .microbench_towers import measured_tower_sync_batchnorm
 
         progress("sync BatchNorm micro-benchmark: CPU towers")

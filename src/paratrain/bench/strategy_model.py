@@ -269,7 +269,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (:func:`~.plan_ps.loop_guard`; None or absent: unpriced). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
-    holds it), FSDP2's buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
+    holds it; ``inputs["towers_backward_s"]``, where not None: their backward measured after it), FSDP2's
+    buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
     blocking collective inside a step (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and
     FSDP's collectives here and the wait for the last rank (:func:`straggler_wait_s`);
     ``inputs["fsdp_units"]``: what FSDP2 adds to each unit size, measured here
@@ -342,5 +343,6 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
                               shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
                               forward_side_by_side_s=inputs.get("towers_forward_s"),
+                              backward_measured_s=inputs.get("towers_backward_s"),
                               joined=inputs.get("towers_forward_joined", False))
     raise ValueError(f"no cost model named {model!r}; use one of {', '.join((*MODELS, PS))}")
