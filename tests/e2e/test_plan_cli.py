@@ -84,9 +84,10 @@ def test_this_machines_cpu_measurements_price_only_this_machine(planned, monkeyp
     prof = json.loads((tmp / "p" / "profile.json").read_text())
     assert prof["device"] == "cpu" and prof["meetings"] and prof["fsdp_units"] and prof["memory_copy"]
     assert math.isfinite(prof["zero1_step_s"])
-    if prof["cores"] > 1:  # the towers' forward as replicate runs it, with the join and the loss on it
+    if prof["cores"] > 1:  # the towers' forward as replicate runs it, with the join and the loss on it, and backward
         towers = prof["towers_forward_threads"]
         assert towers["joined"] is True and towers["towers"] == prof["cores"] and towers["seconds"] > 0
+        assert towers["backward_seconds"] > 0 and towers["repeats"] >= 5
     assert [c for c, _ in prof["ps_round_trips_loaded"]["stolen"]] == [0.001, 0.004, 0.016, 0.064]
     from paratrain.bench.plan_ps import loop_stolen
     from paratrain.bench.profile_runs_ps import ps_loop_applies

@@ -35,7 +35,10 @@ Every meeting pair of a layer pays the ranks' drift over that compute, not only 
 On a CPU of several cores, the forward of one tower per core as the training loop runs it, right after a
 training step: :class:`~paratrain.strategies.towers.CPUTowers` on every tower's batch, the join of their
 outputs and the loss on it included (``towers_forward_threads``, ``joined``,
-:func:`~.microbench_towers.measured_towers_forward`).
+:func:`~.microbench_towers.measured_towers_forward`), then their one backward (``backward_seconds``);
+for a recipe with sync BatchNorm, the same towers synchronised in turn with the plain ones, whose
+difference is the towers' sync BatchNorm term (``sync_batchnorm_s``; the loop then measures the
+processes' term alone).
 
 :func:`~.profile_cache.cached_profile` keeps the result in ``DIR/profile.json`` with a key of everything it depends
 on (the recipe after overrides, torch and paratrain versions, cores), so re-planning for another
