@@ -475,22 +475,13 @@ def test_towers_forward_side_by_side_is_the_threads_measurement_where_the_profil
     assert towers_forward_s(prof, 1) is None
 
 
-def test_the_towers_microbenchmark_times_cpu_towers_forward_with_the_join_and_their_backward_after_a_full_step():
-    """Three towers whose forwards each sleep 50 ms and whose backward sleeps 30 ms once per tower (a
-    sleep, which a busy machine does not shorten): the timed loss runs through CPUTowers, so each tower
-    gets its third of the batch in its own thread, with its share of the intra-op threads, on its own
-    replica, side by side (about 50 ms, not 150 in a row), and the loss sees the joined outputs of the
-    whole batch; the one backward runs through the three towers' graphs in the caller (3 x 30 ms);
-    every step before them has the process' threads, and so does the caller after; the gradients are
-    left as None, as the loop's zero_grad leaves them."""
+def _sleepy(forward_s: float, seen: list | None = None):
+    """A model whose forward sleeps ``forward_s`` (noting thread, threads, replica and batch in
+    ``seen``) and whose backward sleeps 30 ms per call: a sleep, which a busy machine does not shorten."""
     import threading
     import time
 
     import torch
-
-    from paratrain.bench.microbench_towers import measured_towers_forward
-
-    seen, steps, joined = [], [], []
 
     class SlowBackward(torch.autograd.Function):
         @staticmethod
@@ -503,16 +494,33 @@ def test_the_towers_microbenchmark_times_cpu_towers_forward_with_the_join_and_th
             return grad
 
     class Sleepy(torch.nn.Module):
-        def __init__(self, forward_s: float = 0.05):
+        def __init__(self):
             super().__init__()
-            self.lin, self.forward_s = torch.nn.Linear(3, 3), forward_s
+            self.lin = torch.nn.Linear(3, 3)
 
         def forward(self, x):
-            seen.append((threading.get_ident(), torch.get_num_threads(), id(self), x.shape[1]))
-            time.sleep(self.forward_s)
+            if seen is not None:
+                seen.append((threading.get_ident(), torch.get_num_threads(), id(self), x.shape[1]))
+            time.sleep(forward_s)
             return SlowBackward.apply(self.lin(x))
 
-    model = Sleepy()
+    return Sleepy()
+
+
+def test_the_towers_microbenchmark_times_cpu_towers_forward_with_the_join_and_their_backward_after_a_full_step():
+    """Three towers whose forwards each sleep 50 ms and whose backward sleeps 30 ms once per tower (a
+    sleep, which a busy machine does not shorten): the timed loss runs through CPUTowers, so each tower
+    gets its third of the batch in its own thread, with its share of the intra-op threads, on its own
+    replica, side by side (about 50 ms, not 150 in a row), and the loss sees the joined outputs of the
+    whole batch; the one backward runs through the three towers' graphs in the caller (3 x 30 ms);
+    every step before them has the process' threads, and so does the caller after; the gradients are
+    left as None, as the loop's zero_grad leaves them."""
+    import torch
+
+    from paratrain.bench.microbench_towers import measured_towers_forward
+
+    seen, steps, joined = [], [], []
+    model = _sleepy(0.05, seen)
     x = torch.randn(4, 6, 3)  # batch dimension 1, as the LSTM's (T, B) inputs
 
     def loss_of(engine):
@@ -538,34 +546,13 @@ def test_the_towers_microbenchmark_times_the_synchronised_towers_in_turn_and_kee
     the same backward), each after its own training step, in turn: the difference is their forward's
     40 ms; the plain model's forward and backward are still what is kept; and the timed steps go on
     past ``repeats`` until they last ``least_s``."""
-    import time
-
     import torch
 
     from paratrain.bench.microbench_towers import measured_towers_forward
     from paratrain.strategies.towers import TowerGroup
 
-    class SlowBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(0.03)
-            return grad
-
-    class Sleepy(torch.nn.Module):
-        def __init__(self, forward_s: float):
-            super().__init__()
-            self.lin, self.forward_s = torch.nn.Linear(3, 3), forward_s
-
-        def forward(self, x):
-            time.sleep(self.forward_s)
-            return SlowBackward.apply(self.lin(x))
-
     steps = []
-    plain, synced = Sleepy(0.02), Sleepy(0.06)
+    plain, synced = _sleepy(0.02), _sleepy(0.06)
     got = measured_towers_forward(plain, lambda engine: engine(torch.randn(6, 3)).sum(), lambda: steps.append(1), 3,
                                   0, repeats=2, warmup=1, least_s=1.0, synced=(synced, TowerGroup(3)))
     assert 0.02 <= got["seconds"] < 0.05 and 0.09 <= got["backward_seconds"] < 0.15
