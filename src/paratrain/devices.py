@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -253,7 +252,7 @@ def apply_cpu_allocator(mode: str = "retain") -> str:
     yet: a thread that allocated before the call keeps its arena, and a later thread may be handed one
     of those; call it first in a process (``paratrain train`` does before it loads the data), or
     export ``MALLOC_ARENA_MAX=1`` before the process starts. Where such arenas exist when it sets
-    the limit (:func:`malloc_arenas`), it prints one line saying so, once a process.
+    the limit (:func:`malloc_arenas`), it warns once a process (RuntimeWarning).
 
     glibc takes these by ``mallopt(3)`` in this process, and by the variables
     ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` in ``os.environ``
@@ -326,15 +325,17 @@ def malloc_arenas() -> int | None:
 
 
 def _report_late_arenas() -> None:
-    """One line on stderr, once a process, where ``retain`` set one arena after threads had taken
-    arenas of their own (:func:`malloc_arenas` above 1): those threads keep them."""
+    """A RuntimeWarning, once a process, where ``retain`` set one arena after threads had taken
+    arenas of their own (:func:`malloc_arenas` above 1): those threads keep them. A warning, not a
+    line of its own: a process ``paratrain`` starts applies it first and never has such threads; a
+    caller that runs the CLI in a process with a history (a test harness) filters or captures it."""
     arenas = malloc_arenas()
     if arenas and arenas > 1 and not _STATE.get("reported"):
         _STATE["reported"] = True
-        print(f"[paratrain] dist.cpu_allocator: {arenas - 1} malloc arena(s) of threads that allocated before "
-              "it was applied stay in use (their blocks over 64 MiB are mapped per allocation); call pt.init() "
-              "before other work, or export MALLOC_ARENA_MAX=1 before the process starts", file=sys.stderr,
-              flush=True)
+        warnings.warn(f"dist.cpu_allocator: {arenas - 1} malloc arena(s) of threads that allocated before it was "
+                      "applied stay in use (their blocks over 64 MiB are mapped per allocation); call pt.init() "
+                      "before other work, or export MALLOC_ARENA_MAX=1 before the process starts",
+                      RuntimeWarning, stacklevel=3)
 
 
 def cpu_allocator_in_effect() -> str:

@@ -375,9 +375,10 @@ def _as_a_fresh_process(tmp_path: Path, closed_url: str, monkeypatch: pytest.Mon
     """This process made to look like a fresh ``paratrain``'s for the body, and put back after it,
     whatever the body raised: the environment (exactly ``_env``'s), the working directory, no
     bytecode written, ``sys.path`` (a user's task folder joins it), a user's task modules
-    (``paratrain_task_*``, by their files' paths) and :func:`paratrain.runs.start_run` (a failure:
-    bad input must not reach it)."""
-    from paratrain import runs
+    (``paratrain_task_*``, by their files' paths), :func:`paratrain.runs.start_run` (a failure:
+    bad input must not reach it) and glibc's malloc arenas as a fresh process has them when the
+    command applies ``dist.cpu_allocator`` (the main one alone: this process' threads took more)."""
+    from paratrain import devices, runs
 
     environ, modules = dict(os.environ), set(sys.modules)
     fresh = _env(tmp_path, closed_url)
@@ -389,6 +390,7 @@ def _as_a_fresh_process(tmp_path: Path, closed_url: str, monkeypatch: pytest.Mon
         monkeypatch.setattr(sys, "dont_write_bytecode", True)
         monkeypatch.setattr(sys, "path", list(sys.path))
         monkeypatch.setattr(runs, "start_run", lambda run: pytest.fail(f"{case_id}: bad input reached start_run"))
+        monkeypatch.setattr(devices, "malloc_arenas", lambda: 1)
         monkeypatch.chdir(tmp_path)
         yield
     finally:
