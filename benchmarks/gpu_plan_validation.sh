@@ -12,7 +12,8 @@
 # On a 15-minute lease (2026-11-27, H200): env gpt_bf16 ptb digits towers_tf32 nvlink pack takes about
 # 12 minutes; give each call's steps so that the call ends inside its limit, and pack in every call.
 # BUDGET (seconds, default 540: the device tool's 600 s a call, less the pack and the transfers): no
-# step runs past it, a step that would start with under 30 s left is skipped, and pack always runs.
+# step runs past it (but for timeout's 10 s grace), a step that would start with under 30 s left is
+# skipped, and pack always runs.
 # The data: the device machine has no ../shared, so stage a copy in the ignored gpudata/ and carry it:
 #   mkdir -p gpudata && cp -r ../shared/data/ptb ../shared/data/wikitext-2 gpudata/
 #   device run, carry ["gpudata/ptb", "gpudata/wikitext-2"]:

@@ -314,14 +314,19 @@ def malloc_arenas() -> int | None:
     libc = ctypes.CDLL(None)
     libc.fdopen.restype, libc.fdopen.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_char_p]
     libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
-    with tempfile.TemporaryFile() as f:
-        stream = libc.fdopen(os.dup(f.fileno()), b"w")
-        if not stream:
-            return None
-        ok = libc.malloc_info(0, stream) == 0
-        libc.fclose(stream)
-        f.seek(0)
-        return f.read().count(b"<heap nr=") if ok else None
+    try:
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+            stream = libc.fdopen(fd, b"w")
+            if not stream:
+                os.close(fd)
+                return None
+            ok = libc.malloc_info(0, stream) == 0
+            libc.fclose(stream)  # closes fd
+            f.seek(0)
+            return f.read().count(b"<heap nr=") if ok else None
+    except OSError:  # no writable temporary directory
+        return None
 
 
 def _report_late_arenas() -> None:
@@ -329,8 +334,10 @@ def _report_late_arenas() -> None:
     arenas of their own (:func:`malloc_arenas` above 1): those threads keep them. A warning, not a
     line of its own: a process ``paratrain`` starts applies it first and never has such threads; a
     caller that runs the CLI in a process with a history (a test harness) filters or captures it."""
+    if _STATE.get("reported"):
+        return
     arenas = malloc_arenas()
-    if arenas and arenas > 1 and not _STATE.get("reported"):
+    if arenas and arenas > 1:
         _STATE["reported"] = True
         warnings.warn(f"dist.cpu_allocator: {arenas - 1} malloc arena(s) of threads that allocated before it was "
                       "applied stay in use (their blocks over 64 MiB are mapped per allocation); call pt.init() "

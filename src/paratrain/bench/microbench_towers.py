@@ -82,7 +82,8 @@ def measured_towers_forward(model: torch.nn.Module, loss_of: Callable[[torch.nn.
     the calling thread through every tower's graph, the gradients summed into the shared
     parameters). ``step()``: one training step of ``model``. ``synced``: (the model with synchronised
     BatchNorm, its :class:`~paratrain.strategies.towers.TowerGroup`), timed the same way in turn
-    with the plain one, each after its own training step: what the towers' meetings add, with the
+    with the plain one, each right after a training step of ``model`` (the copy itself is not
+    trained): what the towers' meetings add, with the
     machine's drift alike in both. Median of at least ``repeats`` after ``warmup``, and more until the
     timed forwards and backwards last ``least_s`` (at most ``most``). Returns ``{"seconds": forward,
     "backward_seconds": backward, "repeats"}`` and, with ``synced``, ``"sync_batchnorm_s"``: its
@@ -162,7 +163,11 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
         from ..strategies.towers import TowerGroup
 
         group = TowerGroup(towers)
-        pair = (convert(copy.deepcopy(model), TowerReducer(group)), group)
+        try:
+            pair = (convert(copy.deepcopy(model), TowerReducer(group)), group)
+        except (TypeError, RuntimeError, copy.Error) as e:  # a model that cannot be copied: the loop's pair prices it
+            print(f"[plan] CPU towers' sync BatchNorm not timed in this process: the model cannot be copied ({e}); "
+                  f"the training loop's runs with it on and off price it", flush=True)
     got = measured_towers_forward(model, loss_of, one_step, towers, optional(task, "batch_dim"), least_s=least_s,
                                   synced=pair)
     return {"towers": towers, "joined": True, **got}

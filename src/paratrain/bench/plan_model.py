@@ -103,7 +103,7 @@ def _step_parts(cls, layout: Layout, w: Workload, link: Link, cfg, inputs: dict[
     p = predict_model(model, ww, n, link, d, inputs, compute_scale=s, bucket_mb=layout.overrides.get("bucket_mb"),
                       overlap=overlap, links=links, synchronous=cls.synchronous)
     optimizer = p.optimizer_s  # the formula's: its share, the measured sharded step (ZeRO-1, FSDP), a PS worker's guard
-    if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, n backwards in turn)
+    if model == TOWERS:  # the towers' compute is the formula's (side-by-side forwards, their one backward)
         compute = p.compute_s - optimizer
     elif model == PS:  # a worker's: with what the others' exchanges or the server take of it (not its guard)
         compute = p.compute_s - optimizer

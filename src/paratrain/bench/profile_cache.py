@@ -13,8 +13,8 @@ import torch
 
 PROFILE_VERSION = 36  # 36: a CPU's towers_forward_threads has the towers' backward too ("backward_seconds")
 # and, for a recipe with sync BatchNorm, "sync_batchnorm_s" (the towers plain and synchronised in turn, in one
-# process), each a median over about 2 s (was: the forward alone, 5 times); the loop then runs sync BatchNorm's
-# on/off pair for the processes only;
+# process), medians over about 2 s of timed steps in all (was: the forward alone, 5 times); the loop then runs
+# sync BatchNorm's on/off pair for the processes only;
 # 35: measured with one malloc arena and a heap never trimmed (dist.cpu_allocator's
 # retain: a CPU tower's thread and the intra-op workers allocate from the main heap, their blocks above 64 MiB
 # no longer mapped per step, nor a step's frees above 2 GiB);
