@@ -2291,3 +2291,35 @@ def test_a_mixed_precision_recipes_stages_are_profiled_under_its_autocast(tiny_d
     assert full_seen and not any(s[0] == "forward" and s[2] for s in full_seen)
     assert low["activation_bytes"] == full["activation_bytes"] > 0
     assert low["microbatch_factor"] > 0 and sum(low["stage_fractions"]) == pytest.approx(1.0)
+
+
+def test_the_towers_sync_batchnorm_falls_back_to_the_loops_pair_when_the_model_cannot_be_copied(monkeypatch, capsys):
+    """microbench_towers.towers_forward for a sync BatchNorm recipe whose model cannot be deep-copied:
+    the plain towers are still timed, forward and backward, with no in-process term (the profile's
+    loop pair then prices the towers' sync BatchNorm), and a line says so."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratrain.bench.microbench_towers import towers_forward
+
+    class Task:
+        batch_dim = 0
+
+        def train_steps(self, epoch, step):
+            yield SimpleNamespace(micro_batches=[torch.randn(4, 3)], global_count=4)
+
+        def loss(self, model, batch):
+            return model(batch).sum(), {}
+
+    def refuse(obj, memo=None):
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(copy, "deepcopy", refuse)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    got = towers_forward(Task(), model, torch.device("cpu"), lambda: None, lambda batch: Task(), 2, 2,
+                         sync_batchnorm=True, least_s=0.0)
+    assert got["towers"] == 2 and got["seconds"] > 0 and got["backward_seconds"] > 0
+    assert "sync_batchnorm_s" not in got
+    assert "the model cannot be copied (cannot pickle" in capsys.readouterr().out
