@@ -170,6 +170,13 @@ def towers_forward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
         one = prof.get("workloads", {}).get("1")
         cores = int(one.get("concurrent", 0)) if one else 0
         seconds = one["forward_s"] if cores else 0.0
+    return _towers_share(seconds, cores, n, ratio)
+
+
+def _towers_share(seconds: float, cores: int, n: int, ratio: float) -> float | None:
+    """n towers' seconds from a measurement of ``cores`` towers (one per core): times n / cores (each
+    core runs n / cores towers in turn), the batch scaled by ``ratio``; None where nothing was
+    measured or n < cores (towers of several threads each)."""
     if not cores or n < cores:
         return None
     return seconds * ratio * n / cores
@@ -183,9 +190,7 @@ def towers_backward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
     ``ratio``. None where it was not measured (an older profile: the plan then prices n one-device
     backwards) or n < cores."""
     got = prof.get("towers_forward_threads") or {}
-    if "backward_seconds" not in got or n < int(got["towers"]):
-        return None
-    return got["backward_seconds"] * ratio * n / int(got["towers"])
+    return _towers_share(got["backward_seconds"], int(got["towers"]), n, ratio) if "backward_seconds" in got else None
 
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:
@@ -203,11 +208,11 @@ def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> fl
     numbers per layer between device threads: not modelled)."""
     if n < 2 or not on_this_machine or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
         return 0.0
-    from .profile_runs import sync_batchnorm_strategies
+    from .profile_runs import sync_batchnorm_strategies, towers_sync_in_process
 
     _, towers = sync_batchnorm_strategies()
     in_process = prof.get("towers_forward_threads") or {}
-    if "sync_batchnorm_s" in in_process and int(in_process["towers"]) > 1:
+    if towers_sync_in_process(prof) and int(in_process["towers"]) > 1:
         return in_process["sync_batchnorm_s"] * (n - 1) / (int(in_process["towers"]) - 1)
     measured = (prof.get("loop_sync_batchnorm_s") or {}).get(towers, prof.get("tower_sync_batchnorm_s", 0.0))
     return measured * (n - 1)

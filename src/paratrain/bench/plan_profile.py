@@ -39,7 +39,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
-                               loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies)
+                               loop_workloads, sync_batchnorm_fallbacks, sync_batchnorm_strategies,
+                               towers_sync_in_process)
     from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps, ps_loop_applies
 
     path = out / "profile.json"
@@ -79,8 +80,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 processes, towers = sync_batchnorm_strategies()
                 # the towers' term, since version 36, from their steps plain and synchronised in turn in one
                 # process (microbench_towers): the loop's on/off pair a minute apart moved with the machine
-                in_process = "sync_batchnorm_s" in (prof.get("towers_forward_threads") or {})
-                prof["loop_sync_batchnorm_s"] = loop(strategies=(processes,) if in_process else (processes, towers))
+                prof["loop_sync_batchnorm_s"] = loop(
+                    strategies=(processes,) if towers_sync_in_process(prof) else (processes, towers))
                 if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
                     # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
                     fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)

@@ -223,6 +223,13 @@ def _paired_runs(config: str, task_entry: str | None, overrides: tuple[str, ...]
     return {k: statistics.median(x) for k, x in seen.items()}, left_out
 
 
+def towers_sync_in_process(prof: dict[str, Any]) -> bool:
+    """Whether the profile timed the CPU towers' sync BatchNorm in its own process (since version 36:
+    ``towers_forward_threads["sync_batchnorm_s"]``, :func:`~.microbench_towers.measured_towers_forward`),
+    so neither the loop's towers pair nor the layers' micro-benchmark is needed for it."""
+    return "sync_batchnorm_s" in (prof.get("towers_forward_threads") or {})
+
+
 def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, float],
                              progress: Callable[[str], None] = lambda what: None) -> None:
     """Add to ``prof`` the layers' micro-benchmarks of ``model.sync_batchnorm`` that the training
@@ -254,8 +261,7 @@ def sync_batchnorm_fallbacks(prof: dict[str, Any], measured_in_loop: dict[str, f
         calls = len(shapes)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(
             shapes, compute_s=(timed["forward_s"] / calls, timed["backward_s"] / calls), repeats=80)
-    measured_towers = prof.get("towers_forward_threads") or {}
-    if towers not in measured_in_loop and measured_towers and "sync_batchnorm_s" not in measured_towers:
+    if towers not in measured_in_loop and prof.get("towers_forward_threads") and not towers_sync_in_process(prof):
         from .microbench_towers import measured_tower_sync_batchnorm
 
         progress("sync BatchNorm micro-benchmark: CPU towers")
