@@ -93,11 +93,11 @@ def test_fsdp_on_this_machine_adds_each_units_measured_collectives_and_the_ring_
     assert p.step_s == pytest.approx(compute + (1e-3 + 2e-3) + (2e-3 + 6e-3) + 4 * 2e-4 + norm, rel=1e-12)
 
 
-def test_measured_unit_paths_hold_two_processes_waits_so_only_more_processes_add_any():
+def test_measured_unit_paths_hold_the_wait_after_no_compute_so_each_stretch_adds_its_meeting_beyond_that():
     """With the units measured between 2 processes (``unit_path_s``), whose means hold the waits of 2
-    ranks reaching each collective apart, a wait per stretch of compute is what the n processes'
-    meeting costs beyond the 2 processes' (``path_meeting_s``): nothing at n = 2, the difference
-    above the cores; without the paths (the ring model), the meeting less the all-gather's alpha."""
+    ranks reaching each collective from almost no compute, a wait per stretch of c seconds of compute
+    is what the n processes' meeting after c costs beyond the 2 processes' after none
+    (``path_meeting_s(0)``); without the paths (the ring model), the meeting less the all-gather's alpha."""
     rows = [[MIB, 1e-3, 3e-3, 2e-3], [2 * MIB, 2e-3, 6e-3, 4e-3]]
     path = unit_paths(rows)
     two = lambda c: 5e-4 + 0.1 * c  # noqa: E731 (2 processes: 0.9 ms after 4 ms of compute)
@@ -106,19 +106,20 @@ def test_measured_unit_paths_hold_two_processes_waits_so_only_more_processes_add
     compute = W.forward_s + W.backward_s + W.optimizer_s / 2
     norm = 5e-4  # the norm's all-reduce: the meeting of no compute (more than the ring's 0.2 ms)
     at2 = predict_fsdp(W, 2, LINK, meeting_s=two, path_meeting_s=two, **lay)
-    assert at2.step_s == pytest.approx(compute + (2e-3 + 6e-3) + norm, rel=1e-12)  # no wait on top
-    # 4 processes: the measured paths at 2, the ring's difference from 2 to 4, and 2 waits of 2.8 - 0.9 ms
+    # 2 waits of 0.9 ms (after 4 ms of compute) less 0.5 ms (after none)
+    assert at2.step_s == pytest.approx(compute + (2e-3 + 6e-3) + 2 * 4e-4 + norm, rel=1e-12)
+    # 4 processes: the measured paths at 2, the ring's difference from 2 to 4, and 2 waits of 2.8 - 0.5 ms
     d_ag = ring_allgather_s(2 * MIB, 4, LINK) - ring_allgather_s(2 * MIB, 2, LINK)
     d_rs = ring_reduce_scatter_s(2 * MIB, 4, LINK) - ring_reduce_scatter_s(2 * MIB, 2, LINK)
     at4 = predict_fsdp(W, 4, LINK, meeting_s=four, path_meeting_s=two, **lay)
     compute4 = W.forward_s + W.backward_s + W.optimizer_s / 4
-    assert at4.step_s == pytest.approx(compute4 + (2e-3 + 6e-3) + 2 * d_ag + d_rs + 2 * 1.9e-3 + 2e-3, rel=1e-9)
+    assert at4.step_s == pytest.approx(compute4 + (2e-3 + 6e-3) + 2 * d_ag + d_rs + 2 * 2.3e-3 + 2e-3, rel=1e-9)
     # a meeting table below the paths' one adds nothing (never a negative wait)
     assert predict_fsdp(W, 2, LINK, meeting_s=lambda c: 1e-4, path_meeting_s=two, **lay).step_s == pytest.approx(
         compute + 8e-3 + max(1e-4, ring_allreduce_s(4, 2, LINK)), rel=1e-12)
     # without path_meeting_s (an older caller), the wait is the meeting less the all-gather's alpha
     old = predict_fsdp(W, 2, LINK, meeting_s=two, **lay)
-    assert old.step_s - at2.step_s == pytest.approx(2 * (9e-4 - LINK.alpha_s), rel=1e-9)
+    assert old.step_s - at2.step_s == pytest.approx(2 * (9e-4 - LINK.alpha_s) - 2 * 4e-4, rel=1e-9)
     # the ring model (overlap, no measured paths used) keeps the alpha too: the paths' table is not its
     ring = dict(unit_bytes=[0, 2 * MIB], overlap=True, meeting_s=two)
     assert predict_fsdp(W, 2, LINK, path_meeting_s=two, unit_path_s=path, **ring).step_s == pytest.approx(
@@ -137,8 +138,9 @@ def test_the_plan_gives_fsdp_the_two_process_meeting_table_its_unit_paths_were_m
     inputs = {"units": [0, 2 * MIB], "fsdp_units": [[MIB, 1e-3, 3e-3, 2e-3]], "meetings": two}
     plain = predict_model("sharded_parameters", W, 2, LINK, cfg, inputs, overlap=False)
     held = predict_model("sharded_parameters", W, 2, LINK, cfg, {**inputs, "path_meetings": two}, overlap=False)
-    # 2 stretches of 4 ms: the meeting's 2 ms less the alpha (0.1 ms) each, gone when the paths hold it
-    assert plain.step_s - held.step_s == pytest.approx(2 * (2e-3 - LINK.alpha_s), rel=1e-9)
+    # 2 stretches of 4 ms: the meeting's 2 ms less the alpha (0.1 ms) each; the paths hold the meeting
+    # after no compute (the table's first point, 1 ms), so 2 - 1 ms each is left
+    assert plain.step_s - held.step_s == pytest.approx(2 * (2e-3 - LINK.alpha_s) - 2 * (2e-3 - 1e-3), rel=1e-9)
     above = predict_model("sharded_parameters", W, 4, LINK, cfg, {**inputs, "meetings": four, "path_meetings": two},
                           overlap=False)
     lone = predict_model("sharded_parameters", W, 4, LINK, cfg, {**inputs, "meetings": two, "path_meetings": two},
@@ -203,6 +205,37 @@ def test_the_fsdp_unit_microbenchmark_measures_each_unit_size_once_between_two_p
     # forward's all-gather, and the backward's second all-gather and reduce-scatter (resharded) or
     # reduce-scatter alone (kept)
     assert all(r[1] > 1e-5 and r[2] > 1e-5 and r[3] > 1e-5 for r in rows)
+
+
+def test_the_fsdp_unit_microbenchmark_gives_each_unit_size_the_shapes_and_dtypes_of_its_first_unit(monkeypatch):
+    import torch
+
+    from paratrain.bench import microbench
+    from paratrain.bench.microbench_sharded import measured_fsdp_units
+
+    seen = []
+
+    def fake(world, specs, **kw):
+        seen.append((world, specs, kw["op"]))
+        return [(spec, [1e-3, 2e-3, 3e-3]) for spec in specs]
+
+    monkeypatch.setattr(microbench, "measure_allreduce", fake)
+    a, b = torch.zeros(32, 32), torch.zeros(512, dtype=torch.bfloat16)
+    units = [[], [a], [b, torch.zeros(512, dtype=torch.bfloat16), torch.zeros(512, dtype=torch.bfloat16),
+                       torch.zeros(512, dtype=torch.bfloat16)], [torch.zeros(1024)]]
+    rows = measured_fsdp_units([0, 4096, 4096, 4096 * 4], parameters=units)
+    assert rows == [[4096.0, 1e-3, 2e-3, 3e-3], [16384.0, 1e-3, 2e-3, 3e-3]]
+    # the first unit of 4096 bytes (one 32 x 32 tensor) stands for the second (four bf16 tensors)
+    assert seen == [(2, [{"bytes": 4096, "shapes": [[32, 32]], "dtypes": ["float32"]},
+                         {"bytes": 16384, "shapes": [[1024]], "dtypes": ["float32"]}], "fsdp_unit")]
+
+
+def test_the_fsdp_unit_microbenchmark_times_a_unit_of_several_parameters_between_two_processes():
+    from paratrain.bench.microbench import measure_allreduce
+
+    spec = {"shapes": [[16, 1, 3, 3], [16], [16]], "dtypes": ["bfloat16"] * 3}  # FSDP2: one dtype a unit
+    ((got, (fwd, again, kept)),) = measure_allreduce(2, [spec], repeats=20, warmup=2, timeout_s=150, op="fsdp_unit")
+    assert got == spec and all(1e-5 < v < 1 for v in (fwd, again, kept))
 
 
 def test_the_sharded_norm_microbenchmark_prices_the_dtensor_dispatch_of_fsdps_guard(monkeypatch):

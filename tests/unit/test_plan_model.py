@@ -2215,7 +2215,8 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     stub(microbench_rpc, "measured_ps_round_trips_loaded", {"points": []})
     stub(microbench, "measure_copies", lambda sizes: sizes)
     stub(microbench_meetings, "measured_meetings", [[0.001, 0.002]])
-    stub(microbench_sharded, "measured_fsdp_units", lambda units: units)
+    stub(microbench_sharded, "measured_fsdp_units",
+         lambda units, parameters: (units, [[tuple(p.shape) for p in own] for own in parameters]))
     stub(microbench_hooks, "measured_compress_hook", {"world_size": 2})
     stub(microbench_sharded, "measured_sharded_step", lambda strategy, params, opt, threads: strategy)
     model = torch.nn.Linear(2, 2)
@@ -2240,7 +2241,9 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     assert got["memory_copy"] == [4 ** k for k in range(6, 15, 2)] + [200, 64, 32, 32, 16]
     assert got["ps_round_trips_loaded"] == {"workers": 2, "points": []}
     assert got["ps_round_trips_loaded_4"] == {"workers": 4, "points": []}
-    assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == ([64, 32], "zero1", "fsdp")
+    # FSDP2's units of the model's own parameters (a Linear: the root holds both)
+    assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == (([64, 32], [[(2, 2), (2,)]]), "zero1",
+                                                                            "fsdp")
     assert prof == {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [64, 32]}}  # not changed
 
 

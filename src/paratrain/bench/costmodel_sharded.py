@@ -220,18 +220,22 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
     are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``.
     ``path_meeting_s``: :func:`meeting_seconds` of the 2 processes those paths were measured between,
-    whose means hold the 2 processes' waits already (a rank waits inside each collective it reaches
-    first, in the benchmark as in a step): with the paths, each wait is ``meeting_s(c) -
-    path_meeting_s(c)``, what n processes taking turns on fewer cores wait beyond 2 (0 at or below
-    the cores, where ``meeting_s`` is that table). Measured on 2026-11-26 with every collective's
-    call timed on both ranks of ptb_small's fsdp at N = 2: the nine collectives of a step took
-    75.8 ms (mean of the ranks; 57.0 ms for the rank that arrived last) against 74.4 ms by the unit
-    benchmark's means, and a wait per stretch of compute on top put the step 18% over. Assumed, not
-    derived: the benchmark's ranks reach each collective after almost no compute, yet wait inside it
-    as long as after a training step's stretch (the measurement above says they do, on this
-    machine). The paths are not scaled by ``compute_scale``; above the cores the 4-process meeting
-    prices the taking of turns. Without ``path_meeting_s`` each wait is the meeting less the
-    all-gather's alpha, as before 2026-11-26.
+    whose means hold the 2 processes' waits after almost no compute (the benchmark's unit computes a
+    product of one element; a rank waits inside each collective it reaches first): with the paths,
+    each wait is ``meeting_s(c) - path_meeting_s(0)``, what n processes coming from a stretch of c
+    seconds of compute wait beyond that (at n = 2 the drift of the ranks over the stretch and the
+    waking of gloo's threads after it; above the cores, the taking of turns too). Measured on
+    2026-11-29 (2-vCPU EPYC VM, one thread a process) with :func:`~.microbench_sharded.time_fsdp_unit`'s
+    unit given c of compute before each collective: FSDP2's forward of a 93.6 KB unit went from
+    1.5 ms at c = 0 to 1.8, 2.4 and 2.6 ms at 1, 4 and 16 ms, where the meeting table rose 0.3, 1.2
+    and 0.9 ms; digits_cnn's whole model under FSDP2 in two processes paid 3.5-3.9 ms forward and
+    6.5-7.7 ms backward beyond the plain model, against the unit paths' 2.1 and 4.7 ms. From
+    2026-11-26 until then each wait was ``meeting_s(c) - path_meeting_s(c)`` (0 at n = 2), after
+    ptb_small's collectives timed in training matched the benchmark's means (75.8 against 74.4 ms a
+    step): re-scored, the waits of ``- path_meeting_s(0)`` move the three recipes' validated fsdp
+    rows from -18.5, -3.2 and -7.5% to -16.4, +2.5 and -6.1% (digits_cnn, ptb_small, gpt_wt2). The
+    paths are not scaled by ``compute_scale``. Without ``path_meeting_s`` each wait is the meeting
+    less the all-gather's alpha, as before 2026-11-26.
 
     ``dispatch_s``: what the optimizer's step on DTensor shards and the guard's norm of the DTensor
     gradients cost beyond the plain step's 1/n, per step (their per-operation dispatch, measured in
@@ -275,7 +279,8 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     waits = 0.0
     if meeting_s is not None and units:  # a wait per stretch of compute: each unit's forward and its backward
         segment = (w.forward_s + w.backward_s) * s / (2 * units)
-        held = path_meeting_s(segment) if measured and path_meeting_s is not None else glink.alpha_s
+        # the paths' ranks came to each collective from almost no compute (the table's first point)
+        held = path_meeting_s(0.0) if measured and path_meeting_s is not None else glink.alpha_s
         waits = 2 * units * max(0.0, meeting_s(segment) - held)
     if measured:
         paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)

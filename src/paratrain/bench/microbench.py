@@ -201,7 +201,8 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
     ``{"shape": (N, C, *), "compute_s": [before, between]}`` items (BatchNorm inputs), returned as
     given with :func:`_time_sync_batchnorm`'s seconds;
     ``meeting``: sizes are microseconds of compute (:func:`_time_meeting`); ``fsdp_unit``: a list of
-    seconds per size (:func:`~.microbench_sharded.time_fsdp_unit`); ``sharded_step``: the items are
+    seconds per size or per unit's parameters (:func:`~.microbench_sharded.time_fsdp_unit`);
+    ``sharded_step``: the items are
     :func:`~.microbench_sharded.time_sharded_step`'s specs (a model's parameters and optimizer);
     ``bf16_hook``: a list [cast, payload all-reduce, whole hook] of seconds per bucket size
     (:func:`~.microbench_hooks.time_compress_hook`).
@@ -210,6 +211,7 @@ def measure_allreduce(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_
         raise ValueError(f"need world_size >= 2 (got {world_size}), repeats >= 1 (got {repeats}), "
                          f"warmup >= 0 (got {warmup}) and at least one size")
     sizes = (list(sizes_bytes) if op in ("sync_batchnorm", "sharded_step")  # BatchNorm inputs; a model's parameters
+             or (op == "fsdp_unit" and isinstance(sizes_bytes[0], dict))  # a unit's parameters
              else [int(s) for s in sizes_bytes] if op in ("meeting", "fsdp_unit")  # microseconds; bytes
              else [max(1, int(s) // FLOAT32_BYTES) * FLOAT32_BYTES for s in sizes_bytes])
     got = run_ranks(_rank_main, world_size, (world_size, sizes, repeats, warmup, timeout_s, op), timeout_s,

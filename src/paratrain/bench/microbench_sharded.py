@@ -119,9 +119,14 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
         return max(0.0, median_norm(sharded) - median_norm(grads))
 
 
-def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
-    """What FSDP2 adds to one shard unit of ``nbytes`` of float32 parameters between the ranks of
-    the default group (gloo), beyond the same module without FSDP2: ``[forward, backward resharded,
+def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
+    """What FSDP2 adds to one shard unit between the ranks of the default group (gloo), beyond the
+    same module without FSDP2. ``unit``: its parameters, ``{"shapes": [[...], ...], "dtypes":
+    ["float32", ...]}`` (the dtypes default to float32), or a number of bytes: one float32 tensor
+    of them (profile versions 17-36). FSDP2's hooks copy and view each parameter of a unit in and
+    out of the collectives' buffers: on the 2-vCPU EPYC VM digits_cnn's features unit (93.6 KB in
+    9 tensors) cost 0.15 ms more forward and 0.4 ms more backward than one tensor of its bytes
+    (2026-11-29). Returns ``[forward, backward resharded,
     backward kept]`` seconds, each the difference of the means over 20 to ``repeats`` passes (about
     1 s of each kind) after ``warmup`` (a barrier before each pass). That is everything FSDP2 does
     around the unit's compute: its hooks, the copies into and out of the collectives' buffers, the
@@ -138,13 +143,20 @@ def time_fsdp_unit(nbytes: int, repeats: int, warmup: int) -> list[float]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    if isinstance(unit, dict):
+        dtypes = unit.get("dtypes") or ["float32"] * len(unit["shapes"])
+        tensors = [(tuple(int(d) for d in shape), getattr(torch, dtype))
+                   for shape, dtype in zip(unit["shapes"], dtypes)]
+    else:
+        tensors = [((max(2, int(unit) // 4),), torch.float32)]
+
     class Unit(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.weight = nn.Parameter(torch.zeros(max(2, nbytes // 4)))
+            self.weights = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in tensors])
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.weight[:1].sum()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # every parameter in the graph: each gets a gradient
+            return x * sum(w.reshape(-1)[:1].sum().float() for w in self.weights)
 
     x = torch.ones(1)
 
@@ -285,19 +297,28 @@ def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimiz
     return float(seconds)
 
 
-def measured_fsdp_units(unit_bytes: Sequence[int], *, repeats: int = 200, timeout_s: float = 300.0
-                        ) -> list[list[float]]:
+def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Sequence[torch.Tensor]] | None = None,
+                        repeats: int = 200, timeout_s: float = 300.0) -> list[list[float]]:
     """``[bytes, forward, backward resharded, backward kept]`` (seconds) per distinct unit size > 0:
-    :func:`time_fsdp_unit` between two local gloo processes of one thread each. For
-    :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError
-    as :func:`~.microbench.measure_allreduce`."""
+    :func:`time_fsdp_unit` between two local gloo processes of one thread each, of the parameters'
+    shapes and dtypes of the first unit of that size (``parameters``: each unit's own, in the order of
+    ``unit_bytes``, :func:`~.strategy_model.fsdp_unit_parameters`; None: one float32 tensor of the
+    size). For :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises
+    RuntimeError as :func:`~.microbench.measure_allreduce`."""
     from .microbench import measure_allreduce
 
     sizes = sorted({int(b) for b in unit_bytes if b > 0})
     if not sizes:
         return []
-    points = measure_allreduce(2, sizes, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
-    return [[float(b), *t] for b, t in points]
+    specs: list[int | dict] = list(sizes)
+    if parameters is not None:
+        first = {}
+        for b, own in zip(unit_bytes, parameters):
+            first.setdefault(int(b), own)
+        specs = [{"bytes": b, "shapes": [list(p.shape) for p in first[b]],
+                  "dtypes": [str(p.dtype).removeprefix("torch.") for p in first[b]]} for b in sizes]
+    points = measure_allreduce(2, specs, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
+    return [[float(b), *t] for b, (_, t) in zip(sizes, points)]
 
 
 __all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units",

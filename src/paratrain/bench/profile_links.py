@@ -19,7 +19,8 @@ copies (:func:`~.microbench.measure_copies`: 4 KiB ... 256 MiB, two towers' outp
 whole and halved), what a blocking collective costs two processes reaching it from compute
 (``meetings``, :func:`~.microbench_meetings.measured_meetings`; on fewer than 4 cores also four processes
 taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each unit size between
-two processes, collectives, copies and hooks (``fsdp_units``, :func:`~.microbench_sharded.measured_fsdp_units`),
+two processes (a unit of its own parameters' shapes), collectives, copies and hooks (``fsdp_units``,
+:func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
 ``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`) and what DDP's bf16 compression hook
 costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
@@ -53,11 +54,11 @@ def profile_links(model, optimizer, cfg, device, prof: dict[str, Any]) -> dict[s
     # fsdp's guard takes the norm of its DTensor gradients every step
     out["sharded_norm_s"] = measured_sharded_norm(params, threads=default_threads(2, cores))
     if device.type == "cpu":  # what the processes' sharing of this machine's cores costs
-        out.update(_shared_cores(params, optimizer, prof, out["ps_round_trip_s"]))
+        out.update(_shared_cores(model, params, optimizer, prof, out["ps_round_trip_s"]))
     return out
 
 
-def _shared_cores(params, optimizer, prof: dict[str, Any], round_trip_s: float) -> dict[str, Any]:
+def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: float) -> dict[str, Any]:
     """A CPU's keys of :func:`profile_links` from ``ps_round_trips_loaded`` on (see the module)."""
     from ..strategies import modelled
     from .microbench import measure_copies
@@ -67,7 +68,7 @@ def _shared_cores(params, optimizer, prof: dict[str, Any], round_trip_s: float) 
     from .microbench_sharded import measured_fsdp_units, measured_sharded_step
     from .plan_ps import LOADED_PS_KEYS
     from .profile_runs import OVERSUBSCRIBED
-    from .strategy_model import STEP_PATHS
+    from .strategy_model import STEP_PATHS, fsdp_unit_parameters
 
     cores, out = prof["cores"], {}
     # the ps-async exchange again, with 2 and 4 workers computing between exchanges on the same cores
@@ -81,7 +82,7 @@ def _shared_cores(params, optimizer, prof: dict[str, Any], round_trip_s: float) 
     if cores < OVERSUBSCRIBED:  # and more processes than cores take turns on them
         out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                           "points": measured_meetings(processes=OVERSUBSCRIBED)}
-    out["fsdp_units"] = measured_fsdp_units(units)
+    out["fsdp_units"] = measured_fsdp_units(units, parameters=fsdp_unit_parameters(model))
     out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
     for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
         out[key] = measured_sharded_step(modelled(cost_model)[0], params, optimizer,

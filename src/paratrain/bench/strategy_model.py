@@ -102,6 +102,21 @@ def straggler_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[s
     return max(wait, meeting_seconds(inputs["meetings"])(compute) - link.alpha_s)
 
 
+def fsdp_unit_parameters(model) -> list[list]:
+    """The parameters each of ``fsdp``'s shard units holds of its own, in forward order: the root's
+    first (those no unit holds), then each of :func:`~paratrain.strategies.fsdp.shard_units` (a
+    parameter in two units counts in the first). For the units' bytes (:func:`strategy_inputs`) and
+    the shapes :func:`~.microbench_sharded.measured_fsdp_units` gives each unit."""
+    from ..strategies.fsdp import shard_units
+
+    units, seen = [], set()
+    for unit in shard_units(model):
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        units.append(own)
+    return [[p for p in model.parameters() if id(p) not in seen], *units]
+
+
 def predicted() -> list[str]:
     """Registered strategies :func:`predict_strategy` can predict (from the registry)."""
     from ..strategies import STRATEGIES
@@ -125,18 +140,11 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
     ``dist.pipeline_split``."""
     import torch
 
-    from ..strategies.fsdp import shard_units
-
     device = torch.device(device or "cpu")
     torch.manual_seed(0)
     model = task.build_model().to(device=device, dtype=getattr(torch, cfg.train.dtype))
-    units, seen = [], set()
-    for unit in shard_units(model):
-        own = [p for p in unit.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        units.append(sum(p.numel() * p.element_size() for p in own))
-    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in seen)
-    out: dict[str, Any] = {"units": [root, *units]}
+    out: dict[str, Any] = {"units": [sum(p.numel() * p.element_size() for p in own)
+                                     for own in fsdp_unit_parameters(model)]}
     from ..errors import UsageError
     from ..strategies.stages import cut_stages, task_hooks
 
