@@ -220,14 +220,37 @@ def test_the_fsdp_unit_microbenchmark_gives_each_unit_size_the_shapes_and_dtypes
         return [(spec, [1e-3, 2e-3, 3e-3]) for spec in specs]
 
     monkeypatch.setattr(microbench, "measure_allreduce", fake)
-    a, b = torch.zeros(32, 32), torch.zeros(512, dtype=torch.bfloat16)
-    units = [[], [a], [b, torch.zeros(512, dtype=torch.bfloat16), torch.zeros(512, dtype=torch.bfloat16),
-                       torch.zeros(512, dtype=torch.bfloat16)], [torch.zeros(1024)]]
-    rows = measured_fsdp_units([0, 4096, 4096, 4096 * 4], parameters=units)
+    half = [torch.zeros(512, dtype=torch.bfloat16) for _ in range(4)]  # 4096 bytes in four bf16 tensors
+    units = [[], [torch.zeros(32, 32)], half, [torch.zeros(8192, dtype=torch.bfloat16)]]
+    rows = measured_fsdp_units([0, 4096, 4096, 16384], parameters=units)
     assert rows == [[4096.0, 1e-3, 2e-3, 3e-3], [16384.0, 1e-3, 2e-3, 3e-3]]
     # the first unit of 4096 bytes (one 32 x 32 tensor) stands for the second (four bf16 tensors)
     assert seen == [(2, [{"bytes": 4096, "shapes": [[32, 32]], "dtypes": ["float32"]},
-                         {"bytes": 16384, "shapes": [[1024]], "dtypes": ["float32"]}], "fsdp_unit")]
+                         {"bytes": 16384, "shapes": [[8192]], "dtypes": ["bfloat16"]}], "fsdp_unit")]
+    # parameters that are not the units' (other bytes, or another count) are refused
+    with pytest.raises(ValueError, match="same order"):
+        measured_fsdp_units([0, 4096, 16384], parameters=units[:2] + units[3:4][::-1] + [[]])
+    with pytest.raises(ValueError, match="same order"):
+        measured_fsdp_units([0, 4096], parameters=units)
+
+
+def test_the_fsdp_unit_microbenchmarks_module_has_the_units_parameters_and_almost_no_compute():
+    import torch
+
+    from paratrain.bench.microbench_sharded import fsdp_unit_module
+
+    unit = fsdp_unit_module({"shapes": [[16, 1, 3, 3], [16], [16]], "dtypes": ["bfloat16"] * 3})
+    assert [(tuple(p.shape), p.dtype) for p in unit.parameters()] == [
+        ((16, 1, 3, 3), torch.bfloat16), ((16,), torch.bfloat16), ((16,), torch.bfloat16)]
+    with torch.no_grad():
+        for p in unit.parameters():
+            p.fill_(0.5)
+    x = torch.ones(1, requires_grad=True)
+    y = unit(x)
+    y.sum().backward()
+    assert y.item() == 1.5 and all(p.grad is not None for p in unit.parameters())  # each in the graph
+    assert [(tuple(p.shape), p.dtype) for p in fsdp_unit_module(4096).parameters()] == [((1024,), torch.float32)]
+    assert [tuple(p.shape) for p in fsdp_unit_module({"shapes": [[3, 2]]}).parameters()] == [(3, 2)]
 
 
 def test_the_fsdp_unit_microbenchmark_times_a_unit_of_several_parameters_between_two_processes():

@@ -21,10 +21,11 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
   where FSDP2's collectives block (no streams), each unit is priced as what FSDP2 was measured to
   add to it between two processes, hooks, copies, collectives and the waits inside them
-  (:func:`fsdp_paths_s`); where the profile measured more processes than cores taking turns on them,
-  each stretch of compute ends in the wait that their meeting costs beyond two processes'
-  (:func:`meeting_seconds`); its optimizer step (the guard's norm with its all-reduce, the sharded
-  step) is what it was measured to add to allreduce's between two processes (:func:`fsdp_step_path_s`).
+  (:func:`fsdp_paths_s`, the ranks coming to each collective from almost no compute), and each
+  stretch of compute ends in the wait that the meeting of n processes after it costs beyond two
+  processes' after none (:func:`meeting_seconds`; at n = 2 too); its optimizer step (the guard's
+  norm with its all-reduce, the sharded step) is what it was measured to add to allreduce's
+  between two processes (:func:`fsdp_step_path_s`).
 Units: seconds (``_s``), bytes. Bad arguments raise :class:`~paratrain.errors.UsageError`.
 """
 from __future__ import annotations
@@ -220,9 +221,11 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
     are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``.
     ``path_meeting_s``: :func:`meeting_seconds` of the 2 processes those paths were measured between,
-    whose means hold the 2 processes' waits after almost no compute (the benchmark's unit computes a
-    product of one element; a rank waits inside each collective it reaches first): with the paths,
-    each wait is ``meeting_s(c) - path_meeting_s(0)``, what n processes coming from a stretch of c
+    whose means hold the 2 processes' waits after almost no compute (the benchmark's unit multiplies
+    its input by the sum of each parameter's first element; a rank waits inside each collective it
+    reaches first): with the paths, each wait is ``meeting_s(c) - path_meeting_s(0)`` (the table's
+    smallest point, 0.25 ms of compute: slightly above none, so the wait is slightly low), what n
+    processes coming from a stretch of c
     seconds of compute wait beyond that (at n = 2 the drift of the ranks over the stretch and the
     waking of gloo's threads after it; above the cores, the taking of turns too). Measured on
     2026-11-29 (2-vCPU EPYC VM, one thread a process) with :func:`~.microbench_sharded.time_fsdp_unit`'s

@@ -119,34 +119,17 @@ def measured_sharded_norm(params: Sequence[torch.Tensor], *, threads: int = 1, r
         return max(0.0, median_norm(sharded) - median_norm(grads))
 
 
-def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
-    """What FSDP2 adds to one shard unit between the ranks of the default group (gloo), beyond the
-    same module without FSDP2. ``unit``: its parameters, ``{"shapes": [[...], ...], "dtypes":
-    ["float32", ...]}`` (the dtypes default to float32), or a number of bytes: one float32 tensor
-    of them (profile versions 17-36). FSDP2's hooks copy and view each parameter of a unit in and
-    out of the collectives' buffers: on the 2-vCPU EPYC VM digits_cnn's features unit (93.6 KB in
-    9 tensors) cost 0.15 ms more forward and 0.4 ms more backward than one tensor of its bytes
-    (2026-11-29). Returns ``[forward, backward resharded,
-    backward kept]`` seconds, each the difference of the means over 20 to ``repeats`` passes (about
-    1 s of each kind) after ``warmup`` (a barrier before each pass). That is everything FSDP2 does
-    around the unit's compute: its hooks, the copies into and out of the collectives' buffers, the
-    collectives, and the wait for the rank that reaches each one last (the mean of a measured
-    collective includes it, as inside a training step). The forward all-gathers the unit; the
-    backward reduce-scatters its gradient after gathering it again when it was resharded after the
-    forward (``reshard_after_forward``). The unit's compute is a product with one element, and the
-    module without FSDP2 runs the same forward and backward, so that what is left is FSDP2's own.
-    Each pass also runs an FSDP2 root with no parameters of its own, as ``fsdp`` wraps a model: a
-    step has one root, and a model of k units is priced k of them (its hooks, about 0.1 ms a pass
-    here). Collective: every rank of the group calls it."""
-    import torch.distributed as dist
+def fsdp_unit_module(unit: int | dict) -> torch.nn.Module:
+    """The module :func:`time_fsdp_unit` shards: parameters of ``unit``'s shapes and dtypes (zeros; a
+    number: one float32 tensor of so many bytes, at least 2 elements), its forward ``x`` (one element)
+    times the sum of each parameter's first element, so that every parameter gets a gradient and the
+    compute is almost none."""
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     if isinstance(unit, dict):
         dtypes = unit.get("dtypes") or ["float32"] * len(unit["shapes"])
         tensors = [(tuple(int(d) for d in shape), getattr(torch, dtype))
-                   for shape, dtype in zip(unit["shapes"], dtypes)]
+                   for shape, dtype in zip(unit["shapes"], dtypes, strict=True)]
     else:
         tensors = [((max(2, int(unit) // 4),), torch.float32)]
 
@@ -155,14 +138,44 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
             super().__init__()
             self.weights = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in tensors])
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:  # every parameter in the graph: each gets a gradient
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * sum(w.reshape(-1)[:1].sum().float() for w in self.weights)
+
+    return Unit()
+
+
+def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
+    """What FSDP2 adds to one shard unit between the ranks of the default group (gloo), beyond the
+    same module without FSDP2: ``[forward, backward resharded, backward kept]`` seconds, each the
+    difference of the means over 20 to ``repeats`` passes (about 1 s of each kind) after ``warmup``
+    (a barrier before each pass). ``unit``: its parameters, ``{"shapes": [[...], ...], "dtypes":
+    ["float32", ...]}`` (their stored dtypes, one for the unit as FSDP2 requires; default float32;
+    a bf16 recipe's all-gathers in bf16 are not timed as such), or a number of bytes: one float32
+    tensor of them (profile versions 17-36); the module: :func:`fsdp_unit_module`. FSDP2's hooks
+    copy and view each parameter of a unit in and out of the collectives' buffers: on the 2-vCPU EPYC
+    VM digits_cnn's features unit (93.6 KB in 9 tensors) cost 0.15 ms more forward and 0.4 ms more
+    backward than one tensor of its bytes (2026-11-29).
+
+    That is everything FSDP2 does around the unit's compute: its hooks, the copies into and out of
+    the collectives' buffers, the collectives, and the wait for the rank that reaches each one last
+    (the mean of a measured collective includes it; here the ranks come to it from almost no
+    compute, where a training step's come from a stretch of it: :func:`~.costmodel_sharded.predict_fsdp`
+    adds the difference). The forward all-gathers the unit; the backward reduce-scatters its
+    gradient after gathering it again when it was resharded after the forward
+    (``reshard_after_forward``). The module without FSDP2 runs the same forward and backward, so that
+    what is left is FSDP2's own. Each pass also runs an FSDP2 root with no parameters of its own, as
+    ``fsdp`` wraps a model: a step has one root, and a model of k units is priced k of them (its
+    hooks, about 0.1 ms a pass here). Collective: every rank of the group calls it."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
     x = torch.ones(1)
 
     def passes(reshard: bool | None, count: int) -> tuple[float, float]:
         """Mean forward and backward seconds; ``reshard`` None: the module without FSDP2."""
-        root = nn.Sequential(Unit())
+        root = nn.Sequential(fsdp_unit_module(unit))
         if reshard is not None:
             mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
             fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
@@ -312,6 +325,10 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
         return []
     specs: list[int | dict] = list(sizes)
     if parameters is not None:
+        held = [sum(p.numel() * p.element_size() for p in own) for own in parameters]
+        if held != [int(b) for b in unit_bytes]:
+            raise ValueError(f"measured_fsdp_units: the units' parameters hold {held} bytes, not the units' "
+                             f"{list(unit_bytes)}: give each unit's own parameters in the same order")
         first = {}
         for b, own in zip(unit_bytes, parameters):
             first.setdefault(int(b), own)
@@ -321,5 +338,6 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
     return [[float(b), *t] for b, (_, t) in zip(sizes, points)]
 
 
-__all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "time_fsdp_unit", "measured_fsdp_units",
+__all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "fsdp_unit_module", "time_fsdp_unit",
+           "measured_fsdp_units",
            "optimizer_spec", "time_sharded_step", "measured_sharded_step"]

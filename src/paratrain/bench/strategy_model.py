@@ -103,10 +103,12 @@ def straggler_wait_s(model: str, n: int, w: Workload, link: Link, inputs: dict[s
 
 
 def fsdp_unit_parameters(model) -> list[list]:
-    """The parameters each of ``fsdp``'s shard units holds of its own, in forward order: the root's
-    first (those no unit holds), then each of :func:`~paratrain.strategies.fsdp.shard_units` (a
-    parameter in two units counts in the first). For the units' bytes (:func:`strategy_inputs`) and
-    the shapes :func:`~.microbench_sharded.measured_fsdp_units` gives each unit."""
+    """The parameters each of ``fsdp``'s shard units holds of its own: the root's first (those no
+    unit holds), then each of :func:`~paratrain.strategies.fsdp.shard_units` in its order (a
+    parameter in two units counts in the first; :func:`~.costmodel_sharded.predict_fsdp` reads them
+    as forward order, which they are for the recipes' models: blocks in the order they run). For
+    the units' bytes (:func:`strategy_inputs`) and the shapes
+    :func:`~.microbench_sharded.measured_fsdp_units` gives each unit."""
     from ..strategies.fsdp import shard_units
 
     units, seen = [], set()
@@ -285,9 +287,10 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (:func:`~.costmodel_sharded.unit_paths`), and ``inputs["zero1_step_s"]``, ``inputs["fsdp_step_s"]``:
     what ZeRO-1's and FSDP2's optimizer steps add to allreduce's, measured here
     (:func:`~.microbench_sharded.time_sharded_step`), all
-    between the processes of ``inputs["path_meetings"]``' meeting table (2: the waits those paths
-    hold). ``inputs["sharded_optimizer_s"]`` (and FSDP's ``inputs["sharded_norm_s"]``): the
-    DTensors' dispatch measured in one process (:func:`~.microbench_sharded.measured_sharded_optimizer`),
+    between the processes of ``inputs["path_meetings"]``' meeting table (2: the paths hold those
+    processes' waits after almost no compute). ``inputs["sharded_optimizer_s"]`` (and FSDP's
+    ``inputs["sharded_norm_s"]``): the DTensors' dispatch measured in one process
+    (:func:`~.microbench_sharded.measured_sharded_optimizer`),
     the formulas' ``dispatch_s``, unless ``inputs["one_rank_s"]`` (a measured one-rank overhead,
     :func:`~.profile_runs.loop_one_rank_overheads`) holds it."""
     d, links = cfg.dist, links or {}
