@@ -158,7 +158,8 @@ def test_every_formula_fills_the_optimizers_part_of_its_step():
     optimizer; zero1 and fsdp 1/n of it; a pipeline its largest stage's share (12 of 16 MiB); ZeRO-1's
     measured step (this machine's CPU) all it adds to allreduce's without allreduce's optimizer, and
     FSDP2's 1/n plus :func:`fsdp_step_path_s` (the path less its 2 processes' arithmetic)."""
-    from paratrain.bench.costmodel_sharded import fsdp_step_path_s, predict_towers
+    from paratrain.bench.costmodel_sharded import fsdp_step_path_s
+    from paratrain.bench.costmodel_towers import predict_towers
 
     s, O = 1.5, W.optimizer_s
     assert predict(W, 4, LINK, bucket_mb=25, compute_scale=s).optimizer_s == pytest.approx(O * s, rel=1e-12)

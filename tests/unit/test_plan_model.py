@@ -423,7 +423,7 @@ def test_ps_sync_mean_reuses_its_buffers_and_equals_the_plain_mean():
 
 
 def test_towers_broadcast_gather_and_reduce_through_device_0_or_share_the_cores():
-    from paratrain.bench.costmodel_sharded import predict_towers
+    from paratrain.bench.costmodel_towers import predict_towers
 
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-10)
     p = predict_towers(W, 4, link, output_bytes=1e6)
@@ -999,7 +999,7 @@ def test_tower_sync_batchnorm_seconds_are_the_two_tower_measurement_times_n_minu
 
 def test_the_towers_backward_is_the_measured_one_times_n_over_cores_and_replaces_n_backwards():
     from paratrain.bench.costmodel import Link
-    from paratrain.bench.costmodel_sharded import predict_towers
+    from paratrain.bench.costmodel_towers import predict_towers
     from paratrain.bench.plan import towers_backward_s
 
     prof = {"towers_forward_threads": {"towers": 2, "joined": True, "seconds": 0.04, "backward_seconds": 0.03}}

@@ -2,7 +2,7 @@
 communication, bubble and optimizer (the peak memory per device is :mod:`.plan_memory`'s). Pure
 arithmetic on a profile (:mod:`.profile`) and a :class:`~.costmodel.Link`. The step formulas, with
 their sources, are :func:`~.strategy_model.predict_model`'s: :mod:`.costmodel` (all-reduce),
-:mod:`.costmodel_sharded` (ZeRO-1, FSDP, towers), :mod:`.costmodel_pipeline` and :mod:`.plan_ps`
+:mod:`.costmodel_sharded` (ZeRO-1, FSDP), :mod:`.costmodel_towers`, :mod:`.costmodel_pipeline` and :mod:`.plan_ps`
 (a parameter server, synchronous or asynchronous), each with what its processes pay for meeting
 every step (:func:`~.strategy_model.sync_overhead_s`: synchronised BatchNorm, DDP's buffer
 broadcast, the wait for the last rank). This module splits a layout's prediction into those parts

@@ -18,7 +18,7 @@ def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook:
     ('' where nothing is known): the row is listed, but :func:`rank` recommends it only where no
     fully priced synchronous row fits. Towers on GPUs: torch's DataParallel replicates the module
     and launches every tower from the one process' threads each step (host work under the GIL),
-    which :func:`~.costmodel_sharded.predict_towers` does not price off a CPU. Two towers on one
+    which :func:`~.costmodel_towers.predict_towers` does not price off a CPU. Two towers on one
     H200 (soft placement) stepped 5.4x the one-device step for digits_cnn, and 6x on an H100, of
     which sharing the one GPU explains at most 2x; the formula gives 1.0x for two GPUs
     (benchmarks/RESULTS.md). What two GPUs take is not measured. Towers of a CPU's profile on a

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from .costmodel import Link, Prediction, Workload, predict, with_extra_step_s
 from .costmodel_pipeline import predict_pipeline
-from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_towers, predict_zero1, unit_paths
+from .costmodel_sharded import copy_seconds, meeting_seconds, predict_fsdp, predict_zero1, unit_paths
+from .costmodel_towers import predict_towers
 from .plan_ps import predict_ps, ps_busiest_share, ps_exchange_wait_s, ps_update_s, worker_stolen_s
 from .straggler import straggle_s
 

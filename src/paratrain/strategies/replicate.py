@@ -27,7 +27,7 @@ class Replicate(SingleDevice):
 
     name = "replicate"
     dist_keys = ("devices",)
-    cost_model = "towers"  # paratrain.bench.costmodel_sharded.predict_towers
+    cost_model = "towers"  # paratrain.bench.costmodel_towers.predict_towers
 
     @classmethod
     def check_dist(cls, dist) -> None:
