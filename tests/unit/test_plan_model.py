@@ -1632,7 +1632,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
                                        "optimizer_s": 0.002}}, **in_process})
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks",
                         lambda prof, loop, progress: fallbacks.append(dict(loop)))
-    monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    monkeypatch.setattr(profile_runs, "loop_workload_rounds", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({}, {}))
@@ -1731,7 +1731,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
         "device": "cpu", "cores": cores, "default_threads": cores, "batchnorm_inputs": [], "buffer_bytes": 920,
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
                                               "optimizer_s": 0.0005}}})
-    monkeypatch.setattr(profile_runs, "loop_workloads", lambda *a, **k: {})
+    monkeypatch.setattr(profile_runs, "loop_workload_rounds", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({"ps-async": 0.003}, {"ps-async": 6e-4}))
@@ -1754,6 +1754,81 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
     assert prof.get("loop_ps_guard_s") == ({"ps-async": 6e-4} if cores > 1 else None)
 
 
+def test_the_one_device_step_is_the_median_round_each_rounds_step_kept_in_order():
+    """median_rounds: per thread count the round whose step (data + forward + backward + optimizer)
+    is the median, the lower middle of an even count; every round's step in the order they ran."""
+    from paratrain.bench.profile_runs import median_rounds
+
+    def parts(step_ms, concurrent=None):  # a step of step_ms: 0.1 data, 0.4 optimizer, the rest 50/50
+        f = (step_ms - 0.5) / 2 / 1000
+        return {"data_s": 1e-4, "forward_s": f, "backward_s": f, "optimizer_s": 4e-4, "local_sd_s": 1e-4,
+                **({"concurrent": concurrent} if concurrent else {})}
+
+    got = median_rounds({"2": [parts(3.0), parts(3.2), parts(2.4), parts(2.5)], "1": [parts(3.5, 2), parts(3.7, 2)],
+                         "4": [parts(2.0)]})
+    # 2 threads: 3.0, 3.2, 2.4, 2.5 ms sort to 2.4, 2.5, 3.0, 3.2: the lower middle is the 2.5 ms round
+    assert got["2"]["forward_s"] == pytest.approx(0.001) and got["2"]["rounds_step_s"] == pytest.approx(
+        [0.0030, 0.0032, 0.0024, 0.0025])
+    assert got["1"]["forward_s"] == pytest.approx(0.0015) and got["1"]["concurrent"] == 2  # 3.5 of 3.5, 3.7
+    assert got["4"] == parts(2.0)  # one round: no rounds to list
+    odd = median_rounds({"2": [parts(2.9), parts(2.2), parts(2.6)]})["2"]
+    assert odd["forward_s"] == pytest.approx(0.00105)  # 2.6 ms: the middle of three
+
+
+@pytest.mark.parametrize("device, cores", [("cpu", 2), ("cpu", 1), ("cuda", 2)])
+def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_profile(monkeypatch, tmp_path, device,
+                                                                                      cores):
+    """plan_profile.load_profile with the measurements stubbed: on a CPU the default-thread one-device
+    run goes --profile-repeats rounds first (with the one-thread runs side by side where there are
+    several cores), then once more after the one-rank runs and once after the last of the loop's runs
+    (the PS jobs): its step is the median of those rounds (the 2-vCPU EPYC VM's step moved 2.0-3.5
+    ms in spells longer than two back-to-back runs). A GPU's profile runs its rounds once, first."""
+    import argparse
+    from pathlib import Path
+
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps
+    from paratrain.config import load
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "ptb_small.toml")
+    cfg = load(recipe, [])
+    events, draws = [], iter([[3.2, 3.0], [2.4], [2.5]])  # the step (ms) of each call's default-thread rounds
+
+    def parts(step_ms):
+        return {"data_s": 0.0, "forward_s": step_ms / 2000, "backward_s": step_ms / 2000, "optimizer_s": 0.0,
+                "local_sd_s": 0.0}
+
+    def rounds(config, task, overrides, data_dir, batch, steps, threads, concurrent=1, repeats=1):
+        events.append(("rounds", threads, repeats))
+        got = {str(cores): [parts(ms) for ms in next(draws)]}
+        if 1 in threads:
+            got["1"] = [{**parts(4.0), "concurrent": concurrent}] * repeats
+        return got
+
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
+        "device": device, "cores": cores, "default_threads": cores, "batchnorm_inputs": [],
+        "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.001, "backward_s": 0.001,
+                                              "optimizer_s": 0.0}}})
+    monkeypatch.setattr(profile_runs, "loop_workload_rounds", rounds)
+    monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: events.append("one-rank") or {})
+    monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: events.append("ps") or ({}, {}))
+    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
+    args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
+                              task=None, overrides=[], data_dir=None)
+    prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path)
+    first = ("rounds", (None, 1) if device == "cpu" and cores > 1 else (None,), 2)
+    if device == "cpu":
+        ps = ["ps"] if cores > 1 else []  # the PS jobs' loop runs where the workers share several cores
+        assert events == [first, "one-rank", ("rounds", (None,), 1), *ps, ("rounds", (None,), 1)]
+        # 3.2, 3.0, 2.4, 2.5 ms: the lower middle of four is 2.5 ms, the last round
+        assert prof["workloads"][str(cores)]["forward_s"] == pytest.approx(0.00125)
+        assert prof["workloads"][str(cores)]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024, 0.0025])
+        if cores > 1:  # the one-thread runs side by side: their own rounds, not drawn again
+            assert prof["workloads"]["1"] == {**parts(4.0), "concurrent": cores, "rounds_step_s": [0.004, 0.004]}
+    else:  # a GPU's: its first rounds alone (3.2, 3.0: the lower middle 3.0)
+        assert events == [first, "one-rank"]
+        assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.0015)
+
+
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():
     """The one-device row's prediction is the profile's own run of it: a measured step 64% longer
     means the machine slowed (it did, on this VM: 8.1 ms profiled, 13.3 ms validated); within 10%
@@ -1774,6 +1849,10 @@ def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile
     assert machine_drift(quiet) is None and "machine" not in markdown({"config": "c", "rows": quiet})
     assert machine_drift([row("allreduce", 2, 40.0, 50.0)]) is None  # no one-device row: nothing to say
     assert machine_drift([row("single", 1, 8.1, 13.3, ok=False)]) is None  # a failed run says nothing
+    # the profile's own rounds of the one-device run (version 38), listed where there are several
+    text = markdown({"config": "c", "rows": [row("single", 1, 3.0, 2.4)], "profile_rounds_ms": [3.2, 3.0, 2.4, 2.5]})
+    assert "The profile's own runs of it took 3.2, 3.0, 2.4, 2.5 ms (the median taken)." in text
+    assert "own runs" not in markdown({"config": "c", "rows": [row("single", 1, 3.0, 2.4)], "profile_rounds_ms": [3.0]})
 
 
 def test_validation_shows_each_layouts_runs_and_which_misses_lie_inside_their_own_spread():

@@ -32,7 +32,7 @@ from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
 from .plan_rank import simplicity
 from .plan_validate_report import (between_runs, machine_drift, markdown, same_speed_errors,  # noqa: F401 (API)
-                                   pct, side_by_side_ms, step_ms)
+                                   pct, profile_rounds_ms, side_by_side_ms, step_ms)
 
 
 def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
@@ -173,7 +173,8 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                     if rounds or any(paced_runs) else None)
     same_speed_errors(rows, paced_rounds)
     result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,
-              "side_by_side": paced_rounds, "runoff": runoff, "choice": choice}
+              "side_by_side": paced_rounds, "runoff": runoff, "choice": choice,
+              "profile_rounds_ms": profile_rounds_ms(prof)}
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     (out / "validation.md").write_text(text)

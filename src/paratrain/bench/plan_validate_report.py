@@ -66,7 +66,10 @@ def markdown(result: dict) -> str:
         lines += ["", f"The one-device step ran {100 * abs(drift):.0f}% {'slower' if drift > 0 else 'faster'} here "
                       f"than the profile measured it: the machine's speed changed between the profile and these "
                       f"runs, and every error above includes that change. Validate again with --reprofile, "
-                      f"on a quieter machine."]
+                      f"on a quieter machine."
+                      + (f" The profile's own runs of it took "
+                         f"{', '.join(f'{x:.1f}' for x in result['profile_rounds_ms'])} ms (the median taken)."
+                         if len(result.get("profile_rounds_ms") or []) > 1 else "")]
     paired = [r for r in result["rows"] if r["n"] <= 2 and math.isfinite(r.get("step_error_same_speed", math.nan))]
     if paired:
         worst = max(paired, key=lambda r: abs(r["step_error_same_speed"]))
@@ -139,6 +142,14 @@ def side_by_side_ms(prof: dict) -> float | None:
     if prof.get("device") != "cpu" or not one.get("concurrent"):
         return None
     return step_ms(one)
+
+
+def profile_rounds_ms(prof: dict) -> list[float]:
+    """The profile's one-device runs at the default threads (the one-device row's prediction), each
+    round's step in ms in the order they ran (``rounds_step_s``, since profile version 38 spread across
+    the profile: :func:`~.profile_runs.median_rounds`); [] for a profile with one round, or older."""
+    measured = {int(k): v for k, v in (prof.get("workloads") or {}).items()}
+    return [1000 * s for s in measured[max(measured)].get("rounds_step_s", [])] if measured else []
 
 
 def step_ms(parts: dict[str, float]) -> float:

@@ -47,17 +47,26 @@ def _loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                    batch: int, steps: int, threads: tuple[int | None, ...], concurrent: int = 1, repeats: int = 1
                    ) -> dict[str, dict[str, float]]:
+    """The one-device step as ``paratrain train`` runs it: :func:`median_rounds` of
+    :func:`loop_workload_rounds` (the same arguments), keyed by the threads each ran with."""
+    return median_rounds(loop_workload_rounds(config, task_entry, overrides, data_dir, batch, steps, threads,
+                                              concurrent=concurrent, repeats=repeats))
+
+
+def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+                         batch: int, steps: int, threads: tuple[int | None, ...], concurrent: int = 1,
+                         repeats: int = 1) -> dict[str, list[dict[str, float]]]:
     """The one-device step as ``paratrain train`` runs it (the training loop's clipping, checks and
-    bookkeeping included): a ``single`` run of ``steps`` per thread count (None: the default),
-    rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
+    bookkeeping included): a ``single`` run of ``steps`` per thread count (None: the default) and
+    round, rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
     (:func:`~.validate.workload_from_record`) and the standard deviation of its steps' local time from
     step to step (``local_sd_s``: :func:`~.timing.successive_difference_sd`, for
-    :func:`~.straggler.straggle_s`), keyed by the threads it ran with. One-thread runs go
+    :func:`~.straggler.straggle_s`): {threads it ran with: [one dict per round]}. One-thread runs go
     ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
     while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
     SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over
-    the thread counts (a slow spell of the machine hits each alike); per thread count the round
-    with the median step is kept."""
+    the thread counts (a slow spell of the machine hits each alike). Raises UsageError where a run
+    fails."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
@@ -90,10 +99,18 @@ def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ..
                 if copies > 1:
                     got["concurrent"] = copies
                 rounds.setdefault(key, []).append(got)
+    return rounds
+
+
+def median_rounds(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per thread count of :func:`loop_workload_rounds`, the round with the median step (data +
+    forward + backward + optimizer; the lower middle of an even count), with every round's step in
+    seconds, in the order they ran (``rounds_step_s``), where there were several."""
     out = {}
-    for key, got in rounds.items():  # the round with the median step (the lower middle of an even count)
-        ranked = sorted(got, key=lambda g: g["data_s"] + g["forward_s"] + g["backward_s"] + g["optimizer_s"])
-        out[key] = ranked[(len(ranked) - 1) // 2]
+    for key, got in rounds.items():
+        steps = [sum(g[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")) for g in got]
+        middle = sorted(range(len(got)), key=lambda i: steps[i])[(len(got) - 1) // 2]
+        out[key] = {**got[middle], **({"rounds_step_s": steps} if len(got) > 1 else {})}
     return out
 
 
