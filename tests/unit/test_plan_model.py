@@ -1781,8 +1781,9 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     """plan_profile.load_profile with the measurements stubbed: on a CPU the default-thread one-device
     run goes --profile-repeats rounds first (with the one-thread runs side by side where there are
     several cores), then once more after the one-rank runs and once after the last of the loop's runs
-    (the PS jobs): its step is the median of those rounds (the 2-vCPU EPYC VM's step moved 2.0-3.5
-    ms in spells longer than two back-to-back runs). A GPU's profile runs its rounds once, first."""
+    (the PS jobs; not where none ran, as on one core: it would follow the last round straight on):
+    its step is the median of those rounds (the 2-vCPU EPYC VM's step moved 2.0-3.5 ms in spells
+    longer than two back-to-back runs). A GPU's profile runs its rounds once, first."""
     import argparse
     from pathlib import Path
 
@@ -1817,16 +1818,31 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path)
     first = ("rounds", (None, 1) if device == "cpu" and cores > 1 else (None,), 2)
     if device == "cpu":
-        ps = ["ps"] if cores > 1 else []  # the PS jobs' loop runs where the workers share several cores
-        assert events == [first, "one-rank", ("rounds", (None,), 1), *ps, ("rounds", (None,), 1)]
-        # 3.2, 3.0, 2.4, 2.5 ms: the lower middle of four is 2.5 ms, the last round
-        assert prof["workloads"][str(cores)]["forward_s"] == pytest.approx(0.00125)
-        assert prof["workloads"][str(cores)]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024, 0.0025])
+        if cores > 1:  # the PS jobs' loop runs where the workers share several cores, then a last round
+            assert events == [first, "one-rank", ("rounds", (None,), 1), "ps", ("rounds", (None,), 1)]
+            # 3.2, 3.0, 2.4, 2.5 ms: the lower middle of four is 2.5 ms, the last round
+            assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.00125)
+            assert prof["workloads"]["2"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024, 0.0025])
+        else:  # one core: no loop runs after the one-rank runs, so no last round; 3.2, 3.0, 2.4: 3.0 ms
+            assert events == [first, "one-rank", ("rounds", (None,), 1)]
+            assert prof["workloads"]["1"]["forward_s"] == pytest.approx(0.0015)
+            assert prof["workloads"]["1"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024])
         if cores > 1:  # the one-thread runs side by side: their own rounds, not drawn again
             assert prof["workloads"]["1"] == {**parts(4.0), "concurrent": cores, "rounds_step_s": [0.004, 0.004]}
     else:  # a GPU's: its first rounds alone (3.2, 3.0: the lower middle 3.0)
         assert events == [first, "one-rank"]
         assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.0015)
+
+
+def test_the_reports_profile_rounds_are_the_default_thread_runs_in_ms():
+    """profile_rounds_ms: the rounds of the profile's run at the most threads (the one-device row's
+    prediction, plan_inputs.workload), in ms and in order; [] for a profile of one round or older."""
+    from paratrain.bench.plan_validate import profile_rounds_ms
+
+    prof = {"workloads": {"2": {"rounds_step_s": [0.0032, 0.0024]}, "1": {"rounds_step_s": [0.0035, 0.0037]}}}
+    assert profile_rounds_ms(prof) == pytest.approx([3.2, 2.4])
+    assert profile_rounds_ms({"workloads": {"2": {"forward_s": 0.001}}}) == []  # one round (or before version 38)
+    assert profile_rounds_ms({}) == []
 
 
 def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile():
@@ -1851,8 +1867,10 @@ def test_validation_says_when_the_machine_itself_changed_speed_since_the_profile
     assert machine_drift([row("single", 1, 8.1, 13.3, ok=False)]) is None  # a failed run says nothing
     # the profile's own rounds of the one-device run (version 38), listed where there are several
     text = markdown({"config": "c", "rows": [row("single", 1, 3.0, 2.4)], "profile_rounds_ms": [3.2, 3.0, 2.4, 2.5]})
-    assert "The profile's own runs of it took 3.2, 3.0, 2.4, 2.5 ms (the median taken)." in text
+    assert "The profile's own runs of it took 3.2, 3.0, 2.4, 2.5 ms (the median round taken)." in text
     assert "own runs" not in markdown({"config": "c", "rows": [row("single", 1, 3.0, 2.4)], "profile_rounds_ms": [3.0]})
+    assert "own runs" not in markdown({"config": "c", "rows": [row("single", 1, 2.5, 2.4)],  # no drift: not said
+                                       "profile_rounds_ms": [3.2, 2.5]})
 
 
 def test_validation_shows_each_layouts_runs_and_which_misses_lie_inside_their_own_spread():

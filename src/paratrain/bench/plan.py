@@ -80,7 +80,9 @@ def add_plan_parser(sub) -> None:
                    help=f"about how long the timed steps of each profile and validation run last: short steps run "
                         f"more than --profile-steps / --validate-steps (default {TIMED_S:g}; 0: exactly those)")
     p.add_argument("--profile-repeats", type=int, default=1,
-                   help="rounds of the profile's one-device runs; per thread count the median is kept (default 1)")
+                   help="rounds of the profile's one-device runs; per thread count the median is kept (default 1; "
+                        "on a CPU the default-thread run goes once more after the one-rank runs and after the "
+                        "loop's last runs)")
     p.add_argument("--validate", action="store_true",
                    help="run every strategy at N = 1, 2 here and compare with the predictions (minutes)")
     p.add_argument("--rescore", action="store_true", help="predict the layouts of --out's validation.json again "

@@ -110,7 +110,8 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 progress(f"a PS worker's compute and guard in the loop's steps: {PS_LOOP_WORKERS} workers")
                 prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(
                     *recipe, steps, repeats=args.profile_repeats, synced_batchnorm=bool(prof.get("batchnorm_inputs")))
-            later_round()
+            if any(k in prof for k in ("loop_sync_batchnorm_s", "loop_buffer_broadcast_s", "loop_ps_stolen_s")):
+                later_round()  # (after none of them it would run straight after the last round: no spread)
             # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
             sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
             bar.update(phases - bar.n)

@@ -282,7 +282,7 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
     if result.get("rounds") or all(len(r.get("measured_step_ms_all") or []) <= 1 for r in result["rows"]):
         # (before "rounds" was kept, run r of two layouts need not share a round)
         same_speed_errors(result["rows"], paced)
-    result.update({"link": prof["links"], "rescored": True,
+    result.update({"link": prof["links"], "rescored": True, "profile_rounds_ms": profile_rounds_ms(prof),
                    "choice": _choice(result["rows"], first.label if first else None, result.get("runoff"))})
     path.write_text(json.dumps(result, indent=1))
     text = markdown(result)

@@ -68,7 +68,7 @@ def markdown(result: dict) -> str:
                       f"runs, and every error above includes that change. Validate again with --reprofile, "
                       f"on a quieter machine."
                       + (f" The profile's own runs of it took "
-                         f"{', '.join(f'{x:.1f}' for x in result['profile_rounds_ms'])} ms (the median taken)."
+                         f"{', '.join(f'{x:.1f}' for x in result['profile_rounds_ms'])} ms (the median round taken)."
                          if len(result.get("profile_rounds_ms") or []) > 1 else "")]
     paired = [r for r in result["rows"] if r["n"] <= 2 and math.isfinite(r.get("step_error_same_speed", math.nan))]
     if paired:

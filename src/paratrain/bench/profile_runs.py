@@ -65,8 +65,9 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
     ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
     while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
     SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over
-    the thread counts (a slow spell of the machine hits each alike). Raises UsageError where a run
-    fails."""
+    the thread counts (within a round, a slow spell of the machine hits each alike; a profile adds
+    later default-thread rounds of its own, :func:`~.plan_profile.load_profile`). Raises UsageError
+    where a run fails."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
