@@ -11,14 +11,31 @@ from .costmodel import Link, Workload
 from .plan_memory import MemoryInputs
 
 
+STEP_PARTS = ("data_s", "forward_s", "backward_s", "optimizer_s")
+"""The parts of a one-device step in a profile's ``workloads`` entry (:func:`~.profile_runs.loop_workloads`)."""
+
+
+def step_s(parts: dict[str, float]) -> float:
+    """Seconds of a one-device step: the sum of its :data:`STEP_PARTS`."""
+    return sum(parts[k] for k in STEP_PARTS)
+
+
+def measured_workload(prof: dict, threads: int | None = None) -> dict | None:
+    """The profile's ``workloads`` entry at the measured thread count nearest ``threads`` (None: the
+    default run's, the most threads); None where the profile has none."""
+    measured = {int(k): v for k, v in (prof.get("workloads") or {}).items()}
+    if not measured:
+        return None
+    want = threads or max(measured)  # None: the default run (the most threads)
+    return measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
+
+
 def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Workload:
     """The profile's one-device step at the measured thread count nearest ``threads`` (None: the
     default run's) with the per-replica batch scaled by ``ratio``: compute linear in the batch, its
     spread from step to step by sqrt(ratio) (between noise independent per sample, sqrt, and jitter
     of the machine that no batch size changes, constant; unvalidated: the validation runs ratio 1)."""
-    measured = {int(k): v for k, v in prof["workloads"].items()}
-    want = threads or max(measured)  # None: the default run (the most threads)
-    w = measured[min(measured, key=lambda t: (abs(t - want), -t))]  # the nearest thread count measured
+    w = measured_workload(prof, threads)
     return Workload(forward_s=w["forward_s"] * ratio, backward_s=w["backward_s"] * ratio, data_s=w["data_s"] * ratio,
                     optimizer_s=w["optimizer_s"], param_bytes=tuple(prof["param_bytes"]),
                     tokens_per_step=prof["tokens_per_step"] * ratio,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from .plan_inputs import measured_workload, step_s
+
 
 def _ms(x: float | None) -> str:
     return f"{x:.0f}" if x is not None and math.isfinite(x) else "-"
@@ -148,14 +150,13 @@ def profile_rounds_ms(prof: dict) -> list[float]:
     """The profile's one-device runs at the default threads (the one-device row's prediction), each
     round's step in ms in the order they ran (``rounds_step_s``, since profile version 38 spread across
     the profile: :func:`~.profile_runs.median_rounds`); [] for a profile with one round, or older."""
-    measured = {int(k): v for k, v in (prof.get("workloads") or {}).items()}
-    return [1000 * s for s in measured[max(measured)].get("rounds_step_s", [])] if measured else []
+    return [1000 * s for s in (measured_workload(prof) or {}).get("rounds_step_s", [])]
 
 
 def step_ms(parts: dict[str, float]) -> float:
     """Milliseconds of a one-device step's parts in seconds (data, forward, backward, optimizer:
     :func:`~.profile_runs.loop_workloads`' entries)."""
-    return 1000 * sum(parts[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+    return 1000 * step_s(parts)
 
 
 def _timed(ms: float | None) -> bool:

@@ -107,9 +107,11 @@ def median_rounds(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[s
     """Per thread count of :func:`loop_workload_rounds`, the round with the median step (data +
     forward + backward + optimizer; the lower middle of an even count), with every round's step in
     seconds, in the order they ran (``rounds_step_s``), where there were several."""
+    from .plan_inputs import step_s
+
     out = {}
     for key, got in rounds.items():
-        steps = [sum(g[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")) for g in got]
+        steps = [step_s(g) for g in got]
         middle = sorted(range(len(got)), key=lambda i: steps[i])[(len(got) - 1) // 2]
         out[key] = {**got[middle], **({"rounds_step_s": steps} if len(got) > 1 else {})}
     return out
