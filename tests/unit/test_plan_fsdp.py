@@ -4,8 +4,11 @@ that measure them (bench/microbench.py, bench/microbench_sharded.py), against ha
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+
+DIGITS = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
 
 from paratrain.bench.costmodel import MIB, Link, Workload, ring_allreduce_s
 from paratrain.bench.costmodel_sharded import (fsdp_paths_s, meeting_seconds, predict_fsdp, predict_zero1,
@@ -368,7 +371,8 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
     ``Zero1._gather_rows`` made 10 ms slower is measured (the real strategy's step is what is
     timed), and the group, the threads and the global random generator are left as they were. Then
     between 2 processes for digits_cnn's parameter shapes with training's SGD: the DTensor steps cost
-    more than the plain one (finite, positive, under a second)."""
+    more than the plain one (finite, positive, under a second), with nothing and with digits_cnn's
+    model between the steps."""
     import time
 
     import torch
@@ -396,3 +400,134 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
     monkeypatch.undo()
     got = measured_sharded_step("zero1", params, sgd, timeout_s=150)
     assert math.isfinite(got) and 0 < got < 1
+    # each process builds digits_cnn's model and batch as its rank and runs them before each step
+    from paratrain.config import load
+
+    recipe = {"config": load(DIGITS), "data_dir": None}
+    got = measured_sharded_step("zero1", params, sgd, timeout_s=150, workload=recipe)
+    assert math.isfinite(got) and 0 < got < 1
+
+
+def test_the_rank_workload_runs_the_recipes_model_on_the_batch_of_that_rank(monkeypatch):
+    """_rank_workload builds the recipe's task as rank ``rank`` of ``world_size`` ranks (a replica's
+    share of the global batch) and each call runs its model's forward and backward on that batch,
+    its gradients set anew; the global random generator is left as it was; None: nothing."""
+    import torch
+
+    from paratrain import runs
+    from paratrain.bench.microbench_sharded import _rank_workload
+    from paratrain.config import load
+    from paratrain.tasks.digits_cnn import DigitsTask
+
+    assert _rank_workload(None, 0, 2)() is None
+    cfg = load(DIGITS)
+    built, seen = [], []
+    build = runs.build_task
+    monkeypatch.setattr(runs, "build_task", lambda *a, **kw: (built.append((a, kw)), build(*a, **kw))[1])
+    loss = DigitsTask.loss
+
+    def spy(self, model, micro_batch):
+        got = loss(self, model, micro_batch)
+        seen.append((len(micro_batch[1]), [p.grad for p in model.parameters()]))
+        return got
+    monkeypatch.setattr(DigitsTask, "loss", spy)
+    rng = torch.get_rng_state()
+    run = _rank_workload({"config": cfg, "data_dir": None}, 1, 2)
+    assert built == [((cfg, None), {"rank": 1, "world_size": 2})]
+    assert torch.equal(torch.get_rng_state(), rng)
+    run()
+    run()
+    # rank 1's half of the global batch, its gradients set to None before each forward
+    assert [n for n, _ in seen] == [cfg.train.batch_size // 2] * 2
+    assert all(g is None for _, grads in seen for g in grads)
+
+
+def _event_workload(events: list):
+    """A workload that appends "model" to ``events`` each run."""
+    return lambda: events.append("model")
+
+
+def test_the_sharded_step_microbenchmark_runs_the_model_before_every_step_of_both_kinds(monkeypatch):
+    """time_sharded_step with a workload, on a one-rank group: every timed or untimed step of zero1
+    and of allreduce follows exactly one run of the recipe's model (built by _rank_workload as this
+    rank of the group), and the model's time is not in the result (10 ms more a run leaves it
+    under 10 ms)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.bench import microbench_sharded
+    from paratrain.bench.microbench_sharded import optimizer_spec, time_sharded_step
+    from paratrain.config import load
+
+    events, asked = [], []
+
+    def workload(recipe, rank, world):
+        asked.append((recipe, rank, world))
+        return lambda: (events.append("model"), time.sleep(0.01))
+    monkeypatch.setattr(microbench_sharded, "_rank_workload", workload)
+    step = torch.optim.SGD.step
+    monkeypatch.setattr(torch.optim.SGD, "step",
+                        lambda self, *a, **kw: (events.append("step"), step(self, *a, **kw))[1])
+    shapes = [[10], [10, 64], [64, 32, 3, 3]]
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.randn(s)) for s in shapes], lr=0.05, momentum=0.9)
+    recipe = {"config": load(DIGITS), "data_dir": None}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        got = time_sharded_step({**optimizer_spec(sgd), "shapes": shapes, "workload": recipe}, repeats=20, warmup=1)
+    finally:
+        dist.destroy_process_group()
+    assert asked == [(recipe, 0, 1)]
+    # warm-up 1 pair, 2 pairs to size the rounds, then at least 2 rounds of 10 of each kind
+    assert events[:2] == ["model", "step"] and events == ["model", "step"] * (len(events) // 2)
+    assert len(events) // 2 >= 2 * (1 + 2 + 20)
+    assert abs(got) < 0.01
+
+
+def test_the_fsdp_unit_microbenchmark_runs_the_model_before_every_pass(monkeypatch):
+    """time_fsdp_unit with a workload, on a one-rank group: every pass (sharded, kept and without
+    FSDP2) follows exactly one run of the recipe's model, at least 10 timed passes of each kind, and
+    the model's time (10 ms a run) is not in the result. measured_fsdp_units hands the workload to
+    every unit size's spec, a size given as bytes as one float32 tensor of them."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.bench import microbench, microbench_sharded
+    from paratrain.bench.microbench_sharded import fsdp_unit_module, measured_fsdp_units, time_fsdp_unit
+
+    events, asked = [], []
+
+    def workload(recipe, rank, world):
+        asked.append((recipe, rank, world))
+        return lambda: (events.append("model"), time.sleep(0.01))
+
+    def unit_module(unit):
+        module = fsdp_unit_module(unit)
+        forward = module.forward
+        module.forward = lambda x: (events.append("pass"), forward(x))[1]
+        return module
+    monkeypatch.setattr(microbench_sharded, "_rank_workload", workload)
+    monkeypatch.setattr(microbench_sharded, "fsdp_unit_module", unit_module)
+    recipe = {"config": "a recipe", "data_dir": "/data"}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        got = time_fsdp_unit({"shapes": [[256]], "workload": recipe}, 200, 2)
+    finally:
+        dist.destroy_process_group()
+    assert asked == [(recipe, 0, 1)]
+    assert events == ["model", "pass"] * (len(events) // 2)
+    passes = len(events) // 2
+    assert passes >= (5 + 2) + 3 * (10 + 2) and passes < (5 + 2) + 3 * (200 + 2)
+    assert all(0 <= t < 0.01 for t in got)
+
+    seen = []
+    monkeypatch.setattr(microbench, "measure_allreduce",
+                        lambda world, specs, **kw: (seen.append(specs), [(s, [0.0] * 3) for s in specs])[1])
+    measured_fsdp_units([4096, 0], workload=recipe)
+    units = [[torch.zeros(8, 8)]]
+    measured_fsdp_units([256], parameters=units, workload=recipe)
+    assert seen == [[{"shapes": [[1024]], "workload": recipe}],
+                    [{"bytes": 256, "shapes": [[8, 8]], "dtypes": ["float32"], "workload": recipe}]]

@@ -2,6 +2,7 @@
 never predicts a slower step; more shards never predict more memory per device."""
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -1626,7 +1627,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         return {k: v for k, v in measured.items() if k not in failing}
 
     in_process = {}  # the towers' steps timed in the profile's process (version 36)
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "buffer_bytes": 920, "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
                                        "optimizer_s": 0.002}}, **in_process})
@@ -1727,7 +1728,7 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     calls = []
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
         "device": "cpu", "cores": cores, "default_threads": cores, "batchnorm_inputs": [], "buffer_bytes": 920,
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
                                               "optimizer_s": 0.0005}}})
@@ -1805,7 +1806,7 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
             got["1"] = [{**parts(4.0), "concurrent": concurrent}] * repeats
         return got
 
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task: {
+    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
         "device": device, "cores": cores, "default_threads": cores, "batchnorm_inputs": [],
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.001, "backward_s": 0.001,
                                               "optimizer_s": 0.0}}})
@@ -2298,9 +2299,13 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
 
     calls = []
 
+    workloads = []
+
     def stub(module, name, answer):
         def fake(*args, **kw):
             calls.append((name, kw.get("threads"), kw.get("workers"), kw.get("exchange_s"), kw.get("processes")))
+            if "workload" in kw:
+                workloads.append((name, kw.pop("workload"), kw.pop("timeout_s")))
             return answer(*args, **kw) if callable(answer) else answer
         monkeypatch.setattr(module, name, fake)
 
@@ -2318,8 +2323,10 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     stub(microbench_sharded, "measured_sharded_step", lambda strategy, params, opt, threads: strategy)
     model = torch.nn.Linear(2, 2)
     cfg = SimpleNamespace(train=SimpleNamespace(clip=0.5))
-    prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]}}  # a Linear(2, 2): the root alone
-    got = profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, torch.device(device), prof)
+    prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]},  # a Linear(2, 2): the root alone
+            "default_threads": 8, "workloads_in_process": {"8": {"forward_s": 0.25, "backward_s": 0.5}}}
+    before = copy.deepcopy(prof)
+    got = profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, torch.device(device), prof, "/data")
     first = [("measured_links", None, None, None, None), ("measured_ps_update", 2, None, None, None),
              ("measured_ps_round_trip", 2, None, None, None), ("measured_sharded_optimizer", 4, None, None, None),
              ("measured_sharded_norm", 4, None, None, None)]
@@ -2340,7 +2347,12 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     assert got["ps_round_trips_loaded_4"] == {"workers": 4, "points": []}
     # FSDP2's units of the model's own parameters (a Linear: the root holds both)
     assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == (([24], [[(2, 2), (2,)]]), "zero1", "fsdp")
-    assert prof == {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]}}  # not changed
+    # each rank of the unit and step benchmarks runs the recipe's model before each pass or step: their
+    # deadlines grow by 4 x 50 one-device steps (0.75 s) per unit size and per strategy
+    recipe = {"config": cfg, "data_dir": "/data"}
+    assert workloads == [("measured_fsdp_units", recipe, 300 + 4 * 50 * 0.75), ("measured_sharded_step", recipe, 450),
+                         ("measured_sharded_step", recipe, 450)]
+    assert prof == before  # not changed
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -27,8 +27,9 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     # 35: a CPU's step with one malloc arena: a GPU's 32 is still whole, a CPU's 34 is not
     # 36: a CPU's towers' backward and sync BatchNorm in one process: a GPU's 32 is still whole, a CPU's 35 is not
     # 37: a CPU's FSDP2 units of their own parameters; 38: a CPU's one-device step over rounds spread across the
-    # profile: a GPU's 32 is still whole, a CPU's 37 is not
-    assert PROFILE_VERSION == 38 and compatible(32, "cuda:0") and not compatible(37, "cpu")
+    # profile; 39: a CPU's FSDP2 units and sharded steps after the model's compute: a GPU's 32 is still whole,
+    # a CPU's 38 is not
+    assert PROFILE_VERSION == 39 and compatible(32, "cuda:0") and not compatible(38, "cpu")
     assert not compatible(34, "cpu") and compatible(34, "cuda:0")
     assert not compatible(35, "cpu") and compatible(35, "cuda:0")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's

@@ -147,7 +147,8 @@ def fsdp_unit_module(unit: int | dict) -> torch.nn.Module:
 def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
     """What FSDP2 adds to one shard unit between the ranks of the default group (gloo), beyond the
     same module without FSDP2: ``[forward, backward resharded, backward kept]`` seconds, each the
-    difference of the means over 20 to ``repeats`` passes (about 1 s of each kind) after ``warmup``
+    difference of the means over 20 (10 with a workload) to ``repeats`` passes (about 1 s of each kind,
+    workload included) after ``warmup``
     (a barrier before each pass). ``unit``: its parameters, ``{"shapes": [[...], ...], "dtypes":
     ["float32", ...]}`` (their stored dtypes, one for the unit as FSDP2 requires; default float32;
     a bf16 recipe's all-gathers in bf16 are not timed as such), or a number of bytes: one float32
@@ -158,20 +159,24 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
 
     That is everything FSDP2 does around the unit's compute: its hooks, the copies into and out of
     the collectives' buffers, the collectives, and the wait for the rank that reaches each one last
-    (the mean of a measured collective includes it; here the ranks come to it from almost no
-    compute, where a training step's come from a stretch of it: :func:`~.costmodel_sharded.predict_fsdp`
-    adds the difference). The forward all-gathers the unit; the backward reduce-scatters its
+    (the mean of a measured collective includes it; here the ranks come to it from a barrier, where
+    a training step's come from a stretch of compute: :func:`~.costmodel_sharded.predict_fsdp` adds
+    the difference). The forward all-gathers the unit; the backward reduce-scatters its
     gradient after gathering it again when it was resharded after the forward
     (``reshard_after_forward``). The module without FSDP2 runs the same forward and backward, so that
     what is left is FSDP2's own. Each pass also runs an FSDP2 root with no parameters of its own, as
     ``fsdp`` wraps a model: a step has one root, and a model of k units is priced k of them (its
-    hooks, about 0.1 ms a pass here). Collective: every rank of the group calls it."""
+    hooks, about 0.1 ms a pass here). ``unit["workload"]`` (optional): a recipe whose model's forward
+    and backward each rank runs before every pass (:func:`_rank_workload`), as a training step's units
+    find the caches after the model's other compute. Collective: every rank of the group calls it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     x = torch.ones(1)
+    between = _rank_workload(unit.get("workload") if isinstance(unit, dict) else None, dist.get_rank(),
+                             dist.get_world_size())
 
     def passes(reshard: bool | None, count: int) -> tuple[float, float]:
         """Mean forward and backward seconds; ``reshard`` None: the module without FSDP2."""
@@ -182,6 +187,7 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
             fully_shard(root, mesh=mesh)
         fwd, bwd = [], []
         for i in range(warmup + count):
+            between()
             dist.barrier()
             t0 = time.perf_counter()
             y = root(x)
@@ -194,8 +200,11 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
                 bwd.append(t2 - t1)
         return statistics.fmean(fwd), statistics.fmean(bwd)
 
-    f2, b2 = passes(True, 10)  # then as many passes as fit in about 1 s (rank 0's count)
-    count = torch.tensor([max(20, min(repeats, round(1.0 / max(f2 + b2, 1e-6))))])
+    fewest = 10 if isinstance(unit, dict) and unit.get("workload") else 20  # a model's compute before each
+    t0 = time.perf_counter()
+    passes(True, fewest // 2)  # then as many passes as fit in about 1 s, with the workload (rank 0's count)
+    wall = (time.perf_counter() - t0) / (fewest // 2 + warmup)
+    count = torch.tensor([max(fewest, min(repeats, round(1.0 / max(wall, 1e-6))))])
     dist.broadcast(count, 0)
     count = int(count)
     (f2, b2), (_, k2), (f0, b0) = passes(True, count), passes(False, count), passes(None, count)
@@ -230,9 +239,15 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     not depend on the units) the gradients are DTensor shards, as FSDP2's reduce-scatter leaves them:
     the guard's norm of them (their dispatch and the all-reduce of the norm, a blocking collective)
     and the optimizer's dispatch and arithmetic on 1/W of each parameter. The two kinds of steps
-    alternate in rounds (about 1 s in all), so that a change of the machine's speed meets both.
-    Returns the ranks' mean. The global random generator is left as it was. Collective: every rank
-    of the group calls it."""
+    alternate in rounds (about 1 s in all, at least 2 rounds of 10 steps of each), so that a change of
+    the machine's speed meets both. ``spec["workload"]`` (optional): ``{"config": Config, "data_dir":
+    str | None}``, a recipe whose model each rank builds as rank ``rank`` of the group would train it
+    (:func:`~paratrain.runs.build_task`, its first batch) and runs forward and backward on before each
+    step, of both kinds, as the training loop does (:func:`_rank_workload`): on the 2-vCPU EPYC VM
+    digits_cnn's zero1 step path was 0.55 ms more with its model's forward and backward between the
+    steps than with nothing between them (2026-11-29): the caches and the allocator as a step finds
+    them. Returns the ranks' mean. The global random generator is left as it was. Collective: every
+    rank of the group calls it."""
     import functools
     import importlib
 
@@ -259,6 +274,8 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     values = [torch.randn(s, generator=seeded).to(d) for s, d in zip(shapes, dtypes)]
     grads = [(torch.randn(s, generator=seeded) * 1e-3).to(d) for s, d in zip(shapes, dtypes)]
     with intra_op_threads(int(spec.get("threads", 1))):
+        between = _rank_workload(spec.get("workload"), rank, world)
+
         def built(name: str):
             module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
             opt = optimizer_like(cls, module.parameters(), spec["defaults"])
@@ -269,6 +286,7 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
                      for p, g in zip(params, grads)]  # fsdp: each rank's shard of the gradient
 
             def step() -> float:
+                between()  # the model's forward and backward, then its gradients, as in a training step
                 for p, g in zip(params, given):
                     p.grad = g.clone()
                 dist.barrier()
@@ -281,7 +299,10 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
         for _ in range(warmup):
             sharded(), plain()
         per_round = 10
-        pair = statistics.fmean(sharded() + plain() for _ in range(5))  # one step of each kind
+        t0 = time.perf_counter()
+        for _ in range(2):
+            sharded(), plain()
+        pair = (time.perf_counter() - t0) / 2  # one step of each kind, with the workload between
         rounds = torch.tensor([max(2, min(repeats // per_round, round(1.0 / max(pair * per_round, 1e-6))))])
         dist.broadcast(rounds, 0)  # rank 0's count
         s_times, a_times = [], []
@@ -293,31 +314,61 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
         return float(got) / world
 
 
+def _rank_workload(workload: dict | None, rank: int, world_size: int):
+    """A callable that runs the forward and backward of ``workload``'s model (``{"config": Config,
+    "data_dir": str | None}``) on its first training batch as rank ``rank`` of ``world_size`` ranks would
+    (:func:`~paratrain.runs.build_task`; :func:`~.profile._model_and_batch`: seeded, on the recipe's
+    device, in its dtype), its gradients set to None before each; a callable that does nothing for
+    None. The global random generator is left as it was."""
+    if workload is None:
+        return lambda: None
+    from ..runs import build_task
+    from .profile import _model_and_batch
+
+    cfg = workload["config"]
+    with torch.random.fork_rng(devices=[]):
+        task = build_task(cfg, workload.get("data_dir"), rank=rank, world_size=world_size)
+        model, _, _, draw, loss_fn = _model_and_batch(task, cfg)
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(draw()).backward()
+    return run
+
+
 def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
-                          threads: int = 1, repeats: int = 200, timeout_s: float = 300.0) -> float:
+                          threads: int = 1, repeats: int = 200, timeout_s: float = 300.0,
+                          workload: dict | None = None) -> float:
     """:func:`time_sharded_step` of ``strategy`` (``zero1`` or ``fsdp``) between two local gloo
     processes of ``threads`` intra-op threads each (a process' share of the cores at N = 2), for
     ``params``' shapes and dtypes and ``optimizer``'s class and defaults (seconds; may be below 0 where
-    the sharded step is faster, on large models). For :func:`~.costmodel_sharded.predict_zero1`'s and
+    the sharded step is faster, on large models). ``workload``: a recipe whose model's forward and
+    backward each rank runs before every step (:func:`time_sharded_step`'s ``spec["workload"]``; None:
+    nothing between the steps). For :func:`~.costmodel_sharded.predict_zero1`'s and
     :func:`~.costmodel_sharded.predict_fsdp`'s ``step_path_s`` on this machine. Raises RuntimeError as
     :func:`~.microbench.measure_allreduce`."""
     from .microbench import measure_allreduce
 
     spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params], "strategy": strategy,
             "dtypes": [str(p.dtype).removeprefix("torch.") for p in params], "threads": threads}
+    if workload is not None:
+        spec["workload"] = workload
     ((_, seconds),) = measure_allreduce(2, [spec], repeats=repeats, warmup=3, timeout_s=timeout_s,
                                         op="sharded_step")
     return float(seconds)
 
 
 def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Sequence[torch.Tensor]] | None = None,
-                        repeats: int = 200, timeout_s: float = 300.0) -> list[list[float]]:
+                        repeats: int = 200, timeout_s: float = 300.0,
+                        workload: dict | None = None) -> list[list[float]]:
     """``[bytes, forward, backward resharded, backward kept]`` (seconds) per distinct unit size > 0:
     :func:`time_fsdp_unit` between two local gloo processes of one thread each, of the parameters'
     shapes and dtypes of the first unit of that size (``parameters``: each unit's own, in the order of
     ``unit_bytes``, :func:`~.strategy_model.fsdp_unit_parameters`; None: one float32 tensor of the
-    size). For :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises
-    RuntimeError as :func:`~.microbench.measure_allreduce`."""
+    size). ``workload``: a recipe whose model's forward and backward each rank runs before every pass
+    (:func:`time_fsdp_unit`'s ``unit["workload"]``; None: nothing between the passes). For
+    :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError as
+    :func:`~.microbench.measure_allreduce`."""
     from .microbench import measure_allreduce
 
     sizes = sorted({int(b) for b in unit_bytes if b > 0})
@@ -334,6 +385,9 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
             first.setdefault(int(b), own)
         specs = [{"bytes": b, "shapes": [list(p.shape) for p in first[b]],
                   "dtypes": [str(p.dtype).removeprefix("torch.") for p in first[b]]} for b in sizes]
+    if workload is not None:
+        specs = [{**(u if isinstance(u, dict) else {"shapes": [[max(2, u // 4)]]}), "workload": workload}
+                 for u in specs]
     points = measure_allreduce(2, specs, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
     return [[float(b), *t] for b, (_, t) in zip(sizes, points)]
 

@@ -60,7 +60,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
             prof = profile_model(task, cfg, progress=progress, towers_task=lambda batch: build_task(
                 dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch)), args.data_dir,
-                world_size=1))
+                world_size=1), data_dir=args.data_dir)
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())

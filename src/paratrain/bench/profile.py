@@ -151,11 +151,13 @@ def _memory_peak(model, optimizer, step: Callable[[], None]) -> dict[str, float]
 
 
 def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Callable[[str], None] = print,
-                  links: bool = True, towers_task: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                  links: bool = True, towers_task: Callable[[int], Any] | None = None,
+                  data_dir: str | None = None) -> dict[str, Any]:
     """Measure the task's model on one device (see the module). ``task``: built for one rank
     holding the whole global batch (``build_task(..., world_size=1)``). ``towers_task(batch)``: the
     same task built for one rank holding a global batch of ``batch``, for CPU towers' forward (None:
-    not measured; the plan then prices the towers' forwards one after the other). ``progress(what)``
+    not measured; the plan then prices the towers' forwards one after the other). ``data_dir``: the
+    task's data, for the links' processes that build the task again (None: the default). ``progress(what)``
     is told of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
     import platform
 
@@ -216,7 +218,7 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
                  "and FSDP2 to the optimizer's step")
         from .profile_links import profile_links
 
-        out.update(profile_links(model, optimizer, cfg, device, out))
+        out.update(profile_links(model, optimizer, cfg, device, out, data_dir))
     if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
         progress("CPU towers' forward")
         from .microbench_towers import towers_forward

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 38  # 38: a CPU's default-thread one-device step the median of rounds spread over the
+PROFILE_VERSION = 39  # 39: a CPU's fsdp_units, zero1_step_s and fsdp_step_s timed with the recipe's model's
+# forward and backward (a rank's batch) before each pass or step, as in training (was: nothing between them);
+# 38: a CPU's default-thread one-device step the median of rounds spread over the
 # profile (its first rounds, then one after the one-rank runs and one after the last of the loop's runs);
 # 37: a CPU's fsdp_units timed on units of their own parameters' shapes and dtypes
 # (was: one float32 tensor of the unit's bytes);
@@ -57,7 +59,7 @@ PROFILE_VERSION = 38  # 38: a CPU's default-thread one-device step the median of
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {**{v: "cpu" for v in range(20, 32)}, **{v: "cpu" for v in range(33, 39)}}
+DEVICE_ONLY_CHANGES = {**{v: "cpu" for v in range(20, 32)}, **{v: "cpu" for v in range(33, 40)}}
 """Profile versions whose change touched the profiles of one device type only (20: the loop's sync
 BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
 one-rank runs, which a GPU's profile had since 19; 23: a CPU's loaded PS exchange and FSDP2 step; 24:
@@ -68,7 +70,8 @@ host, keep their threads and measure the same ratio, paired by round; 33: a CPU'
 the loop; 34: the host's allocator, which moves a CPU's step; a GPU's kernels do not use it, though its
 host-side work (a parameter server's CPU tensors) does; 35: the same allocator's one arena, likewise; 36:
 a CPU's towers' backward and their sync BatchNorm measured in one process; 37: a CPU's FSDP2 units of
-their own parameters; 38: a CPU's one-device step over rounds spread across the profile):
+their own parameters; 38: a CPU's one-device step over rounds spread across the profile; 39: a CPU's FSDP2
+units and sharded steps after the model's compute):
 a profile of an older version and another device type holds the same measurements as one of
 :data:`PROFILE_VERSION` (:func:`compatible`). 32 is not among them: it moved a GPU's stage profiles onto
 the GPU, and a CPU's of a bf16 or fp16 recipe under autocast."""

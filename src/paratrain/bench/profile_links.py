@@ -22,7 +22,8 @@ taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each u
 two processes (a unit of its own parameters' shapes), collectives, copies and hooks (``fsdp_units``,
 :func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
-``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`) and what DDP's bf16 compression hook
+``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`, each rank running the recipe's
+model's forward and backward on its batch before each step, as in training) and what DDP's bf16 compression hook
 costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
 
 Which ranks: none (each micro-benchmark starts and ends its own processes or one-rank group).
@@ -35,10 +36,11 @@ from typing import Any
 from ..env import default_threads
 
 
-def profile_links(model, optimizer, cfg, device, prof: dict[str, Any]) -> dict[str, Any]:
+def profile_links(model, optimizer, cfg, device, prof: dict[str, Any], data_dir: str | None = None) -> dict[str, Any]:
     """The keys above for ``model`` (its parameters, on ``device``) and its ``optimizer``, each process at
     its share of ``prof["cores"]`` in the layouts validated here; ``prof``: the profile so far (read:
-    ``cores``, ``output_bytes`` and ``strategy_inputs``' fsdp ``units``). Returns the new keys."""
+    ``cores``, ``output_bytes`` and ``strategy_inputs``' fsdp ``units``); ``cfg`` and ``data_dir``: the
+    recipe the sharded steps' ranks build their model and batch from. Returns the new keys."""
     from .microbench import measured_links
     from .microbench_rpc import measured_ps_round_trip, measured_ps_update
     from .microbench_sharded import measured_sharded_norm, measured_sharded_optimizer
@@ -54,12 +56,15 @@ def profile_links(model, optimizer, cfg, device, prof: dict[str, Any]) -> dict[s
     # fsdp's guard takes the norm of its DTensor gradients every step
     out["sharded_norm_s"] = measured_sharded_norm(params, threads=default_threads(2, cores))
     if device.type == "cpu":  # what the processes' sharing of this machine's cores costs
-        out.update(_shared_cores(model, params, optimizer, prof, out["ps_round_trip_s"]))
+        out.update(_shared_cores(model, params, optimizer, prof, out["ps_round_trip_s"],
+                                 {"config": cfg, "data_dir": data_dir}))
     return out
 
 
-def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: float) -> dict[str, Any]:
-    """A CPU's keys of :func:`profile_links` from ``ps_round_trips_loaded`` on (see the module)."""
+def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: float,
+                  workload: dict[str, Any]) -> dict[str, Any]:
+    """A CPU's keys of :func:`profile_links` from ``ps_round_trips_loaded`` on (see the module);
+    ``workload``: the recipe whose model's forward and backward run between the sharded steps."""
     from ..strategies import modelled
     from .microbench import measure_copies
     from .microbench_hooks import measured_compress_hook
@@ -82,9 +87,14 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     if cores < OVERSUBSCRIBED:  # and more processes than cores take turns on them
         out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                           "points": measured_meetings(processes=OVERSUBSCRIBED)}
-    out["fsdp_units"] = measured_fsdp_units(units, parameters=fsdp_unit_parameters(model))
+    # both run the model's forward and backward at a rank's batch before each pass or step: at most
+    # about 50 of them per unit size and per sharded strategy, each about the one-device step
+    model_s = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+    out["fsdp_units"] = measured_fsdp_units(units, parameters=fsdp_unit_parameters(model), workload=workload,
+                                            timeout_s=300 + 4 * 50 * len(set(units)) * model_s)
     out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
     for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
         out[key] = measured_sharded_step(modelled(cost_model)[0], params, optimizer,
-                                         threads=default_threads(2, cores))
+                                         threads=default_threads(2, cores), workload=workload,
+                                         timeout_s=300 + 4 * 50 * model_s)
     return out
