@@ -2434,3 +2434,60 @@ def test_the_towers_sync_batchnorm_falls_back_to_the_loops_pair_when_the_model_c
     assert got["towers"] == 2 and got["seconds"] > 0 and got["backward_seconds"] > 0
     assert "sync_batchnorm_s" not in got
     assert "the model cannot be copied (cannot pickle" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_recipes_whole_model_profile_runs_its_forward_under_autocast(tiny_data, precision):
+    """Training runs the model's forward under the recipe's autocast and its loss on float32 outputs
+    (strategies.wrapping.ReplicaModule), and so does the profile's step (_model_and_batch's loss,
+    which the in-process steps, the blocks, the FLOPs and the memory use): every forward of the model
+    under autocast of the recipe's dtype, its outputs float32 to the loss, the backward outside
+    autocast; the model's other methods (the LSTM's init_hidden) reached through it. An fp32 recipe's
+    under none. The saved activations differ: what autocast casts is kept in the low dtype."""
+    from paratrain.bench.profile import _blocks_and_flops, _model_and_batch
+    from paratrain.config import from_dict
+    from paratrain.runs import build_task
+
+    from ..distributed.test_task_exactness import task_cfg
+
+    def profile(prec: str, seen: list) -> dict:
+        c = task_cfg("gpt", "float32", "single", 1, 1)
+        cfg = from_dict({**c, "train": {**c["train"], "precision": prec}})
+        task = build_task(cfg, str(tiny_data), world_size=1)
+        model, device, tokens, draw, loss_fn = _model_and_batch(task, cfg)
+
+        def hook(module, args, out):
+            seen.append(("forward", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), out.dtype))
+            out.register_hook(lambda grad: seen.append(("backward", torch.is_autocast_enabled("cpu"))))
+        model.register_forward_hook(hook)
+        loss = loss_fn(draw())
+        assert loss.dtype == torch.float32
+        loss.backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        w = {"forward_s": 1.0, "backward_s": 2.0}
+        return _blocks_and_flops(model, opt, loss_fn, draw, device, w, tokens)
+
+    full_seen, low_seen = [], []
+    full, low = profile("fp32", full_seen), profile(precision, low_seen)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    forwards = [s for s in low_seen if s[0] == "forward"]
+    assert len(forwards) >= 4 and all(s[1] and s[2] == dtype and s[3] == dtype for s in forwards)
+    assert all(not s[1] for s in low_seen if s[0] == "backward") and any(s[0] == "backward" for s in low_seen)
+    assert full_seen and not any(s[0] == "forward" and s[1] for s in full_seen)
+    assert all(s[3] == torch.float32 for s in full_seen if s[0] == "forward")
+    # the matmuls' low-precision copies of their inputs and weights are what the backward keeps
+    assert low["activation_bytes"] != full["activation_bytes"] and low["output_bytes"] == full["output_bytes"] // 2
+    assert low["flops_per_step"] == full["flops_per_step"]
+
+
+def test_the_profiles_precision_wrapper_reaches_the_models_methods():
+    """An LSTM LM's loss calls its model's ``init_hidden``: the profile's forward wrapper under bf16
+    hands it (and every other attribute the wrapper lacks) to the model, whose parameters are its."""
+    from paratrain.bench.profile import _Precision
+    from paratrain.models.lstm_lm import LSTMLM
+
+    model = LSTMLM(20, 6, 5, num_layers=2)
+    wrapped = _Precision(model, "cpu", torch.bfloat16)
+    assert wrapped.module is model and list(wrapped.parameters()) == list(model.parameters())
+    (h, c), (h0, c0) = wrapped.init_hidden(3), model.init_hidden(3)
+    assert h.shape == h0.shape == c.shape == (2, 3, 5) and torch.equal(h, h0) and torch.equal(c, c0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.bench.plan_profile import read_profile
-from paratrain.bench.profile_cache import DEVICE_ONLY_CHANGES, PROFILE_VERSION, compatible
+from paratrain.bench.profile_cache import DEVICE_ONLY_CHANGES, MIXED_PRECISION_ONLY_CHANGES, PROFILE_VERSION, compatible
 from paratrain.bench.validate import model_gradient_bytes
 from paratrain.config import load
 from paratrain.consistency import config_text
@@ -29,9 +29,16 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     # 37: a CPU's FSDP2 units of their own parameters; 38: a CPU's one-device step over rounds spread across the
     # profile; 39: a CPU's FSDP2 units and sharded steps after the model's compute: a GPU's 32 is still whole,
     # a CPU's 38 is not
-    assert PROFILE_VERSION == 39 and compatible(32, "cuda:0") and not compatible(38, "cpu")
+    assert compatible(32, "cuda:0") and not compatible(38, "cpu")
     assert not compatible(34, "cpu") and compatible(34, "cuda:0")
     assert not compatible(35, "cpu") and compatible(35, "cuda:0")
+    # 40: a bf16 or fp16 recipe's whole-model profile under autocast, on any device: an fp32 recipe's 39 (a
+    # CPU's) and 32 (a GPU's) are still whole, a mixed-precision recipe's are not, on either
+    assert PROFILE_VERSION == 40 and MIXED_PRECISION_ONLY_CHANGES == {40} and 40 not in DEVICE_ONLY_CHANGES
+    assert compatible(39, "cpu") and compatible(39, "cpu", "fp32") and compatible(32, "cuda:0", "fp32")
+    assert not compatible(39, "cpu", "bf16") and not compatible(32, "cuda:0", "bf16")
+    assert not compatible(39, "cpu", "fp16") and not compatible(38, "cpu", "fp32")
+    assert compatible(40, "cpu", "bf16") and compatible(40, "cuda:0", "fp16")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
     # 23, 24: a CPU's loaded PS exchange (2, then 4 workers) and FSDP2 step
     assert DEVICE_ONLY_CHANGES[23] == DEVICE_ONLY_CHANGES[24] == "cpu"
@@ -127,6 +134,17 @@ def test_a_profile_missing_what_the_plan_reads_is_one_line(digits, drop, said):
     with pytest.raises(UsageError, match="lacks recipe"):
         read_profile(_write(tmp, {**WHOLE, "version": PROFILE_VERSION, "device": "cpu", "param_bytes": [],
                                   "recipe": 7}), cfg, task)
+
+
+def test_an_older_profile_is_read_by_its_recipes_precision(digits):
+    """A CPU's profile of version 39 holds what 40 measures for an fp32 recipe (40 changed only bf16 and
+    fp16 recipes' profiles), not for a bf16 one: that is refused with what to run."""
+    cfg, task, tmp = digits
+    prof = {**WHOLE, "version": 39, "device": "cpu", "recipe": config_text(cfg), "param_bytes": [],
+            "precision": "fp32"}
+    assert read_profile(_write(tmp, prof), cfg, task) == prof
+    with pytest.raises(UsageError, match="is profile version 39 of cpu; .* --reprofile"):
+        read_profile(_write(tmp, {**prof, "precision": "bf16"}), cfg, task)
 
 
 @pytest.mark.parametrize("text, said", [

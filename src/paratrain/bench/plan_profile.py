@@ -170,7 +170,7 @@ def read_profile(path: Path, cfg, task) -> dict:
     if prof["version"] > PROFILE_VERSION:
         raise UsageError(f"--profile {path} is profile version {prof['version']}, newer than this paratrain's "
                          f"{PROFILE_VERSION}: plan with the paratrain that measured it, or upgrade paratrain here")
-    if not compatible(prof["version"], prof["device"]):
+    if not compatible(prof["version"], prof["device"], str(prof.get("precision", cfg.train.precision))):
         raise UsageError(f"--profile {path} is profile version {prof['version']} of {prof['device']}; this paratrain "
                          f"measures version {PROFILE_VERSION}: profile again there (paratrain plan CONFIG --out DIR "
                          f"--reprofile)")

@@ -230,12 +230,39 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     return out
 
 
+class _Precision(torch.nn.Module):
+    """``module`` as training runs it under ``train.precision`` bf16 or fp16
+    (:class:`~paratrain.strategies.wrapping.ReplicaModule`): its forward under ``torch.autocast`` of
+    ``device_type`` in ``dtype``, its low-precision floating outputs returned as float32; its other
+    attributes (an LSTM's ``init_hidden``) the module's."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from ..strategies.wrapping import to_float32
+
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.module(*args, **kwargs)
+        return to_float32(out)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:
     """The task's freshly built model (seeded, on ``dist.device`` in ``train.dtype``, training mode)
     and its first training batch: ``(model, device, tokens, draw, loss_fn)``; ``draw()`` gives the
     batch's micro-batches on the device, ``loss_fn(micro_batches)`` the step's loss (mean over its
-    ``tokens``; through ``module`` instead of the model when given)."""
+    ``tokens``; through ``module`` instead of the model when given), the forward under the recipe's
+    ``train.precision`` as training runs it (bf16, fp16: :class:`_Precision`; the loss on its float32
+    outputs outside autocast)."""
     from ..devices import resolve
+    from ..strategies.precision import LOW_DTYPES
 
     device = resolve(cfg.dist.device)
     torch.manual_seed(cfg.train.seed)
@@ -247,10 +274,15 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     def draw():
         return [_to(mb, device) for mb in first.micro_batches]
 
+    low = LOW_DTYPES.get(cfg.train.precision)
+
     def loss_fn(micro_batches, module: torch.nn.Module | None = None) -> torch.Tensor:
+        target = model if module is None else module
+        if low is not None:
+            target = _Precision(target, device.type, low)
         total = 0
         for mb in micro_batches:
-            loss_sum, _ = task.loss(model if module is None else module, mb)
+            loss_sum, _ = task.loss(target, mb)
             total = total + loss_sum / tokens
         return total
 

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 39  # 39: a CPU's fsdp_units, zero1_step_s and fsdp_step_s timed with the recipe's model's
+PROFILE_VERSION = 40  # 40: a bf16 or fp16 recipe's in-process steps, blocks, FLOPs and memory under its
+# autocast, as training runs its forward (was: in the stored dtype; any device);
+# 39: a CPU's fsdp_units, zero1_step_s and fsdp_step_s timed with the recipe's model's
 # forward and backward (a rank's batch) before each pass or step, as in training (was: nothing between them);
 # 38: a CPU's default-thread one-device step the median of rounds spread over the
 # profile (its first rounds, then one after the one-rank runs and one after the last of the loop's runs);
@@ -76,21 +78,31 @@ a profile of an older version and another device type holds the same measurement
 :data:`PROFILE_VERSION` (:func:`compatible`). 32 is not among them: it moved a GPU's stage profiles onto
 the GPU, and a CPU's of a bf16 or fp16 recipe under autocast."""
 
+MIXED_PRECISION_ONLY_CHANGES = frozenset({40})
+"""Profile versions whose change touched the profiles of bf16 and fp16 recipes only (``train.precision``;
+40: their whole-model profile under autocast, on every device): an fp32 recipe's profile of an older
+version holds the same measurements (:func:`compatible`)."""
+
 
 SKIPPED_VERSIONS = frozenset({30})
 """Versions no released paratrain measures: 30 was a reverted commit's (6f863a7, its meetings'
 calibration, which a GPU's profile uses too). A profile of one is read on no device."""
 
 
-def compatible(version: int | None, device: str) -> bool:
-    """Whether a profile of ``version`` measured on ``device`` (e.g. ``"cuda:0"``) holds what
-    :data:`PROFILE_VERSION` measures there: the same version, or an older one where every version
-    since changed another device type's profiles only (:data:`DEVICE_ONLY_CHANGES`); never one of
-    :data:`SKIPPED_VERSIONS`."""
+def compatible(version: int | None, device: str, precision: str = "fp32") -> bool:
+    """Whether a profile of ``version`` measured on ``device`` (e.g. ``"cuda:0"``) for a recipe of
+    ``train.precision`` ``precision`` holds what :data:`PROFILE_VERSION` measures there: the same
+    version, or an older one where every version since changed another device type's profiles only
+    (:data:`DEVICE_ONLY_CHANGES`) or, for fp32, mixed-precision recipes' only
+    (:data:`MIXED_PRECISION_ONLY_CHANGES`); never one of :data:`SKIPPED_VERSIONS`."""
     if not isinstance(version, int) or version > PROFILE_VERSION or version in SKIPPED_VERSIONS:
         return False
     kind = str(device).split(":")[0]
-    return all(DEVICE_ONLY_CHANGES.get(v, kind) != kind for v in range(version + 1, PROFILE_VERSION + 1))
+
+    def applies(v: int) -> bool:
+        return (DEVICE_ONLY_CHANGES.get(v, kind) == kind
+                and (precision != "fp32" or v not in MIXED_PRECISION_ONLY_CHANGES))
+    return not any(applies(v) for v in range(version + 1, PROFILE_VERSION + 1))
 
 
 def profile_key(config_text: str, cores: int) -> str:
