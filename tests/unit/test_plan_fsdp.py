@@ -410,17 +410,22 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
 
 def test_the_rank_workload_runs_the_recipes_model_on_the_batch_of_that_rank(monkeypatch):
     """_rank_workload builds the recipe's task as rank ``rank`` of ``world_size`` ranks (a replica's
-    share of the global batch) and each call runs its model's forward and backward on that batch,
-    its gradients set anew; the global random generator is left as it was; None: nothing."""
+    share of the global batch), once per process, recipe and rank; each call runs its model's forward
+    and backward on that batch, its gradients set anew; the global random generator is left as it
+    was, by the build and by each run (digits_cnn's dropout draws from it); None: nothing.
+    check_workload refuses any other form before the ranks see it."""
     import torch
 
     from paratrain import runs
-    from paratrain.bench.microbench_sharded import _rank_workload
+    from paratrain.bench import microbench_sharded
+    from paratrain.bench.microbench_sharded import _rank_workload, check_workload
     from paratrain.config import load
     from paratrain.tasks.digits_cnn import DigitsTask
 
     assert _rank_workload(None, 0, 2)() is None
     cfg = load(DIGITS)
+    assert cfg.model_value("dropout") > 0
+    monkeypatch.setattr(microbench_sharded, "_WORKLOADS", {})
     built, seen = [], []
     build = runs.build_task
     monkeypatch.setattr(runs, "build_task", lambda *a, **kw: (built.append((a, kw)), build(*a, **kw))[1])
@@ -432,28 +437,32 @@ def test_the_rank_workload_runs_the_recipes_model_on_the_batch_of_that_rank(monk
         return got
     monkeypatch.setattr(DigitsTask, "loss", spy)
     rng = torch.get_rng_state()
-    run = _rank_workload({"config": cfg, "data_dir": None}, 1, 2)
+    recipe = {"config": cfg, "data_dir": None}
+    run = _rank_workload(recipe, 1, 2)
     assert built == [((cfg, None), {"rank": 1, "world_size": 2})]
     assert torch.equal(torch.get_rng_state(), rng)
     run()
     run()
+    assert torch.equal(torch.get_rng_state(), rng)
     # rank 1's half of the global batch, its gradients set to None before each forward
     assert [n for n, _ in seen] == [cfg.train.batch_size // 2] * 2
     assert all(g is None for _, grads in seen for g in grads)
-
-
-def _event_workload(events: list):
-    """A workload that appends "model" to ``events`` each run."""
-    return lambda: events.append("model")
+    assert _rank_workload(dict(recipe), 1, 2) is run and len(built) == 1  # the same recipe and rank: built once
+    _rank_workload(recipe, 0, 2)
+    assert len(built) == 2
+    check_workload(None)
+    check_workload(recipe)
+    for bad in ({"config": "configs/digits_cnn.toml", "data_dir": None}, {"data_dir": None}, [cfg],
+                {"config": cfg, "data_dir": 3}):
+        with pytest.raises(ValueError, match="workload is None or"):
+            check_workload(bad)
 
 
 def test_the_sharded_step_microbenchmark_runs_the_model_before_every_step_of_both_kinds(monkeypatch):
     """time_sharded_step with a workload, on a one-rank group: every timed or untimed step of zero1
     and of allreduce follows exactly one run of the recipe's model (built by _rank_workload as this
-    rank of the group), and the model's time is not in the result (10 ms more a run leaves it
-    under 10 ms)."""
-    import time
-
+    rank of the group) and then the barrier after which the clock starts: the model's time is outside
+    each timed span."""
     import torch
     import torch.distributed as dist
 
@@ -465,44 +474,46 @@ def test_the_sharded_step_microbenchmark_runs_the_model_before_every_step_of_bot
 
     def workload(recipe, rank, world):
         asked.append((recipe, rank, world))
-        return lambda: (events.append("model"), time.sleep(0.01))
+        return lambda: events.append("model")
     monkeypatch.setattr(microbench_sharded, "_rank_workload", workload)
     step = torch.optim.SGD.step
     monkeypatch.setattr(torch.optim.SGD, "step",
                         lambda self, *a, **kw: (events.append("step"), step(self, *a, **kw))[1])
+    recipe = {"config": load(DIGITS), "data_dir": None}
     shapes = [[10], [10, 64], [64, 32, 3, 3]]
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.randn(s)) for s in shapes], lr=0.05, momentum=0.9)
-    recipe = {"config": load(DIGITS), "data_dir": None}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        got = time_sharded_step({**optimizer_spec(sgd), "shapes": shapes, "workload": recipe}, repeats=20, warmup=1)
+        barrier = dist.barrier
+        monkeypatch.setattr(dist, "barrier", lambda *a, **kw: (events.append("barrier"), barrier(*a, **kw))[1])
+        time_sharded_step({**optimizer_spec(sgd), "shapes": shapes, "workload": recipe}, repeats=20, warmup=1)
+        monkeypatch.setattr(dist, "barrier", barrier)
     finally:
         dist.destroy_process_group()
     assert asked == [(recipe, 0, 1)]
     # warm-up 1 pair, 2 pairs to size the rounds, then at least 2 rounds of 10 of each kind
-    assert events[:2] == ["model", "step"] and events == ["model", "step"] * (len(events) // 2)
-    assert len(events) // 2 >= 2 * (1 + 2 + 20)
-    assert abs(got) < 0.01
+    triples = len(events) // 3
+    assert events == ["model", "barrier", "step"] * triples and triples >= 2 * (1 + 2 + 20)
 
 
 def test_the_fsdp_unit_microbenchmark_runs_the_model_before_every_pass(monkeypatch):
     """time_fsdp_unit with a workload, on a one-rank group: every pass (sharded, kept and without
-    FSDP2) follows exactly one run of the recipe's model, at least 10 timed passes of each kind, and
-    the model's time (10 ms a run) is not in the result. measured_fsdp_units hands the workload to
-    every unit size's spec, a size given as bytes as one float32 tensor of them."""
-    import time
-
+    FSDP2) follows exactly one run of the recipe's model and then the barrier after which the clock
+    starts, at least 10 timed passes of each kind. measured_fsdp_units hands the workload to every
+    unit size's spec (a size given as bytes: one float32 tensor of them), and refuses one of another
+    form before starting the ranks."""
     import torch
     import torch.distributed as dist
 
     from paratrain.bench import microbench, microbench_sharded
     from paratrain.bench.microbench_sharded import fsdp_unit_module, measured_fsdp_units, time_fsdp_unit
+    from paratrain.config import load
 
     events, asked = [], []
 
     def workload(recipe, rank, world):
         asked.append((recipe, rank, world))
-        return lambda: (events.append("model"), time.sleep(0.01))
+        return lambda: events.append("model")
 
     def unit_module(unit):
         module = fsdp_unit_module(unit)
@@ -511,17 +522,20 @@ def test_the_fsdp_unit_microbenchmark_runs_the_model_before_every_pass(monkeypat
         return module
     monkeypatch.setattr(microbench_sharded, "_rank_workload", workload)
     monkeypatch.setattr(microbench_sharded, "fsdp_unit_module", unit_module)
-    recipe = {"config": "a recipe", "data_dir": "/data"}
+    recipe = {"config": load(DIGITS), "data_dir": "/data"}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        barrier = dist.barrier
+        monkeypatch.setattr(dist, "barrier", lambda *a, **kw: (events.append("barrier"), barrier(*a, **kw))[1])
         got = time_fsdp_unit({"shapes": [[256]], "workload": recipe}, 200, 2)
+        monkeypatch.setattr(dist, "barrier", barrier)
     finally:
         dist.destroy_process_group()
     assert asked == [(recipe, 0, 1)]
-    assert events == ["model", "pass"] * (len(events) // 2)
-    passes = len(events) // 2
-    assert passes >= (5 + 2) + 3 * (10 + 2) and passes < (5 + 2) + 3 * (200 + 2)
-    assert all(0 <= t < 0.01 for t in got)
+    passes = len(events) // 3
+    assert events == ["model", "barrier", "pass"] * passes
+    assert (5 + 2) + 3 * (10 + 2) <= passes <= (5 + 2) + 3 * (200 + 2)  # at most repeats timed passes a kind
+    assert len(got) == 3 and all(0 <= t < 0.1 for t in got)
 
     seen = []
     monkeypatch.setattr(microbench, "measure_allreduce",
@@ -531,3 +545,6 @@ def test_the_fsdp_unit_microbenchmark_runs_the_model_before_every_pass(monkeypat
     measured_fsdp_units([256], parameters=units, workload=recipe)
     assert seen == [[{"shapes": [[1024]], "workload": recipe}],
                     [{"bytes": 256, "shapes": [[8, 8]], "dtypes": ["float32"], "workload": recipe}]]
+    with pytest.raises(ValueError, match="workload is None or"):
+        measured_fsdp_units([256], workload={"config": "a recipe", "data_dir": None})
+    assert len(seen) == 2

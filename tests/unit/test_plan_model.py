@@ -2348,10 +2348,12 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     # FSDP2's units of the model's own parameters (a Linear: the root holds both)
     assert (got["fsdp_units"], got["zero1_step_s"], got["fsdp_step_s"]) == (([24], [[(2, 2), (2,)]]), "zero1", "fsdp")
     # each rank of the unit and step benchmarks runs the recipe's model before each pass or step: their
-    # deadlines grow by 4 x 50 one-device steps (0.75 s) per unit size and per strategy
+    # deadlines grow by 4 x 50 one-device steps (0.75 s at 8 threads) per unit size and per strategy,
+    # scaled to a rank's half batch at its threads (the units: 1 thread, x4; the steps: 4 threads, x1)
     recipe = {"config": cfg, "data_dir": "/data"}
-    assert workloads == [("measured_fsdp_units", recipe, 300 + 4 * 50 * 0.75), ("measured_sharded_step", recipe, 450),
-                         ("measured_sharded_step", recipe, 450)]
+    assert workloads == [("measured_fsdp_units", recipe, 300 + 4 * 50 * 0.75 * 4),
+                         ("measured_sharded_step", recipe, 450), ("measured_sharded_step", recipe, 450)]
+    assert got["sharded_workload"] is True
     assert prof == before  # not changed
 
 
@@ -2436,6 +2438,112 @@ def test_the_towers_sync_batchnorm_falls_back_to_the_loops_pair_when_the_model_c
     assert "the model cannot be copied (cannot pickle" in capsys.readouterr().out
 
 
+def test_the_sharded_micro_benchmarks_run_without_the_model_where_it_cannot_run_in_their_processes(
+        monkeypatch, capsys):
+    """profile_links where the recipe's model fails in the micro-benchmarks' processes (a RuntimeError
+    from their ranks, as measure_allreduce raises it): FSDP2's units are timed again without it, and
+    so are both sharded steps, with one line; the profile records ``sharded_workload`` False."""
+    from types import SimpleNamespace
+
+    from paratrain.bench import microbench, microbench_hooks, microbench_meetings, microbench_rpc, microbench_sharded
+    from paratrain.bench.profile_links import profile_links
+
+    calls = []
+
+    def units(units, parameters, workload, timeout_s):
+        calls.append(("units", workload is not None))
+        if workload is not None:
+            raise RuntimeError("all-reduce benchmark: rank 0 failed (exit 1): AssertionError: daemonic processes "
+                               "are not allowed to have children")
+        return [[24.0, 1e-3, 2e-3, 3e-3]]
+
+    def step(name, params, opt, threads, workload, timeout_s):
+        calls.append((name, workload is not None))
+        return 1e-3
+    for module, name, answer in ((microbench, "measured_links", {}), (microbench_rpc, "measured_ps_update", {}),
+                                 (microbench_rpc, "measured_ps_round_trip", 0.25),
+                                 (microbench_sharded, "measured_sharded_optimizer", 0.01),
+                                 (microbench_sharded, "measured_sharded_norm", 0.001),
+                                 (microbench_rpc, "measured_ps_round_trips_loaded", {"points": []}),
+                                 (microbench, "measure_copies", []), (microbench_meetings, "measured_meetings", []),
+                                 (microbench_hooks, "measured_compress_hook", {})):
+        monkeypatch.setattr(module, name, lambda *a, answer=answer, **kw: answer)
+    monkeypatch.setattr(microbench_sharded, "measured_fsdp_units", units)
+    monkeypatch.setattr(microbench_sharded, "measured_sharded_step", step)
+    model = torch.nn.Linear(2, 2)
+    prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]}, "default_threads": 8,
+            "workloads_in_process": {"8": {"forward_s": 0.25, "backward_s": 0.5}}}
+    got = profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), SimpleNamespace(train=SimpleNamespace(
+        clip=0.5)), torch.device("cpu"), prof)
+    assert calls == [("units", True), ("units", False), ("zero1", False), ("fsdp", False)]
+    assert got["sharded_workload"] is False and got["fsdp_units"] == [[24.0, 1e-3, 2e-3, 3e-3]]
+    out = capsys.readouterr().out
+    assert out.count("[plan] the recipe's model could not run between the sharded micro-benchmarks' steps") == 1
+    assert "daemonic processes" in out and "timed with nothing between them" in out
+
+
+def test_the_towers_forward_of_a_mixed_precision_recipe_runs_under_its_autocast():
+    """microbench_towers.towers_forward with ``precision`` bf16: the towers' forwards, each in its
+    own thread, run under bf16 autocast, as training's ReplicaModule runs replicate's engine; fp32:
+    under none."""
+    from types import SimpleNamespace
+
+    from paratrain.bench.microbench_towers import towers_forward
+
+    seen = []
+
+    class Model(torch.nn.Linear):
+        def forward(self, x):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            return super().forward(x)
+
+    class Task:
+        batch_dim = 0
+
+        def train_steps(self, epoch, step):
+            yield SimpleNamespace(micro_batches=[torch.randn(4, 3)], global_count=4)
+
+        def loss(self, model, batch):
+            out = model(batch)
+            assert out.dtype == torch.float32
+            return out.sum(), {}
+
+    for precision, want in (("bf16", (True, torch.bfloat16)), ("fp32", (False,))):
+        seen.clear()
+        got = towers_forward(Task(), Model(3, 3), torch.device("cpu"), lambda: None, lambda batch: Task(), 2, 2,
+                             least_s=0.0, precision=precision)
+        assert got["towers"] == 2 and len(seen) >= 2 and all(s[:len(want)] == want for s in seen)
+
+
+def test_a_mixed_precision_recipe_whose_recurrent_layers_have_no_kernel_here_is_refused_before_profiling(
+        tiny_data, monkeypatch):
+    """A bf16 LSTM recipe on a CPU whose oneDNN has no bf16 LSTM kernel (rnn_runs_in False): the
+    profile raises the one-line UsageError that training gives, naming the precision that runs here,
+    before it times anything; an fp32 recipe is not checked."""
+    from paratrain.bench.profile import _model_and_batch
+    from paratrain.config import from_dict
+    from paratrain.errors import UsageError
+    from paratrain.runs import build_task
+    from paratrain.strategies import precision
+
+    from ..distributed.test_exactness import tiny_cfg
+
+    asked = []
+    monkeypatch.setattr(precision, "rnn_runs_in", lambda model, dtype: asked.append(dtype) and False)
+    c = tiny_cfg("bptt", "float32", "single", 1, 1, "sgd")
+    for prec in ("fp32", "bf16"):
+        cfg = from_dict({**c, "train": {**c["train"], "precision": prec}})
+        task = build_task(cfg, str(tiny_data), world_size=1)
+        if prec == "fp32":
+            _model_and_batch(task, cfg)
+            assert asked == []
+            continue
+        with pytest.raises(UsageError, match=r'train.precision = "bf16": a recurrent layer of this model has no '
+                                             r'bfloat16 kernel on this CPU \(found before profiling\); use '
+                                             r'train.precision = "fp32"'):
+            _model_and_batch(task, cfg)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_mixed_precision_recipes_whole_model_profile_runs_its_forward_under_autocast(tiny_data, precision):
     """Training runs the model's forward under the recipe's autocast and its loss on float32 outputs
@@ -2483,11 +2591,11 @@ def test_a_mixed_precision_recipes_whole_model_profile_runs_its_forward_under_au
 def test_the_profiles_precision_wrapper_reaches_the_models_methods():
     """An LSTM LM's loss calls its model's ``init_hidden``: the profile's forward wrapper under bf16
     hands it (and every other attribute the wrapper lacks) to the model, whose parameters are its."""
-    from paratrain.bench.profile import _Precision
+    from paratrain.bench.profile import PrecisionForward
     from paratrain.models.lstm_lm import LSTMLM
 
     model = LSTMLM(20, 6, 5, num_layers=2)
-    wrapped = _Precision(model, "cpu", torch.bfloat16)
+    wrapped = PrecisionForward(model, "cpu", torch.bfloat16)
     assert wrapped.module is model and list(wrapped.parameters()) == list(model.parameters())
     (h, c), (h0, c0) = wrapped.init_hidden(3), model.init_hidden(3)
     assert h.shape == h0.shape == c.shape == (2, 3, 5) and torch.equal(h, h0) and torch.equal(c, c0)

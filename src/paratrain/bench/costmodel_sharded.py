@@ -21,7 +21,9 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
   where FSDP2's collectives block (no streams), each unit is priced as what FSDP2 was measured to
   add to it between two processes, hooks, copies, collectives and the waits inside them
-  (:func:`fsdp_paths_s`, the ranks coming to each collective from almost no compute), and each
+  (:func:`fsdp_paths_s`, the ranks coming to each collective from a barrier and almost no compute
+  after it; since profile version 39 each rank runs the model's forward and backward before that
+  barrier, so the paths hold what a step's cold caches cost them), and each
   stretch of compute ends in the wait that the meeting of n processes after it costs beyond two
   processes' after none (:func:`meeting_seconds`; at n = 2 too); its optimizer step (the guard's
   norm with its all-reduce, the sharded step) is what it was measured to add to allreduce's
@@ -221,7 +223,9 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     overlaps compute (all exposed); with ``unit_path_s`` too (this machine's CPU), the collectives
     are :func:`fsdp_paths_s` of the measured paths instead of the ring model and ``copy_s``.
     ``path_meeting_s``: :func:`meeting_seconds` of the 2 processes those paths were measured between,
-    whose means hold the 2 processes' waits after almost no compute (the benchmark's unit multiplies
+    whose means hold the 2 processes' waits after a barrier and almost no compute (the model's forward
+    and backward, which each rank runs before that barrier since profile version 39, are not between
+    the barrier and the collectives; the benchmark's unit multiplies
     its input by the sum of each parameter's first element; a rank waits inside each collective it
     reaches first): with the paths, each wait is ``meeting_s(c) - path_meeting_s(0)`` (the table's
     smallest point, 0.25 ms of compute: slightly above none, so the wait is slightly low), what n

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -200,7 +200,7 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
                 bwd.append(t2 - t1)
         return statistics.fmean(fwd), statistics.fmean(bwd)
 
-    fewest = 10 if isinstance(unit, dict) and unit.get("workload") else 20  # a model's compute before each
+    fewest = 10 if isinstance(unit, dict) and unit.get("workload") is not None else 20  # a model's compute first
     t0 = time.perf_counter()
     passes(True, fewest // 2)  # then as many passes as fit in about 1 s, with the workload (rank 0's count)
     wall = (time.perf_counter() - t0) / (fewest // 2 + warmup)
@@ -314,14 +314,33 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
         return float(got) / world
 
 
-def _rank_workload(workload: dict | None, rank: int, world_size: int):
+_WORKLOADS: dict[tuple, Callable[[], None]] = {}
+"""This process' :func:`_rank_workload` callables by recipe and rank (a rank times every unit size)."""
+
+
+def check_workload(workload: dict | None) -> None:
+    """Raise ValueError unless ``workload`` is None or ``{"config": Config, "data_dir": str | None}``
+    (before it reaches the ranks, where a bad one would fail each of them)."""
+    from ..config import Config
+
+    if workload is not None and not (isinstance(workload, dict) and isinstance(workload.get("config"), Config)
+                                     and isinstance(workload.get("data_dir"), (str, type(None)))):
+        raise ValueError(f"a micro-benchmark's workload is None or {{'config': Config, 'data_dir': str | None}}, "
+                         f"not {workload!r}")
+
+
+def _rank_workload(workload: dict | None, rank: int, world_size: int) -> Callable[[], None]:
     """A callable that runs the forward and backward of ``workload``'s model (``{"config": Config,
     "data_dir": str | None}``) on its first training batch as rank ``rank`` of ``world_size`` ranks would
     (:func:`~paratrain.runs.build_task`; :func:`~.profile._model_and_batch`: seeded, on the recipe's
-    device, in its dtype), its gradients set to None before each; a callable that does nothing for
-    None. The global random generator is left as it was."""
+    device, in its dtype, under its precision), its gradients set to None before each; a callable
+    that does nothing for None. Built once per process, recipe and rank. The global random generator
+    is left as it was, by the build and by each run."""
     if workload is None:
         return lambda: None
+    key = (repr(workload["config"]), workload.get("data_dir"), rank, world_size)
+    if key in _WORKLOADS:
+        return _WORKLOADS[key]
     from ..runs import build_task
     from .profile import _model_and_batch
 
@@ -331,8 +350,10 @@ def _rank_workload(workload: dict | None, rank: int, world_size: int):
         model, _, _, draw, loss_fn = _model_and_batch(task, cfg)
 
     def run() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn(draw()).backward()
+        with torch.random.fork_rng(devices=[]):  # dropout draws from it
+            model.zero_grad(set_to_none=True)
+            loss_fn(draw()).backward()
+    _WORKLOADS[key] = run
     return run
 
 
@@ -346,9 +367,11 @@ def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimiz
     backward each rank runs before every step (:func:`time_sharded_step`'s ``spec["workload"]``; None:
     nothing between the steps). For :func:`~.costmodel_sharded.predict_zero1`'s and
     :func:`~.costmodel_sharded.predict_fsdp`'s ``step_path_s`` on this machine. Raises RuntimeError as
-    :func:`~.microbench.measure_allreduce`."""
+    :func:`~.microbench.measure_allreduce`, ValueError for a ``workload`` of another form
+    (:func:`check_workload`)."""
     from .microbench import measure_allreduce
 
+    check_workload(workload)
     spec = {**optimizer_spec(optimizer), "shapes": [list(p.shape) for p in params], "strategy": strategy,
             "dtypes": [str(p.dtype).removeprefix("torch.") for p in params], "threads": threads}
     if workload is not None:
@@ -368,9 +391,11 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
     size). ``workload``: a recipe whose model's forward and backward each rank runs before every pass
     (:func:`time_fsdp_unit`'s ``unit["workload"]``; None: nothing between the passes). For
     :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError as
-    :func:`~.microbench.measure_allreduce`."""
+    :func:`~.microbench.measure_allreduce`, ValueError for a ``workload`` of another form
+    (:func:`check_workload`) or parameters that are not the units'."""
     from .microbench import measure_allreduce
 
+    check_workload(workload)
     sizes = sorted({int(b) for b in unit_bytes if b > 0})
     if not sizes:
         return []
@@ -393,5 +418,5 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
 
 
 __all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "fsdp_unit_module", "time_fsdp_unit",
-           "measured_fsdp_units",
+           "measured_fsdp_units", "check_workload",
            "optimizer_spec", "time_sharded_step", "measured_sharded_step"]

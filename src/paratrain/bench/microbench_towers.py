@@ -127,7 +127,7 @@ def measured_towers_forward(model: torch.nn.Module, loss_of: Callable[[torch.nn.
 
 def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step: Callable[[], None],
                    towers_task: Callable[[int], Any], towers: int, batch: int, *, sync_batchnorm: bool = False,
-                   least_s: float = 2.0) -> dict[str, Any] | None:
+                   least_s: float = 2.0, precision: str = "fp32") -> dict[str, Any] | None:
     """The profile's ``towers_forward_threads``: ``{"towers", "joined": True, "seconds",
     "backward_seconds", "repeats"}`` (since version 36 the backward too, and ``"sync_batchnorm_s"``
     where ``sync_batchnorm``: the recipe's ``model.sync_batchnorm``), the forward and backward
@@ -135,12 +135,16 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
     (:func:`~.microbench_towers.measured_towers_forward`) on the first training step of
     ``towers_task(towers x batch)`` (the task built for one process holding every tower's batch of
     ``batch``), split along the task's ``batch_dim`` (0 where it has none), right after
-    ``one_step()``. None, with a line, where that task cannot be built or gives no step (e.g. fewer
+    ``one_step()``, their forward under ``precision``'s autocast as training runs a bf16 or fp16
+    recipe's (:class:`~.profile.PrecisionForward` around the towers). None, with a line, where that task
+    cannot be built or gives no step (e.g. fewer
     training examples than the towers' batch): the plan then prices the towers' forwards one after
     the other."""
     from ..data.batching import move_to
     from ..errors import UsageError
+    from ..strategies.precision import LOW_DTYPES
     from ..tasks import optional
+    from .profile import PrecisionForward
 
     whole_batch = towers * batch
     try:
@@ -151,9 +155,11 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
               f"({e or 'no batches'}); the towers' forwards are priced one after the other", flush=True)
         return None
     batches = [move_to(mb, device, non_blocking=False) for mb in first.micro_batches]  # as the loop moves them
+    low = LOW_DTYPES.get(precision)
 
-    def loss_of(engine: torch.nn.Module) -> torch.Tensor:
-        return sum(whole.loss(engine, mb)[0] for mb in batches) / float(first.global_count)
+    def loss_of(engine: torch.nn.Module) -> torch.Tensor:  # a bf16 or fp16 recipe's forward as training runs it
+        run = engine if low is None else PrecisionForward(engine, device.type, low)
+        return sum(whole.loss(run, mb)[0] for mb in batches) / float(first.global_count)
 
     pair = None
     if sync_batchnorm:  # replicate's own conversion (Replicate._sync_batchnorm), on a copy of the model

@@ -1,6 +1,8 @@
 """The one-device profile ``paratrain plan`` predicts from, measured once and cached.
 
-:func:`profile_model` runs the task's model in this process on the recipe's device: warm-up steps,
+:func:`profile_model` runs the task's model in this process on the recipe's device, its forward under
+the recipe's ``train.precision`` as training runs it (bf16, fp16: ``torch.autocast``, float32 outputs to
+the loss; :class:`PrecisionForward`): warm-up steps,
 then timed steps (median) of the forward (the task's loss), the backward and the optimizer, at the
 default intra-op threads and, on a CPU with several cores, at one thread (each of two processes'
 share). Per block (:func:`paratrain.models.checkpointing.blocks`: Transformer blocks, LSTM layers,
@@ -224,13 +226,13 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
         from .microbench_towers import towers_forward
 
         towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size,
-                                sync_batchnorm=bool(out["batchnorm_inputs"]))
+                                sync_batchnorm=bool(out["batchnorm_inputs"]), precision=cfg.train.precision)
         if towers:
             out["towers_forward_threads"] = towers
     return out
 
 
-class _Precision(torch.nn.Module):
+class PrecisionForward(torch.nn.Module):
     """``module`` as training runs it under ``train.precision`` bf16 or fp16
     (:class:`~paratrain.strategies.wrapping.ReplicaModule`): its forward under ``torch.autocast`` of
     ``device_type`` in ``dtype``, its low-precision floating outputs returned as float32; its other
@@ -253,16 +255,22 @@ class _Precision(torch.nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
+    def __reduce_ex__(self, protocol):  # pickle / deepcopy: the plain module, as ReplicaModule's
+        from ..strategies.wrapping import _plain_module
+
+        return _plain_module, (self.module,)
+
 
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:
     """The task's freshly built model (seeded, on ``dist.device`` in ``train.dtype``, training mode)
     and its first training batch: ``(model, device, tokens, draw, loss_fn)``; ``draw()`` gives the
     batch's micro-batches on the device, ``loss_fn(micro_batches)`` the step's loss (mean over its
     ``tokens``; through ``module`` instead of the model when given), the forward under the recipe's
-    ``train.precision`` as training runs it (bf16, fp16: :class:`_Precision`; the loss on its float32
-    outputs outside autocast)."""
+    ``train.precision`` as training runs it (bf16, fp16: :class:`PrecisionForward`; the loss on its float32
+    outputs outside autocast). Raises UsageError, as training would, for a bf16 or fp16 recipe on a
+    CPU where the model's recurrent layers have no kernel in that dtype."""
     from ..devices import resolve
-    from ..strategies.precision import LOW_DTYPES
+    from ..strategies.precision import LOW_DTYPES, no_rnn_kernel, rnn_runs_in
 
     device = resolve(cfg.dist.device)
     torch.manual_seed(cfg.train.seed)
@@ -275,11 +283,12 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
         return [_to(mb, device) for mb in first.micro_batches]
 
     low = LOW_DTYPES.get(cfg.train.precision)
+    if low is not None and device.type == "cpu" and not rnn_runs_in(model, low):
+        raise no_rnn_kernel(model, cfg.train.precision, "found before profiling")
+    run = model if low is None else PrecisionForward(model, device.type, low)
 
     def loss_fn(micro_batches, module: torch.nn.Module | None = None) -> torch.Tensor:
-        target = model if module is None else module
-        if low is not None:
-            target = _Precision(target, device.type, low)
+        target = run if module is None else module if low is None else PrecisionForward(module, device.type, low)
         total = 0
         for mb in micro_batches:
             loss_sum, _ = task.loss(target, mb)

@@ -22,8 +22,10 @@ taking turns on them, ``meetings_oversubscribed``) and what FSDP2 adds to each u
 two processes (a unit of its own parameters' shapes), collectives, copies and hooks (``fsdp_units``,
 :func:`~.microbench_sharded.measured_fsdp_units`),
 and what ZeRO-1's and FSDP2's optimizer steps add to allreduce's between two processes (``zero1_step_s``,
-``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`, each rank running the recipe's
-model's forward and backward on its batch before each step, as in training) and what DDP's bf16 compression hook
+``fsdp_step_s``, :func:`~.microbench_sharded.measured_sharded_step`): in both, each rank runs the recipe's
+model's forward and backward on its batch before each pass or step, as in training (since profile
+version 39; ``sharded_workload`` False where the model could not run in their processes, which then
+time them with nothing between, as before) and what DDP's bf16 compression hook
 costs a bucket between two processes (``bf16_hook``, :func:`~.microbench_hooks.measured_compress_hook`).
 
 Which ranks: none (each micro-benchmark starts and ends its own processes or one-rank group).
@@ -31,7 +33,7 @@ Units: seconds, bytes.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..env import default_threads
 
@@ -87,14 +89,35 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     if cores < OVERSUBSCRIBED:  # and more processes than cores take turns on them
         out["meetings_oversubscribed"] = {"processes": OVERSUBSCRIBED,
                                           "points": measured_meetings(processes=OVERSUBSCRIBED)}
-    # both run the model's forward and backward at a rank's batch before each pass or step: at most
-    # about 50 of them per unit size and per sharded strategy, each about the one-device step
-    model_s = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
-    out["fsdp_units"] = measured_fsdp_units(units, parameters=fsdp_unit_parameters(model), workload=workload,
-                                            timeout_s=300 + 4 * 50 * len(set(units)) * model_s)
+    # both run the model's forward and backward at a rank's batch (half the recipe's) before each pass
+    # or step: at most about 50 of them per unit size and per sharded strategy, each about the one-device
+    # step at the default threads scaled to the rank's (one for the units); 4x that, for a busy machine
+    default_s = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+
+    def deadline(runs: int, threads: int) -> float:
+        return 300 + 4 * 50 * runs * default_s * max(1.0, prof["default_threads"] / (2 * threads))
+
+    def measured(run: Callable[[dict | None], Any]) -> Any:
+        """``run(workload)``; where the recipe's model cannot run in the micro-benchmarks' processes
+        (a task whose data loader starts processes of its own, say), again without it, with a line."""
+        nonlocal workload
+        if workload is not None:
+            try:
+                return run(workload)
+            except RuntimeError as e:
+                print(f"[plan] the recipe's model could not run between the sharded micro-benchmarks' steps "
+                      f"({str(e)[:200]}); FSDP2's units and the sharded steps are timed with nothing between "
+                      f"them", flush=True)
+                workload = None
+        return run(None)
+
+    sizes = len({u for u in units if u > 0})
+    out["fsdp_units"] = measured(lambda w: measured_fsdp_units(units, parameters=fsdp_unit_parameters(model),
+                                                               workload=w, timeout_s=deadline(sizes, 1)))
     out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
+    threads = default_threads(2, cores)
     for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks
-        out[key] = measured_sharded_step(modelled(cost_model)[0], params, optimizer,
-                                         threads=default_threads(2, cores), workload=workload,
-                                         timeout_s=300 + 4 * 50 * model_s)
+        out[key] = measured(lambda w, name=modelled(cost_model)[0]: measured_sharded_step(
+            name, params, optimizer, threads=threads, workload=w, timeout_s=deadline(1, threads)))
+    out["sharded_workload"] = workload is not None  # whether the model ran between their steps
     return out

@@ -289,7 +289,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     what ZeRO-1's and FSDP2's optimizer steps add to allreduce's, measured here
     (:func:`~.microbench_sharded.time_sharded_step`), all
     between the processes of ``inputs["path_meetings"]``' meeting table (2: the paths hold those
-    processes' waits after almost no compute). ``inputs["sharded_optimizer_s"]`` (and FSDP's
+    processes' waits after a barrier and almost no compute; each rank runs the model's forward and
+    backward before that barrier). ``inputs["sharded_optimizer_s"]`` (and FSDP's
     ``inputs["sharded_norm_s"]``): the DTensors' dispatch measured in one process
     (:func:`~.microbench_sharded.measured_sharded_optimizer`),
     the formulas' ``dispatch_s``, unless ``inputs["one_rank_s"]`` (a measured one-rank overhead,

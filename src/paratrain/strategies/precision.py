@@ -111,11 +111,18 @@ class MixedPrecision:
                 raise
             if rnn_runs_in(self.model, LOW_DTYPES[self.precision]):
                 raise
-            better = "bf16" if self.precision == "fp16" and rnn_runs_in(self.model, torch.bfloat16) else "fp32"
-            low = str(LOW_DTYPES[self.precision]).removeprefix("torch.")
-            raise UsageError(f"train.precision = \"{self.precision}\": a recurrent layer of this model has no {low} "
-                             f"kernel on this CPU ({str(e).splitlines()[0][:100]}); use train.precision = "
-                             f"\"{better}\" on this CPU, or {self.precision} on a GPU") from None
+            raise no_rnn_kernel(self.model, self.precision, str(e).splitlines()[0][:100]) from None
+
+
+def no_rnn_kernel(model: torch.nn.Module, precision: str, detail: str) -> UsageError:
+    """The one-line error for ``model`` under ``precision`` (bf16, fp16) on a CPU where one of its
+    recurrent layers has no kernel in that dtype (:func:`rnn_runs_in` is False), naming a precision
+    that runs here; ``detail``: what showed it (the error's first line)."""
+    better = "bf16" if precision == "fp16" and rnn_runs_in(model, torch.bfloat16) else "fp32"
+    low = str(LOW_DTYPES[precision]).removeprefix("torch.")
+    return UsageError(f"train.precision = \"{precision}\": a recurrent layer of this model has no {low} "
+                      f"kernel on this CPU ({detail}); use train.precision = \"{better}\" on this CPU, or "
+                      f"{precision} on a GPU")
 
 
 _RNN_LAYERS = {"LSTM": torch.nn.LSTM, "GRU": torch.nn.GRU, "RNN_TANH": torch.nn.RNN,
