@@ -409,7 +409,7 @@ def test_the_zero1_step_microbenchmark_times_the_real_strategys_step_against_all
 
 
 def test_the_rank_workload_runs_the_recipes_model_on_the_batch_of_that_rank(monkeypatch):
-    """_rank_workload builds the recipe's task as rank ``rank`` of ``world_size`` ranks (a replica's
+    """rank_workload builds the recipe's task as rank ``rank`` of ``world_size`` ranks (a replica's
     share of the global batch), once per process, recipe and rank; each call runs its model's forward
     and backward on that batch, its gradients set anew; the global random generator is left as it
     was, by the build and by each run (digits_cnn's dropout draws from it); None: nothing.
@@ -417,15 +417,16 @@ def test_the_rank_workload_runs_the_recipes_model_on_the_batch_of_that_rank(monk
     import torch
 
     from paratrain import runs
-    from paratrain.bench import microbench_sharded
-    from paratrain.bench.microbench_sharded import _rank_workload, check_workload
+    from paratrain.bench import microbench_workload
+    from paratrain.bench.microbench_workload import check_workload
+    from paratrain.bench.microbench_workload import rank_workload as _rank_workload
     from paratrain.config import load
     from paratrain.tasks.digits_cnn import DigitsTask
 
     assert _rank_workload(None, 0, 2)() is None
     cfg = load(DIGITS)
     assert cfg.model_value("dropout") > 0
-    monkeypatch.setattr(microbench_sharded, "_WORKLOADS", {})
+    monkeypatch.setattr(microbench_workload, "_WORKLOADS", {})
     built, seen = [], []
     build = runs.build_task
     monkeypatch.setattr(runs, "build_task", lambda *a, **kw: (built.append((a, kw)), build(*a, **kw))[1])

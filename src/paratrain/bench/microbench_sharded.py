@@ -16,9 +16,11 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
+
+from .microbench_workload import check_workload, rank_workload as _rank_workload
 
 
 @contextmanager
@@ -167,16 +169,17 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
     what is left is FSDP2's own. Each pass also runs an FSDP2 root with no parameters of its own, as
     ``fsdp`` wraps a model: a step has one root, and a model of k units is priced k of them (its
     hooks, about 0.1 ms a pass here). ``unit["workload"]`` (optional): a recipe whose model's forward
-    and backward each rank runs before every pass (:func:`_rank_workload`), as a training step's units
-    find the caches after the model's other compute. Collective: every rank of the group calls it."""
+    and backward each rank runs before every pass (:func:`~.microbench_workload.rank_workload`), as a
+    training step's units find the caches after the model's other compute. Collective: every rank of
+    the group calls it."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     x = torch.ones(1)
-    between = _rank_workload(unit.get("workload") if isinstance(unit, dict) else None, dist.get_rank(),
-                             dist.get_world_size())
+    workload = unit.get("workload") if isinstance(unit, dict) else None
+    between = _rank_workload(workload, dist.get_rank(), dist.get_world_size())
 
     def passes(reshard: bool | None, count: int) -> tuple[float, float]:
         """Mean forward and backward seconds; ``reshard`` None: the module without FSDP2."""
@@ -200,7 +203,7 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
                 bwd.append(t2 - t1)
         return statistics.fmean(fwd), statistics.fmean(bwd)
 
-    fewest = 10 if isinstance(unit, dict) and unit.get("workload") is not None else 20  # a model's compute first
+    fewest = 20 if workload is None else 10  # with a model's compute before each pass: fewer
     t0 = time.perf_counter()
     passes(True, fewest // 2)  # then as many passes as fit in about 1 s, with the workload (rank 0's count)
     wall = (time.perf_counter() - t0) / (fewest // 2 + warmup)
@@ -243,7 +246,7 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
     the machine's speed meets both. ``spec["workload"]`` (optional): ``{"config": Config, "data_dir":
     str | None}``, a recipe whose model each rank builds as rank ``rank`` of the group would train it
     (:func:`~paratrain.runs.build_task`, its first batch) and runs forward and backward on before each
-    step, of both kinds, as the training loop does (:func:`_rank_workload`): on the 2-vCPU EPYC VM
+    step, of both kinds, as the training loop does (:func:`~.microbench_workload.rank_workload`): on the 2-vCPU EPYC VM
     digits_cnn's zero1 step path was 0.55 ms more with its model's forward and backward between the
     steps than with nothing between them (2026-11-29): the caches and the allocator as a step finds
     them. Returns the ranks' mean. The global random generator is left as it was. Collective: every
@@ -314,49 +317,6 @@ def time_sharded_step(spec: dict, repeats: int, warmup: int) -> float:
         return float(got) / world
 
 
-_WORKLOADS: dict[tuple, Callable[[], None]] = {}
-"""This process' :func:`_rank_workload` callables by recipe and rank (a rank times every unit size)."""
-
-
-def check_workload(workload: dict | None) -> None:
-    """Raise ValueError unless ``workload`` is None or ``{"config": Config, "data_dir": str | None}``
-    (before it reaches the ranks, where a bad one would fail each of them)."""
-    from ..config import Config
-
-    if workload is not None and not (isinstance(workload, dict) and isinstance(workload.get("config"), Config)
-                                     and isinstance(workload.get("data_dir"), (str, type(None)))):
-        raise ValueError(f"a micro-benchmark's workload is None or {{'config': Config, 'data_dir': str | None}}, "
-                         f"not {workload!r}")
-
-
-def _rank_workload(workload: dict | None, rank: int, world_size: int) -> Callable[[], None]:
-    """A callable that runs the forward and backward of ``workload``'s model (``{"config": Config,
-    "data_dir": str | None}``) on its first training batch as rank ``rank`` of ``world_size`` ranks would
-    (:func:`~paratrain.runs.build_task`; :func:`~.profile._model_and_batch`: seeded, on the recipe's
-    device, in its dtype, under its precision), its gradients set to None before each; a callable
-    that does nothing for None. Built once per process, recipe and rank. The global random generator
-    is left as it was, by the build and by each run."""
-    if workload is None:
-        return lambda: None
-    key = (repr(workload["config"]), workload.get("data_dir"), rank, world_size)
-    if key in _WORKLOADS:
-        return _WORKLOADS[key]
-    from ..runs import build_task
-    from .profile import _model_and_batch
-
-    cfg = workload["config"]
-    with torch.random.fork_rng(devices=[]):
-        task = build_task(cfg, workload.get("data_dir"), rank=rank, world_size=world_size)
-        model, _, _, draw, loss_fn = _model_and_batch(task, cfg)
-
-    def run() -> None:
-        with torch.random.fork_rng(devices=[]):  # dropout draws from it
-            model.zero_grad(set_to_none=True)
-            loss_fn(draw()).backward()
-    _WORKLOADS[key] = run
-    return run
-
-
 def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, *,
                           threads: int = 1, repeats: int = 200, timeout_s: float = 300.0,
                           workload: dict | None = None) -> float:
@@ -368,7 +328,7 @@ def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimiz
     nothing between the steps). For :func:`~.costmodel_sharded.predict_zero1`'s and
     :func:`~.costmodel_sharded.predict_fsdp`'s ``step_path_s`` on this machine. Raises RuntimeError as
     :func:`~.microbench.measure_allreduce`, ValueError for a ``workload`` of another form
-    (:func:`check_workload`)."""
+    (:func:`~.microbench_workload.check_workload`)."""
     from .microbench import measure_allreduce
 
     check_workload(workload)
@@ -392,7 +352,7 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
     (:func:`time_fsdp_unit`'s ``unit["workload"]``; None: nothing between the passes). For
     :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError as
     :func:`~.microbench.measure_allreduce`, ValueError for a ``workload`` of another form
-    (:func:`check_workload`) or parameters that are not the units'."""
+    (:func:`~.microbench_workload.check_workload`) or parameters that are not the units'."""
     from .microbench import measure_allreduce
 
     check_workload(workload)
@@ -418,5 +378,5 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
 
 
 __all__ = ["measured_sharded_optimizer", "measured_sharded_norm", "fsdp_unit_module", "time_fsdp_unit",
-           "measured_fsdp_units", "check_workload",
+           "measured_fsdp_units",
            "optimizer_spec", "time_sharded_step", "measured_sharded_step"]

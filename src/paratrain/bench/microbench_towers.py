@@ -156,9 +156,12 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
         return None
     batches = [move_to(mb, device, non_blocking=False) for mb in first.micro_batches]  # as the loop moves them
     low = LOW_DTYPES.get(precision)
+    wrapped: dict[int, torch.nn.Module] = {}  # per engine (plain, synchronised), made once: not in the timed forward
 
     def loss_of(engine: torch.nn.Module) -> torch.Tensor:  # a bf16 or fp16 recipe's forward as training runs it
-        run = engine if low is None else PrecisionForward(engine, device.type, low)
+        if low is not None and id(engine) not in wrapped:
+            wrapped[id(engine)] = PrecisionForward(engine, device.type, low)
+        run = wrapped.get(id(engine), engine)
         return sum(whole.loss(run, mb)[0] for mb in batches) / float(first.global_count)
 
     pair = None

@@ -20,6 +20,13 @@ def step_s(parts: dict[str, float]) -> float:
     return sum(parts[k] for k in STEP_PARTS)
 
 
+def in_process_step_s(prof: dict) -> float:
+    """Seconds of the profile's one-device step timed in its own process at the default threads
+    (``workloads_in_process``, the sum of its parts: a guess of a run's step before the loop's runs
+    measure it)."""
+    return sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+
+
 def measured_workload(prof: dict, threads: int | None = None) -> dict | None:
     """The profile's ``workloads`` entry at the measured thread count nearest ``threads`` (None: the
     default run's, the most threads); None where the profile has none."""

@@ -37,7 +37,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from ..runs import build_task
     from .profile import profile_model
     from .profile_cache import cached_profile, profile_key
-    from .plan_inputs import sends_buffers
+    from .plan_inputs import in_process_step_s, sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
                                loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
                                sync_batchnorm_strategies, towers_sync_in_process)
@@ -63,7 +63,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 world_size=1), data_dir=args.data_dir)
             progress("the training loop's step: one-device runs")
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
-            guess = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+            guess = in_process_step_s(prof)
             steps = run_steps(args.profile_steps, guess, args.timed_seconds)
             recipe = (args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size)  # every run's
             rounds = loop_workload_rounds(*recipe, steps, threads, concurrent=prof["cores"],

@@ -285,10 +285,13 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     low = LOW_DTYPES.get(cfg.train.precision)
     if low is not None and device.type == "cpu" and not rnn_runs_in(model, low):
         raise no_rnn_kernel(model, cfg.train.precision, "found before profiling")
-    run = model if low is None else PrecisionForward(model, device.type, low)
+    wrapped = {id(model): model if low is None else PrecisionForward(model, device.type, low)}  # each made once
 
     def loss_fn(micro_batches, module: torch.nn.Module | None = None) -> torch.Tensor:
-        target = run if module is None else module if low is None else PrecisionForward(module, device.type, low)
+        module = model if module is None else module
+        if id(module) not in wrapped:
+            wrapped[id(module)] = module if low is None else PrecisionForward(module, device.type, low)
+        target = wrapped[id(module)]
         total = 0
         for mb in micro_batches:
             loss_sum, _ = task.loss(target, mb)

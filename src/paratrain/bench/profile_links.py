@@ -73,6 +73,7 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     from .microbench_meetings import measured_meetings
     from .microbench_rpc import measured_ps_round_trips_loaded
     from .microbench_sharded import measured_fsdp_units, measured_sharded_step
+    from .plan_inputs import in_process_step_s
     from .plan_ps import LOADED_PS_KEYS
     from .profile_runs import OVERSUBSCRIBED
     from .strategy_model import STEP_PATHS, fsdp_unit_parameters
@@ -92,7 +93,7 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     # both run the model's forward and backward at a rank's batch (half the recipe's) before each pass
     # or step: at most about 50 of them per unit size and per sharded strategy, each about the one-device
     # step at the default threads scaled to the rank's (one for the units); 4x that, for a busy machine
-    default_s = sum(prof["workloads_in_process"][str(prof["default_threads"])].values())
+    default_s = in_process_step_s(prof)
 
     def deadline(runs: int, threads: int) -> float:
         return 300 + 4 * 50 * runs * default_s * max(1.0, prof["default_threads"] / (2 * threads))
