@@ -49,6 +49,44 @@ def test_fsdp_gathers_the_root_once_skips_empty_units_and_all_reduces_the_norm()
     assert predict_fsdp(W, 1, LINK, unit_bytes=units).step_s == pytest.approx(W.local_s())
 
 
+def test_a_mixed_precision_fsdp_gathers_the_parameters_in_the_low_dtype_and_reduce_scatters_float32():
+    # bf16 over float32 parameters (gather_scale 0.5): the root (1 MiB) and a unit (2 MiB), 2 ranks, no
+    # overlap: all-gathers of half the bytes (the root's once, the unit's twice), reduce-scatters of all of them
+    units = [MIB, 2 * MIB]
+    p = predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False, gather_scale=0.5)
+    compute = W.forward_s + W.backward_s + W.optimizer_s / 2
+    ag = [ring_allgather_s(b / 2, 2, LINK) for b in units]
+    rs = [ring_reduce_scatter_s(b, 2, LINK) for b in units]
+    assert p.step_s == pytest.approx(compute + ag[0] + 2 * ag[1] + sum(rs) + ring_allreduce_s(4, 2, LINK), rel=1e-12)
+    assert p.step_s < predict_fsdp(W, 2, LINK, unit_bytes=units, overlap=False).step_s
+    # overlapped (a GPU's streams): the same collectives, fewer bytes, never slower
+    assert (predict_fsdp(W, 8, LINK, unit_bytes=units, gather_scale=0.5).step_s
+            <= predict_fsdp(W, 8, LINK, unit_bytes=units).step_s)
+    # this machine's measured paths (timed under the same policy) keep their 2-rank price; beyond 2 ranks the
+    # ring model's difference of the all-gathers is of the gathered bytes: at 4 ranks, per gather of b bytes,
+    # (3 - 1) alpha + (3/4 - 1/2) b/2 beta
+    rows = [[MIB, 1e-3, 3e-3, 2e-3], [2 * MIB, 2e-3, 6e-3, 4e-3]]
+    at4 = fsdp_paths_s(units, 4, True, unit_paths(rows), LINK, LINK, gather_scale=0.5)
+    at2 = fsdp_paths_s(units, 2, True, unit_paths(rows), LINK, LINK, gather_scale=0.5)
+    assert at2 == pytest.approx(1e-3 + 2e-3 + 2e-3 + 6e-3)
+    d_ag = [2 * LINK.alpha_s + 0.25 * b / 2 * LINK.beta_s_per_byte for b in units]
+    d_rs = [2 * LINK.alpha_s + 0.25 * b * LINK.beta_s_per_byte for b in units]
+    assert at4 - at2 == pytest.approx(d_ag[0] + 2 * d_ag[1] + sum(d_rs), rel=1e-9)
+
+
+def test_fsdps_gathers_move_the_mixed_precision_policys_bytes_per_stored_byte():
+    from types import SimpleNamespace
+
+    from paratrain.bench.strategy_model import fsdp_gather_scale
+
+    def cfg(precision, dtype="float32"):
+        return SimpleNamespace(train=SimpleNamespace(precision=precision, dtype=dtype))
+    assert fsdp_gather_scale(cfg("fp32")) == 1.0 and fsdp_gather_scale(cfg("fp32", "float64")) == 1.0
+    assert fsdp_gather_scale(cfg("bf16")) == 0.5 and fsdp_gather_scale(cfg("fp16")) == 0.5
+    assert fsdp_gather_scale(cfg("bf16", "float64")) == 0.25
+    assert fsdp_gather_scale(cfg("bf16", "bfloat16")) == 1.0  # stored low already: nothing to cast
+
+
 def test_the_ranks_wait_the_measured_meeting_after_each_units_forward_and_backward():
     # one unit with parameters ([0, 2 MiB]): 2 stretches of compute (its forward, its backward) of
     # (3 + 5) / 2 = 4 ms each; the meeting after 4 ms costs 0.5 + 0.1 x 4 = 0.9 ms, less the alpha (0.1 ms) the
@@ -298,6 +336,11 @@ def test_fsdp_memory_keeps_the_roots_gathered_parameters_from_the_forward_to_the
     no_root = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0)
     assert memory_per_device(SHARDED_PARAMETERS, 2, no_root)["total"] == pytest.approx(50 + 50 + 1000 + 2 * 10)
     assert memory_per_device(SHARDED_PARAMETERS, 1, m)["total"] == pytest.approx(100 + 100 + 1000 + 2 * 10)
+    # a bf16 recipe (gather_scale 0.5): the root gathered in bf16 (20), the last unit's bf16 gradient (5) and
+    # its float32 copy for the reduce-scatter (10); autocast's casts (C = 30) are not made under FSDP
+    low = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0,
+                       gather_scale=0.5, autocast_copies=30.0)
+    assert memory_per_device(SHARDED_PARAMETERS, 2, low)["total"] == pytest.approx(50 + 50 + 1000 + 20 + 15)
 
 
 def test_zero1_on_this_machine_is_allreduce_plus_its_measured_step_moved_from_two_ranks_to_n():
@@ -544,8 +587,49 @@ def test_the_fsdp_unit_microbenchmark_runs_the_model_before_every_pass(monkeypat
     measured_fsdp_units([4096, 0], workload=recipe)
     units = [[torch.zeros(8, 8)]]
     measured_fsdp_units([256], parameters=units, workload=recipe)
+    measured_fsdp_units([256], parameters=units, param_dtype="bfloat16")  # a bf16 recipe's policy
+    measured_fsdp_units([4096], param_dtype="float16")
     assert seen == [[{"shapes": [[1024]], "workload": recipe}],
-                    [{"bytes": 256, "shapes": [[8, 8]], "dtypes": ["float32"], "workload": recipe}]]
+                    [{"bytes": 256, "shapes": [[8, 8]], "dtypes": ["float32"], "workload": recipe}],
+                    [{"bytes": 256, "shapes": [[8, 8]], "dtypes": ["float32"], "param_dtype": "bfloat16"}],
+                    [{"shapes": [[1024]], "param_dtype": "float16"}]]
     with pytest.raises(ValueError, match="workload is None or"):
         measured_fsdp_units([256], workload={"config": "a recipe", "data_dir": None})
-    assert len(seen) == 2
+    assert len(seen) == 4
+
+
+def test_the_fsdp_unit_microbenchmark_shards_under_fsdps_mixed_precision_policy(monkeypatch):
+    """A unit with ``param_dtype`` is sharded as ``fsdp`` shards a bf16 recipe's (its unit and its root
+    under MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32, output_dtype=float32)): in
+    the forward of every FSDP2 pass the unit's parameters are bfloat16, as gathered; the module without
+    FSDP2 and every pass without the policy, float32. On a one-rank gloo group."""
+    import torch.distributed as dist
+
+    from paratrain.bench import microbench_sharded
+    from paratrain.bench.microbench_sharded import fsdp_unit_module, time_fsdp_unit
+
+    seen = []
+
+    def unit_module(unit):
+        module = fsdp_unit_module(unit)
+        forward = module.forward
+
+        def spy(x):
+            seen.append({str(w.dtype).removeprefix("torch.") for w in module.weights})
+            return forward(x)
+        module.forward = spy
+        return module
+    monkeypatch.setattr(microbench_sharded, "fsdp_unit_module", unit_module)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        time_fsdp_unit({"shapes": [[64], [8, 8]], "param_dtype": "bfloat16"}, 20, 1)
+        low = list(seen)
+        seen.clear()
+        time_fsdp_unit({"shapes": [[64], [8, 8]]}, 20, 1)
+    finally:
+        dist.destroy_process_group()
+    # the passes: sharded (sizing, then timed), kept, then the module without FSDP2 (float32, as stored)
+    plain = low.index({"float32"})
+    assert low[:plain] == [{"bfloat16"}] * plain and low[plain:] == [{"float32"}] * (len(low) - plain)
+    assert plain >= 2 * (len(low) - plain) > 0
+    assert seen and seen == [{"float32"}] * len(seen)

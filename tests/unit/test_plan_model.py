@@ -88,6 +88,33 @@ def test_activations_scale_with_the_per_replica_batch():
     assert memory_per_device(RING, 2, M, batch_ratio=0.5)["activations"] == 25
 
 
+def test_autocasts_casts_of_the_weights_stay_whole_at_any_batch_and_follow_each_strategys_replicas():
+    """C (autocast's casts of the weights, kept for the backward) does not scale with the batch per
+    replica: a process' whole C (all-reduce, a PS worker, checkpointing too); each CPU tower thread's
+    own; a stage's share P_s / P; none under FSDP (its parameters gathered in the low dtype)."""
+    m = MemoryInputs(params=100, optimizer=200, activations=160, temporaries=10, autocast_copies=30,
+                     blocks_saved=(20, 40), blocks_input=(5, 5))
+    # all-reduce at n = 2, half the batch a replica: P + G_kept + O + A/2 + C + T/2 = 100 + 100 + 200 + 80 + 30 + 5
+    ring = memory_per_device(RING, 2, m, batch_ratio=0.5)
+    assert (ring["activations"], ring["autocast_copies"], ring["total"]) == (80, 30, 515)
+    assert memory_per_device(RING, 1, m)["total"] == 100 + 200 + 160 + 30 + 10
+    # checkpointed: A = 160 - 60 + 10 + 40 = 150, C whole (autocast's cache holds it to the forward's end)
+    assert memory_per_device(RING, 1, m, checkpointing=True)["total"] == 100 + 200 + 150 + 30 + 10
+    # FSDP at 2: P/2 + O/2 + A/2 + T/2, no casts
+    fsdp = memory_per_device(SHARDED_PARAMETERS, 2, m, batch_ratio=0.5)
+    assert (fsdp["autocast_copies"], fsdp["total"]) == (0, 50 + 100 + 80 + 5)
+    # a PS worker: P + A + C + T (no optimizer state, no buckets)
+    assert memory_per_device(PS, 2, m)["total"] == 100 + 160 + 30 + 10
+    # towers: CPU virtual devices hold every tower's activations and casts (and the loss over both outputs)
+    assert memory_per_device(TOWERS, 2, m, shared_cores=True)["total"] == 100 + 200 + 320 + 60 + 20
+    assert memory_per_device(TOWERS, 2, m)["total"] == 100 + 200 + 160 + 30 + 20
+    # 2 stages of 60 and 40 parameter bytes, one micro-batch: stage 0 holds 60/100 of C (18)
+    stage = memory_per_device(STAGES, 2, m, stages=2, stage_params=[60, 40])
+    assert (stage["stage"], stage["autocast_copies"], stage["total"]) == (0, 18, 60 + 120 + 80 + 18)
+    # fp32 (no casts): nothing added
+    assert memory_per_device(RING, 2, M, batch_ratio=0.5)["autocast_copies"] == 0
+
+
 W = Workload(forward_s=0.1, backward_s=0.2, data_s=0.0, optimizer_s=0.05, param_bytes=(4_000_000,) * 10,
              tokens_per_step=1000)
 
@@ -2228,7 +2255,7 @@ def test_a_cpus_stage_profiles_are_timed_at_a_stage_process_share_of_the_cores(m
         # the stages on the profile's device; fsdp's units (0 stages: bytes) counted on the CPU
         assert device == (torch.device("cpu") if layout.dist.pipeline_stages else None)
         if not layout.dist.pipeline_stages:
-            return {"units": [1]}
+            return {"units": [1], "gather_scale": 1.0}
         return {"activation_bytes": 1.0, "shared_bytes": 0, "stage_param_bytes": [1, 1], "stage_fractions": [1, 1],
                 "microbatch_factor": 1.0}
 
@@ -2317,12 +2344,14 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
     stub(microbench_rpc, "measured_ps_round_trips_loaded", {"points": []})
     stub(microbench, "measure_copies", lambda sizes: sizes)
     stub(microbench_meetings, "measured_meetings", [[0.001, 0.002]])
+    policies = []
     stub(microbench_sharded, "measured_fsdp_units",
-         lambda units, parameters: (units, [[tuple(p.shape) for p in own] for own in parameters]))
+         lambda units, parameters, param_dtype: (policies.append(param_dtype),
+                                                 (units, [[tuple(p.shape) for p in own] for own in parameters]))[1])
     stub(microbench_hooks, "measured_compress_hook", {"world_size": 2})
     stub(microbench_sharded, "measured_sharded_step", lambda strategy, params, opt, threads: strategy)
     model = torch.nn.Linear(2, 2)
-    cfg = SimpleNamespace(train=SimpleNamespace(clip=0.5))
+    cfg = SimpleNamespace(train=SimpleNamespace(clip=0.5, precision="fp32"))
     prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]},  # a Linear(2, 2): the root alone
             "default_threads": 8, "workloads_in_process": {"8": {"forward_s": 0.25, "backward_s": 0.5}}}
     before = copy.deepcopy(prof)
@@ -2355,6 +2384,10 @@ def test_the_profiles_links_run_each_micro_benchmark_once_at_its_layouts_share_o
                          ("measured_sharded_step", recipe, 450), ("measured_sharded_step", recipe, 450)]
     assert got["sharded_workload"] is True
     assert prof == before  # not changed
+    # FSDP2's units under fsdp's MixedPrecisionPolicy: none in fp32; a bf16 recipe's gathered in bfloat16
+    bf16 = SimpleNamespace(train=SimpleNamespace(clip=0.5, precision="bf16"))
+    profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), bf16, torch.device(device), prof, "/data")
+    assert policies == [None, "bfloat16"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -2450,7 +2483,7 @@ def test_the_sharded_micro_benchmarks_run_without_the_model_where_it_cannot_run_
 
     calls = []
 
-    def units(units, parameters, workload, timeout_s):
+    def units(units, parameters, workload, timeout_s, param_dtype):
         calls.append(("units", workload is not None))
         if workload is not None:
             raise RuntimeError("all-reduce benchmark: rank 0 failed (exit 1): AssertionError: daemonic processes "
@@ -2474,7 +2507,7 @@ def test_the_sharded_micro_benchmarks_run_without_the_model_where_it_cannot_run_
     prof = {"cores": 8, "output_bytes": 100, "strategy_inputs": {"units": [24]}, "default_threads": 8,
             "workloads_in_process": {"8": {"forward_s": 0.25, "backward_s": 0.5}}}
     got = profile_links(model, torch.optim.SGD(model.parameters(), lr=0.1), SimpleNamespace(train=SimpleNamespace(
-        clip=0.5)), torch.device("cpu"), prof)
+        clip=0.5, precision="fp32")), torch.device("cpu"), prof)
     assert calls == [("units", True), ("units", False), ("zero1", False), ("fsdp", False)]
     assert got["sharded_workload"] is False and got["fsdp_units"] == [[24.0, 1e-3, 2e-3, 3e-3]]
     out = capsys.readouterr().out
@@ -2573,11 +2606,18 @@ def test_a_mixed_precision_recipes_whole_model_profile_runs_its_forward_under_au
         loss.backward()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         w = {"forward_s": 1.0, "backward_s": 2.0}
+        linear = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        linear_elements.append(sum(linear.values()))  # each weight once: the tied lm_head is the embedding
         return _blocks_and_flops(model, opt, loss_fn, draw, device, w, tokens)
 
-    full_seen, low_seen = [], []
+    full_seen, low_seen, linear_elements = [], [], []
     full, low = profile("fp32", full_seen), profile(precision, low_seen)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    # autocast's casts of the weights, apart from the activations: every Linear's weight once in the low
+    # dtype (each Linear's input needs a gradient, so each keeps its weight's cast); none in fp32
+    assert full["autocast_copy_bytes"] == 0 and all(b["autocast_copy_bytes"] == 0 for b in full["blocks"])
+    assert low["autocast_copy_bytes"] == 2 * linear_elements[1] > 0
+    assert sum(b["autocast_copy_bytes"] for b in low["blocks"]) < low["autocast_copy_bytes"]  # lm_head: no block
     forwards = [s for s in low_seen if s[0] == "forward"]
     assert len(forwards) >= 4 and all(s[1] and s[2] == dtype and s[3] == dtype for s in forwards)
     assert all(not s[1] for s in low_seen if s[0] == "backward") and any(s[0] == "backward" for s in low_seen)
@@ -2588,14 +2628,56 @@ def test_a_mixed_precision_recipes_whole_model_profile_runs_its_forward_under_au
     assert low["flops_per_step"] == full["flops_per_step"]
 
 
+def test_the_profile_tells_autocasts_casts_of_the_weights_from_the_activations():
+    """Saved for the backward under bf16 autocast, per block, each storage once: a Linear whose input
+    needs no gradient keeps its input's cast (32 bytes) but no weight; the ReLU keeps its output (32
+    bytes, as large as the first weight's cast, and no cast: an activation); the second Linear keeps
+    that output (already counted) and its weight's cast (4 x 3 x 2 = 24 bytes: autocast's copy). Where
+    the input needs a gradient, the first weight's cast (4 x 4 x 2 bytes) is kept too. In fp32 the
+    weights are the parameters themselves: no copies."""
+    from paratrain.bench.profile import _BlockProbe, parameter_copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+
+    def probe(low: bool, grad: bool) -> tuple:
+        p = _BlockProbe(model, list(model), torch.device("cpu"))
+        x = torch.randn(4, 4, requires_grad=grad)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(p.pack, lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                    out = model(x)
+                out.float().sum().backward()
+        finally:
+            p.close()
+        return p.saved, p.copies, p.total_saved, p.total_copies
+    assert probe(True, False) == ([32, 32, 0], [0, 0, 24], 64, 24)
+    assert probe(True, True) == ([32, 32, 0], [32, 0, 24], 64, 56)
+    assert probe(False, True) == ([64, 64, 0], [0, 0, 0], 128, 0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    w = model[0].weight
+    assert parameter_copy(w.to(torch.bfloat16).t(), params) and parameter_copy(w.double(), params)
+    assert not parameter_copy(w.t(), params)  # a view without a cast shares the parameter's storage
+    assert not parameter_copy(w.to(torch.bfloat16) * 2, params)  # computed from it: not a copy
+    assert not parameter_copy((w.to(torch.bfloat16) * 2).t(), params)
+    assert not parameter_copy(w.to(torch.bfloat16), set())  # not one of these parameters
+    assert not parameter_copy(torch.ones(3), params)  # no history
+
+
 def test_the_profiles_precision_wrapper_reaches_the_models_methods():
     """An LSTM LM's loss calls its model's ``init_hidden``: the profile's forward wrapper under bf16
-    hands it (and every other attribute the wrapper lacks) to the model, whose parameters are its."""
-    from paratrain.bench.profile import PrecisionForward
+    hands it (and every other attribute the wrapper lacks) to the model, whose parameters are its; a
+    copy of it, as of a strategy's ReplicaModule (the same base), is the plain model."""
+    import copy
+
     from paratrain.models.lstm_lm import LSTMLM
+    from paratrain.strategies.wrapping import AutocastModule
 
     model = LSTMLM(20, 6, 5, num_layers=2)
-    wrapped = PrecisionForward(model, "cpu", torch.bfloat16)
+    wrapped = AutocastModule(model, "cpu", torch.bfloat16)
     assert wrapped.module is model and list(wrapped.parameters()) == list(model.parameters())
     (h, c), (h0, c0) = wrapped.init_hidden(3), model.init_hidden(3)
     assert h.shape == h0.shape == c.shape == (2, 3, 5) and torch.equal(h, h0) and torch.equal(c, c0)
+    twin = copy.deepcopy(wrapped)
+    assert type(twin) is LSTMLM and twin is not model
+    assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))

@@ -34,11 +34,16 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     assert not compatible(35, "cpu") and compatible(35, "cuda:0")
     # 40: a bf16 or fp16 recipe's whole-model profile under autocast, on any device: an fp32 recipe's 39 (a
     # CPU's) and 32 (a GPU's) are still whole, a mixed-precision recipe's are not, on either
-    assert PROFILE_VERSION == 40 and MIXED_PRECISION_ONLY_CHANGES == {40} and 40 not in DEVICE_ONLY_CHANGES
+    # 41: a bf16 or fp16 recipe's autocast casts apart and its FSDP2 units under the mixed-precision policy:
+    # the same, and a mixed-precision recipe's 40 is not whole either
+    assert PROFILE_VERSION == 41 and MIXED_PRECISION_ONLY_CHANGES == {40, 41}
+    assert 40 not in DEVICE_ONLY_CHANGES and 41 not in DEVICE_ONLY_CHANGES
     assert compatible(39, "cpu") and compatible(39, "cpu", "fp32") and compatible(32, "cuda:0", "fp32")
+    assert compatible(40, "cpu", "fp32") and compatible(40, "cuda:0")
     assert not compatible(39, "cpu", "bf16") and not compatible(32, "cuda:0", "bf16")
     assert not compatible(39, "cpu", "fp16") and not compatible(38, "cpu", "fp32")
-    assert compatible(40, "cpu", "bf16") and compatible(40, "cuda:0", "fp16")
+    assert not compatible(40, "cpu", "bf16") and not compatible(40, "cuda:0", "fp16")
+    assert compatible(41, "cpu", "bf16") and compatible(41, "cuda:0", "fp16")
     assert not compatible(19, "cpu") and not compatible(20, "cpu")  # a CPU's 19 lacks what 20 measures, 20 21's
     # 23, 24: a CPU's loaded PS exchange (2, then 4 workers) and FSDP2 step
     assert DEVICE_ONLY_CHANGES[23] == DEVICE_ONLY_CHANGES[24] == "cpu"

@@ -17,7 +17,9 @@ reduction of a reduce-scatter); an all-reduce is the two in a row.
   proportional to its parameter bytes. Each collective has FSDP2's copy-in and copy-out around it
   (the shard into the all-gather's buffer, the gathered parameters out of it; the gradients into the
   reduce-scatter's buffer, the reduced shard out), priced as measured memory copies where known.
-  The root unit (first in forward order) stays gathered from its forward to its backward. After the
+  The root unit (first in forward order) stays gathered from its forward to its backward. A bf16
+  or fp16 recipe's ``MixedPrecisionPolicy`` gathers the parameters cast to the low dtype (half the
+  bytes of float32) and reduce-scatters the gradients in float32. After the
   backward, the trainer's guard all-reduces the sharded gradient's norm. On this machine's CPU,
   where FSDP2's collectives block (no streams), each unit is priced as what FSDP2 was measured to
   add to it between two processes, hooks, copies, collectives and the waits inside them
@@ -204,12 +206,16 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
                  meeting_s: Callable[[float], float] | None = None,
                  unit_path_s: Callable[[float], Sequence[float]] | None = None,
                  path_meeting_s: Callable[[float], float] | None = None,
-                 step_path_s: float | None = None, dispatch_s: float = 0.0) -> Prediction:
+                 step_path_s: float | None = None, dispatch_s: float = 0.0,
+                 gather_scale: float = 1.0) -> Prediction:
     """One ``fsdp`` step of n ranks. ``unit_bytes``: each shard unit's parameter bytes (whole, not
-    sharded), in forward order: the root first (its own parameters, which FSDP2 keeps gathered from
-    the forward to the backward: no second all-gather), then the units. A unit of 0 bytes has no
-    collective. ``gather_link`` / ``scatter_link``: the all-gather's and reduce-scatter's own
-    measured links (default ``link``: ring algorithms at the all-reduce's alpha, beta, gamma).
+    sharded, as stored), in forward order: the root first (its own parameters, which FSDP2 keeps
+    gathered from the forward to the backward: no second all-gather), then the units. A unit of 0
+    bytes has no collective. ``gather_scale``: the all-gathers' bytes per stored byte (a bf16 or fp16
+    recipe's ``MixedPrecisionPolicy`` casts the parameters before gathering them: 0.5 of float32; its
+    gradients are reduce-scattered in float32, as stored: 1). ``gather_link`` / ``scatter_link``:
+    the all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at
+    the all-reduce's alpha, beta, gamma).
     ``copy_s``: seconds of a memory copy of so many bytes, for the copies FSDP2 makes around each
     collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
     After the backward, the trainer's non-finite guard (and clipping) all-reduces the norm of the
@@ -290,10 +296,11 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         held = path_meeting_s(0.0) if measured and path_meeting_s is not None else glink.alpha_s
         waits = 2 * units * max(0.0, meeting_s(segment) - held)
     if measured:
-        paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink)
+        paths = fsdp_paths_s(unit_bytes, n, reshard, unit_path_s, glink, slink, gather_scale)
         return prediction(w, n, compute + paths + waits + after_backward, compute, "sharded_parameters",
                           optimizer_s=optimizer)
-    ag = [ring_allgather_s(b, n, glink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
+    g = gather_scale
+    ag = [ring_allgather_s(b * g, n, glink) + fsdp_copies_s(b * g, n, copy_s) if b else 0.0 for b in unit_bytes]
     rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
@@ -326,7 +333,7 @@ def fsdp_step_path_s(w: Workload, n: int, link: Link, step_path_s: float,
 
 
 def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: Callable[[float], Sequence[float]],
-                 gather_link: Link, scatter_link: Link) -> float:
+                 gather_link: Link, scatter_link: Link, gather_scale: float = 1.0) -> float:
     """Seconds FSDP2 adds to one step of n ranks around the units' compute, none of it overlapped,
     from what it was measured to add to a unit of so many bytes between 2 ranks beyond the same module
     without FSDP2 (``unit_path_s(bytes) -> (forward, backward resharded, backward kept)``,
@@ -338,7 +345,8 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
     36 ms), which the model lacked, and the waits, which the measured collectives already held, were
     counted twice. Per unit of ``unit_bytes`` (forward order, the root first and never gathered
     again; 0 bytes: no collective), its forward and its backward, plus for n != 2 the ring model's
-    difference between n and 2 ranks on the links. 0 for n = 1."""
+    difference between n and 2 ranks on the links (the all-gathers' of ``gather_scale`` of the bytes:
+    :func:`predict_fsdp`'s; the paths themselves were measured under the same policy). 0 for n = 1."""
     _check_n(n)
     if n == 1:
         return 0.0
@@ -348,7 +356,7 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
             continue
         fwd, bwd_again, bwd_kept = unit_path_s(b)
         again = reshard and i > 0
-        d_ag = ring_allgather_s(b, n, gather_link) - ring_allgather_s(b, 2, gather_link)
+        d_ag = ring_allgather_s(b * gather_scale, n, gather_link) - ring_allgather_s(b * gather_scale, 2, gather_link)
         d_rs = ring_reduce_scatter_s(b, n, scatter_link) - ring_reduce_scatter_s(b, 2, scatter_link)
         total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs
     return total

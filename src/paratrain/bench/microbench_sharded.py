@@ -152,9 +152,12 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
     difference of the means over 20 (10 with a workload) to ``repeats`` passes (about 1 s of each kind,
     workload included) after ``warmup``
     (a barrier before each pass). ``unit``: its parameters, ``{"shapes": [[...], ...], "dtypes":
-    ["float32", ...]}`` (their stored dtypes, one for the unit as FSDP2 requires; default float32;
-    a bf16 recipe's all-gathers in bf16 are not timed as such), or a number of bytes: one float32
-    tensor of them (profile versions 17-36); the module: :func:`fsdp_unit_module`. FSDP2's hooks
+    ["float32", ...]}`` (their stored dtypes, one for the unit as FSDP2 requires; default float32),
+    or a number of bytes: one float32 tensor of them (profile versions 17-36); the module:
+    :func:`fsdp_unit_module`. ``unit["param_dtype"]`` (optional, e.g. ``"bfloat16"``): FSDP2's
+    ``MixedPrecisionPolicy`` as ``fsdp`` sets it for a bf16 or fp16 recipe (the parameters cast to it
+    before the all-gather, which moves half the bytes; the gradients reduce-scattered in float32;
+    profile version 41; before, such a recipe's units were timed in float32). FSDP2's hooks
     copy and view each parameter of a unit in and out of the collectives' buffers: on the 2-vCPU EPYC
     VM digits_cnn's features unit (93.6 KB in 9 tensors) cost 0.15 ms more forward and 0.4 ms more
     backward than one tensor of its bytes (2026-11-29).
@@ -175,10 +178,13 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     x = torch.ones(1)
     workload = unit.get("workload") if isinstance(unit, dict) else None
+    low = unit.get("param_dtype") if isinstance(unit, dict) else None
+    policy = MixedPrecisionPolicy() if low is None else MixedPrecisionPolicy(  # as strategies.fsdp's
+        param_dtype=getattr(torch, low), reduce_dtype=torch.float32, output_dtype=torch.float32)
     between = _rank_workload(workload, dist.get_rank(), dist.get_world_size())
 
     def passes(reshard: bool | None, count: int) -> tuple[float, float]:
@@ -186,8 +192,8 @@ def time_fsdp_unit(unit: int | dict, repeats: int, warmup: int) -> list[float]:
         root = nn.Sequential(fsdp_unit_module(unit))
         if reshard is not None:
             mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-            fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(root, mesh=mesh)
+            fully_shard(root[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(root, mesh=mesh, mp_policy=policy)
         fwd, bwd = [], []
         for i in range(warmup + count):
             between()
@@ -343,13 +349,15 @@ def measured_sharded_step(strategy: str, params: Sequence[torch.Tensor], optimiz
 
 def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Sequence[torch.Tensor]] | None = None,
                         repeats: int = 200, timeout_s: float = 300.0,
-                        workload: dict | None = None) -> list[list[float]]:
+                        workload: dict | None = None, param_dtype: str | None = None) -> list[list[float]]:
     """``[bytes, forward, backward resharded, backward kept]`` (seconds) per distinct unit size > 0:
     :func:`time_fsdp_unit` between two local gloo processes of one thread each, of the parameters'
     shapes and dtypes of the first unit of that size (``parameters``: each unit's own, in the order of
     ``unit_bytes``, :func:`~.strategy_model.fsdp_unit_parameters`; None: one float32 tensor of the
     size). ``workload``: a recipe whose model's forward and backward each rank runs before every pass
-    (:func:`time_fsdp_unit`'s ``unit["workload"]``; None: nothing between the passes). For
+    (:func:`time_fsdp_unit`'s ``unit["workload"]``; None: nothing between the passes). ``param_dtype``:
+    the units' ``MixedPrecisionPolicy`` dtype under a bf16 or fp16 recipe (``"bfloat16"``,
+    ``"float16"``; None: none, float32), :func:`time_fsdp_unit`'s ``unit["param_dtype"]``. For
     :func:`~.costmodel_sharded.predict_fsdp`'s ``unit_path_s`` on this machine. Raises RuntimeError as
     :func:`~.microbench.measure_allreduce`, ValueError for a ``workload`` of another form
     (:func:`~.microbench_workload.check_workload`) or parameters that are not the units'."""
@@ -370,9 +378,10 @@ def measured_fsdp_units(unit_bytes: Sequence[int], *, parameters: Sequence[Seque
             first.setdefault(int(b), own)
         specs = [{"bytes": b, "shapes": [list(p.shape) for p in first[b]],
                   "dtypes": [str(p.dtype).removeprefix("torch.") for p in first[b]]} for b in sizes]
-    if workload is not None:
-        specs = [{**(u if isinstance(u, dict) else {"shapes": [[max(2, u // 4)]]}), "workload": workload}
-                 for u in specs]
+    extra = {**({"workload": workload} if workload is not None else {}),
+             **({"param_dtype": param_dtype} if param_dtype is not None else {})}
+    if extra:
+        specs = [{**(u if isinstance(u, dict) else {"shapes": [[max(2, u // 4)]]}), **extra} for u in specs]
     points = measure_allreduce(2, specs, repeats=repeats, warmup=3, timeout_s=timeout_s, op="fsdp_unit")
     return [[float(b), *t] for b, (_, t) in zip(sizes, points)]
 

@@ -136,15 +136,15 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
     ``towers_task(towers x batch)`` (the task built for one process holding every tower's batch of
     ``batch``), split along the task's ``batch_dim`` (0 where it has none), right after
     ``one_step()``, their forward under ``precision``'s autocast as training runs a bf16 or fp16
-    recipe's (:class:`~.profile.PrecisionForward` around the towers). None, with a line, where that task
-    cannot be built or gives no step (e.g. fewer
+    recipe's (:class:`~paratrain.strategies.wrapping.AutocastModule` around the towers). None, with a
+    line, where that task cannot be built or gives no step (e.g. fewer
     training examples than the towers' batch): the plan then prices the towers' forwards one after
     the other."""
     from ..data.batching import move_to
     from ..errors import UsageError
     from ..strategies.precision import LOW_DTYPES
     from ..tasks import optional
-    from .profile import PrecisionForward
+    from ..strategies.wrapping import AutocastModule
 
     whole_batch = towers * batch
     try:
@@ -160,7 +160,7 @@ def towers_forward(task, model: torch.nn.Module, device: torch.device, one_step:
 
     def loss_of(engine: torch.nn.Module) -> torch.Tensor:  # a bf16 or fp16 recipe's forward as training runs it
         if low is not None and id(engine) not in wrapped:
-            wrapped[id(engine)] = PrecisionForward(engine, device.type, low)
+            wrapped[id(engine)] = AutocastModule(engine, device.type, low)
         run = wrapped.get(id(engine), engine)
         return sum(whole.loss(run, mb)[0] for mb in batches) / float(first.global_count)
 

@@ -57,7 +57,9 @@ def memory_inputs(prof: dict) -> MemoryInputs:
                         largest_unit=max(prof["strategy_inputs"]["units"] or [0]),
                         root_unit=(prof["strategy_inputs"]["units"] or [0])[0],
                         blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
-                        blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]))
+                        blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]),
+                        autocast_copies=prof.get("autocast_copy_bytes", 0.0),
+                        gather_scale=prof["strategy_inputs"].get("gather_scale", 1.0))
 
 
 def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | None:

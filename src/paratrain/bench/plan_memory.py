@@ -17,6 +17,11 @@ one device, U the largest FSDP unit, all for one replica's batch):
   with every unit resharded (FSDP2 frees a unit's gathered parameters after its forward) but the
   root's own parameters R (kept for the backward), and a third phase, the backward's start, holds the
   last unit gathered again and its unsharded gradient beside the activations: ``P_d + O_d + A + R + 2 U``;
+  under a bf16 or fp16 recipe's ``MixedPrecisionPolicy`` the gathered parameters and their unsharded
+  gradients are in the low dtype (g = 0.5 of float32, ``gather_scale``) and the gradients are copied
+  into a float32 buffer to be reduce-scattered, after the unit is resharded (FSDP2's ``post_backward``,
+  ``foreach_reduce``): ``R g`` and ``U (g + 1)`` (the gathered unit and its gradient, ``2 U g``, are
+  less);
 * pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A and its
   output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
   M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
@@ -28,7 +33,15 @@ one device, U the largest FSDP unit, all for one replica's batch):
 * towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
   loss over every tower's output (n T); CPU virtual devices share one memory: n A;
 * activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
-  inputs) + max(block's saved) (one block recomputed at a time).
+  inputs) + max(block's saved) (one block recomputed at a time);
+* a bf16 or fp16 recipe's autocast keeps, besides A, a cast of each weight its lower-precision ops use
+  (C, ``autocast_copies``: measured apart from A, :func:`~.profile.parameter_copy`), held for the
+  backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
+  PS worker), each tower's own (a tower thread has its own autocast cache: n C on CPU virtual
+  devices), a stage's share of it (P_s / P), none under FSDP (``MixedPrecisionPolicy`` gathers the
+  parameters in the low dtype: there is nothing to cast). Checkpointing leaves C whole: autocast's
+  cache holds every cast until its region, the forward, ends (``torch.autocast``'s cast cache), when
+  the checkpointed blocks' activations are gone but their casts are not.
 """
 from __future__ import annotations
 
@@ -50,6 +63,8 @@ class MemoryInputs:
     root_unit: float = 0.0  # FSDP's root unit's own parameter bytes: gathered from its forward to its backward
     blocks_saved: tuple[float, ...] = ()
     blocks_input: tuple[float, ...] = ()
+    autocast_copies: float = 0.0  # C: autocast's casts of the weights, kept for the backward (bf16, fp16)
+    gather_scale: float = 1.0  # g: FSDP's gathered bytes per stored byte (MixedPrecisionPolicy: 0.5 of float32)
 
     def checkpointed_activations(self) -> float:
         """A with every block checkpointed (see the module); A when there are no blocks."""
@@ -73,6 +88,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
     act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
+    copies = m.autocast_copies  # not scaled by the batch; whole under checkpointing (see the module)
     tmp = m.temporaries * batch_ratio
     p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
     root = 0.0  # FSDP's root unit, gathered from its forward to its backward
@@ -80,12 +96,15 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     if model == SHARDED_OPTIMIZER:
         o, gather = m.optimizer / n, m.params * (1 + 1 / n)
     elif model == SHARDED_PARAMETERS:
-        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (m.root_unit if n > 1 else 0.0)
-        # the backward's start: the last unit gathered again with its unsharded gradient, beside the activations
-        out["backward_start"] = p + o + act + root + 2 * m.largest_unit
+        gs = m.gather_scale
+        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (m.root_unit * gs if n > 1 else 0.0)
+        copies = 0.0  # MixedPrecisionPolicy: the gathered parameters are already in the low dtype
+        # the backward's start: the last unit gathered again with its unsharded gradient, beside the
+        # activations; then (resharded) that gradient and its copy into the reduce-scatter's float32 buffer
+        out["backward_start"] = p + o + act + root + m.largest_unit * (1 + gs)
     elif model == STAGES:
         return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, stage_outputs,
-                             schedule, synchronous_buckets)
+                             schedule, synchronous_buckets, copies)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
@@ -96,25 +115,27 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     elif model == TOWERS:
         g_kept = 0.0  # one process, no buckets
         act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
+        copies *= n if shared_cores else 1  # and every tower thread's autocast casts
         tmp *= n  # the loss runs on device 0 over every tower's output
     g = p if model != SHARDED_PARAMETERS else m.params / n
-    forward_end = p + g_kept + o + act + tmp + root
+    forward_end = p + g_kept + o + act + copies + tmp + root
     optimizer_phase = p + g + o + gather
-    out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "temporaries": tmp,
-                "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
+    out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "autocast_copies": copies,
+                "temporaries": tmp, "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
     return out
 
 
 def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, microbatches: int,
                   shares: list[float] | None, params: list[float] | None, outputs: list[float] | None,
-                  schedule: str, buckets: bool) -> dict:
+                  schedule: str, buckets: bool, copies: float = 0.0) -> dict:
     """The pipeline's busiest stage: stage s holds its parameters P_s (a tied embedding in each stage
     that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations and
     its output (``outputs[s]`` for the whole batch: what it sends the next stage, the model's output
     on the last; ``torch.distributed.pipelining`` keeps a forward's outputs until that micro-batch's
     backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the
     last stage the loss's temporaries: every micro-batch's under GPipe (all forwards first), one
-    micro-batch's under 1F1B (each micro-batch's backward follows its forward there)."""
+    micro-batch's under 1F1B (each micro-batch's backward follows its forward there); autocast's casts
+    of its weights, ``copies`` P_s / P (one autocast region over the schedule's step: cast once)."""
     S, M = stages, microbatches
     shares = list(shares) if shares else [1 / S] * S
     params = list(params) if params else [m.params / S] * S
@@ -126,9 +147,10 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, 
         in_flight = M if schedule == "gpipe" else min(S - s, M)
         a = (act * shares[s] / sum(shares) + outputs[s]) * in_flight / M
         t = (tmp if schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
+        c = copies * (p / m.params if m.params else 1 / S)
         kept = p if buckets and n > S else 0.0
-        total = max(p + kept + o + a + t, 2 * p + o)
+        total = max(p + kept + o + a + c + t, 2 * p + o)
         if total > best.get("total", -1.0):
-            best = {"params": p, "grads": p, "optimizer": o, "activations": a, "temporaries": t, "total": total,
-                    "stage": s}
+            best = {"params": p, "grads": p, "optimizer": o, "activations": a, "autocast_copies": c,
+                    "temporaries": t, "total": total, "stage": s}
     return best

@@ -2,14 +2,15 @@
 
 :func:`profile_model` runs the task's model in this process on the recipe's device, its forward under
 the recipe's ``train.precision`` as training runs it (bf16, fp16: ``torch.autocast``, float32 outputs to
-the loss; :class:`PrecisionForward`): warm-up steps,
+the loss; :class:`~paratrain.strategies.wrapping.AutocastModule`): warm-up steps,
 then timed steps (median) of the forward (the task's loss), the backward and the optimizer, at the
 default intra-op threads and, on a CPU with several cores, at one thread (each of two processes'
 share). Per block (:func:`paratrain.models.checkpointing.blocks`: Transformer blocks, LSTM layers,
 a CNN's children): forward seconds (module hooks), backward seconds (the block's forward share of
 the whole backward), parameter bytes, the bytes its forward saves for the backward
-(``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters left out) and its
-input's bytes (what activation checkpointing keeps). The step's model FLOPs
+(``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters left out; under a bf16
+or fp16 recipe's autocast its casts of the weights apart, ``autocast_copy_bytes``, as they do not grow
+with the batch) and its input's bytes (what activation checkpointing keeps). The step's model FLOPs
 (:func:`~paratrain.bench.mfu.count_flops`), the optimizer's state bytes after a step, and the peak of
 one step's memory by category (``torch.distributed._tools.mem_tracker.MemTracker``: parameters,
 gradients, optimizer state, activations, temporaries). The links and what sharing the cores costs
@@ -65,8 +66,41 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+                    "ReshapeAliasBackward0", "AliasBackward0", "ExpandBackward0", "SqueezeBackward0",
+                    "UnsqueezeBackward0"})
+
+
+def parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
+    """Whether ``t``, saved for the backward, is a cast of a whole parameter (its storage a parameter's
+    elements in ``t``'s dtype), or a view of one: autograd's history from ``t`` runs through views
+    and casts only (``ToCopyBackward0``, at least one) to the ``AccumulateGrad`` of a parameter whose
+    storage is in ``params`` (data pointers). ``torch.autocast`` saves such a cast of each weight that
+    a lower-precision op uses (Linear, conv; a tied weight once), cached for the autocast region:
+    bytes that do not grow with the batch."""
+    node, cast = t.grad_fn, False
+    for _ in range(16):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            v = node.variable
+            return (cast and v.untyped_storage().data_ptr() in params
+                    and t.untyped_storage().nbytes() == v.numel() * t.element_size())
+        if name == "ToCopyBackward0":
+            cast = True
+        elif name not in _VIEWS:
+            return False
+        following = [f for f, _ in node.next_functions if f is not None]
+        if len(following) != 1:
+            return False
+        node = following[0]
+    return False
+
+
 class _BlockProbe:
-    """Forward seconds, input bytes and saved-activation bytes per block over one forward."""
+    """Forward seconds, input bytes and saved bytes per block over one forward: activations, and
+    autocast's casts of the parameters apart (:func:`parameter_copy`)."""
 
     def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> None:
         self.blocks, self.device = blocks, device
@@ -82,10 +116,10 @@ class _BlockProbe:
 
     def reset(self) -> None:
         k = len(self.blocks)
-        self.forward_s, self.saved, self.inputs = [0.0] * k, [0] * k, [0] * k
+        self.forward_s, self.saved, self.inputs, self.copies = [0.0] * k, [0] * k, [0] * k, [0] * k
         self.seen: set[int] = set()
         self.t0 = [0.0] * k
-        self.total_saved = 0
+        self.total_saved = self.total_copies = 0
 
     def _enter(self, i: int, args) -> None:
         synchronize(self.device)
@@ -108,9 +142,13 @@ class _BlockProbe:
         if ptr not in self.params and ptr not in self.seen:
             self.seen.add(ptr)
             n = t.untyped_storage().nbytes()
-            self.total_saved += n
+            copy = parameter_copy(t, self.params)
+            if copy:
+                self.total_copies += n
+            else:
+                self.total_saved += n
             if self.stack:
-                self.saved[self.stack[-1]] += n
+                (self.copies if copy else self.saved)[self.stack[-1]] += n
         return t
 
     def close(self) -> None:
@@ -232,45 +270,18 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     return out
 
 
-class PrecisionForward(torch.nn.Module):
-    """``module`` as training runs it under ``train.precision`` bf16 or fp16
-    (:class:`~paratrain.strategies.wrapping.ReplicaModule`): its forward under ``torch.autocast`` of
-    ``device_type`` in ``dtype``, its low-precision floating outputs returned as float32; its other
-    attributes (an LSTM's ``init_hidden``) the module's."""
-
-    def __init__(self, module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.module, self.device_type, self.dtype = module, device_type, dtype
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from ..strategies.wrapping import to_float32
-
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            out = self.module(*args, **kwargs)
-        return to_float32(out)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
-
-    def __reduce_ex__(self, protocol):  # pickle / deepcopy: the plain module, as ReplicaModule's
-        from ..strategies.wrapping import _plain_module
-
-        return _plain_module, (self.module,)
-
-
 def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, Callable, Callable]:
     """The task's freshly built model (seeded, on ``dist.device`` in ``train.dtype``, training mode)
     and its first training batch: ``(model, device, tokens, draw, loss_fn)``; ``draw()`` gives the
     batch's micro-batches on the device, ``loss_fn(micro_batches)`` the step's loss (mean over its
     ``tokens``; through ``module`` instead of the model when given), the forward under the recipe's
-    ``train.precision`` as training runs it (bf16, fp16: :class:`PrecisionForward`; the loss on its float32
+    ``train.precision`` as training runs it (bf16, fp16:
+    :class:`~paratrain.strategies.wrapping.AutocastModule`; the loss on its float32
     outputs outside autocast). Raises UsageError, as training would, for a bf16 or fp16 recipe on a
     CPU where the model's recurrent layers have no kernel in that dtype."""
     from ..devices import resolve
     from ..strategies.precision import LOW_DTYPES, no_rnn_kernel, rnn_runs_in
+    from ..strategies.wrapping import AutocastModule
 
     device = resolve(cfg.dist.device)
     torch.manual_seed(cfg.train.seed)
@@ -285,12 +296,12 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     low = LOW_DTYPES.get(cfg.train.precision)
     if low is not None and device.type == "cpu" and not rnn_runs_in(model, low):
         raise no_rnn_kernel(model, cfg.train.precision, "found before profiling")
-    wrapped = {id(model): model if low is None else PrecisionForward(model, device.type, low)}  # each made once
+    wrapped = {id(model): model if low is None else AutocastModule(model, device.type, low)}  # each made once
 
     def loss_fn(micro_batches, module: torch.nn.Module | None = None) -> torch.Tensor:
         module = model if module is None else module
         if id(module) not in wrapped:
-            wrapped[id(module)] = module if low is None else PrecisionForward(module, device.type, low)
+            wrapped[id(module)] = module if low is None else AutocastModule(module, device.type, low)
         target = wrapped[id(module)]
         total = 0
         for mb in micro_batches:
@@ -330,8 +341,9 @@ def _batchnorm_inputs(model, loss_fn, draw) -> list[list[int]]:
 
 def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, float], tokens: float) -> dict[str, Any]:
     """Per block: forward seconds (mean of 2 steps), backward seconds (its forward share of the
-    measured backward ``w``), parameter bytes, bytes saved for the backward, input bytes; the whole
-    forward's saved bytes and output bytes; the step's counted FLOPs (total and per unit)."""
+    measured backward ``w``), parameter bytes, bytes saved for the backward (activations; autocast's
+    casts of the parameters apart, ``autocast_copy_bytes``: 0 in fp32), input bytes; the whole
+    forward's saved bytes (the same two) and output bytes; the step's counted FLOPs (total and per unit)."""
     from ..models.checkpointing import blocks as model_blocks
     from .mfu import count_flops
 
@@ -341,6 +353,7 @@ def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, floa
         with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
             loss_fn(draw()).backward()  # what each block saves for the backward, and its inputs
         saved, inputs, total_saved, output_bytes = probe.saved, probe.inputs, probe.total_saved, probe.output_bytes
+        copies, total_copies = probe.copies, probe.total_copies
         optimizer.zero_grad(set_to_none=True)
         probe.reset()
         for _ in range(2):
@@ -355,9 +368,10 @@ def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, floa
     backward_per_forward = w["backward_s"] / max(w["forward_s"], 1e-12)
     rows = [{"name": names.get(id(b), type(b).__name__), "param_bytes": sum(_bytes(p) for p in b.parameters()),
              "forward_s": block_forward[i], "backward_s": block_forward[i] * backward_per_forward,
-             "activation_bytes": saved[i], "input_bytes": inputs[i]} for i, b in enumerate(blocks)]
-    return {"blocks": rows, "activation_bytes": total_saved, "output_bytes": output_bytes, "flops_per_step": flops,
-            "flops_per_unit": flops / tokens}
+             "activation_bytes": saved[i], "autocast_copy_bytes": copies[i], "input_bytes": inputs[i]}
+            for i, b in enumerate(blocks)]
+    return {"blocks": rows, "activation_bytes": total_saved, "autocast_copy_bytes": total_copies,
+            "output_bytes": output_bytes, "flops_per_step": flops, "flops_per_unit": flops / tokens}
 
 
 def _to(mb: Any, device: torch.device) -> Any:
@@ -369,9 +383,9 @@ def _to(mb: Any, device: torch.device) -> Any:
 
 
 def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = None) -> dict[str, Any]:
-    """:func:`~.strategy_model.strategy_inputs` (fsdp's units) and, per stage count S of
-    :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at M = 2 S micro-batches
-    on ``device`` (default the CPU) in the recipe's precision,
+    """:func:`~.strategy_model.strategy_inputs` (fsdp's units, their gathers' ``gather_scale``) and,
+    per stage count S of :data:`STAGE_COUNTS` the model cuts into, the pipeline's stage profile at
+    M = 2 S micro-batches on ``device`` (default the CPU) in the recipe's precision,
     timed at the intra-op threads each of S processes on ``cores`` CPU cores gets (a CPU's S stages
     run in S processes: one thread each on 2 cores; None: this process' threads, a GPU's)."""
     from types import SimpleNamespace
@@ -384,7 +398,8 @@ def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = No
                                                                      pipeline_split=""))
 
     # fsdp's units are bytes: counted on the CPU (a GPU's memory holds the profile's own model meanwhile)
-    out: dict[str, Any] = {"units": strategy_inputs(task, layout(0))["units"], "stage_profiles": {}}
+    whole = strategy_inputs(task, layout(0))
+    out: dict[str, Any] = {"units": whole["units"], "gather_scale": whole["gather_scale"], "stage_profiles": {}}
     for s in STAGE_COUNTS:
         with intra_op_threads(default_threads(s, cores) if cores else None):
             got = strategy_inputs(task, layout(s), device)

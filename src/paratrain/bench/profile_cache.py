@@ -11,7 +11,10 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 40  # 40: a bf16 or fp16 recipe's in-process steps, blocks, FLOPs and memory under its
+PROFILE_VERSION = 41  # 41: a bf16 or fp16 recipe's autocast casts of the weights apart from the activations
+# (autocast_copy_bytes; were counted in activation_bytes, which the plan scales with the batch per replica),
+# its fsdp units' gather_scale, and a CPU's fsdp_units timed under FSDP2's MixedPrecisionPolicy (any device);
+# 40: a bf16 or fp16 recipe's in-process steps, blocks, FLOPs and memory under its
 # autocast, as training runs its forward (was: in the stored dtype; any device);
 # 39: a CPU's fsdp_units, zero1_step_s and fsdp_step_s timed with the recipe's model's
 # forward and backward (a rank's batch) before each pass or step, as in training (was: nothing between them);
@@ -78,10 +81,12 @@ a profile of an older version and another device type holds the same measurement
 :data:`PROFILE_VERSION` (:func:`compatible`). 32 is not among them: it moved a GPU's stage profiles onto
 the GPU, and a CPU's of a bf16 or fp16 recipe under autocast."""
 
-MIXED_PRECISION_ONLY_CHANGES = frozenset({40})
+MIXED_PRECISION_ONLY_CHANGES = frozenset({40, 41})
 """Profile versions whose change touched the profiles of bf16 and fp16 recipes only (``train.precision``;
-40: their whole-model profile under autocast, on every device): an fp32 recipe's profile of an older
-version holds the same measurements (:func:`compatible`)."""
+40: their whole-model profile under autocast, on every device; 41: their autocast casts apart, their
+FSDP2 units under its mixed-precision policy): an fp32 recipe's profile of an older version holds the same
+measurements (:func:`compatible`). (An fp32 profile of an older version has no ``gather_scale`` nor
+``autocast_copy_bytes``: the plan reads them as 1 and 0, which they are in fp32.)"""
 
 
 SKIPPED_VERSIONS = frozenset({30})

@@ -68,6 +68,7 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     """A CPU's keys of :func:`profile_links` from ``ps_round_trips_loaded`` on (see the module);
     ``workload``: the recipe whose model's forward and backward run between the sharded steps."""
     from ..strategies import modelled
+    from ..strategies.precision import LOW_DTYPES
     from .microbench import measure_copies
     from .microbench_hooks import measured_compress_hook
     from .microbench_meetings import measured_meetings
@@ -79,6 +80,8 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
     from .strategy_model import STEP_PATHS, fsdp_unit_parameters
 
     cores, out = prof["cores"], {}
+    low = LOW_DTYPES.get(workload["config"].train.precision)  # the units under fsdp's MixedPrecisionPolicy
+    low = None if low is None else str(low).removeprefix("torch.")
     # the ps-async exchange again, with 2 and 4 workers computing between exchanges on the same cores
     for workers, key in LOADED_PS_KEYS.items():
         out[key] = {"workers": workers, **measured_ps_round_trips_loaded(
@@ -114,7 +117,8 @@ def _shared_cores(model, params, optimizer, prof: dict[str, Any], round_trip_s: 
 
     sizes = len({u for u in units if u > 0})
     out["fsdp_units"] = measured(lambda w: measured_fsdp_units(units, parameters=fsdp_unit_parameters(model),
-                                                               workload=w, timeout_s=deadline(sizes, 1)))
+                                                               workload=w, timeout_s=deadline(sizes, 1),
+                                                               param_dtype=low))
     out["bf16_hook"] = measured_compress_hook()  # DDP's bf16 hook: casts, gloo's bf16 all-reduce
     threads = default_threads(2, cores)
     for cost_model, key in STEP_PATHS.items():  # zero1's and fsdp's step above allreduce's, 2 ranks

@@ -127,6 +127,18 @@ def predicted() -> list[str]:
     return [n for n, cls in STRATEGIES.items() if cls.cost_model in MODELS]
 
 
+def fsdp_gather_scale(cfg) -> float:
+    """Bytes that ``fsdp``'s all-gathers move per byte of the parameters as stored (``train.dtype``):
+    ``train.precision`` bf16 or fp16 sets FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, which
+    casts each shard to the low dtype before gathering it (0.5 of float32); 1 in fp32."""
+    import torch
+
+    from ..strategies.precision import LOW_DTYPES
+
+    low, stored = LOW_DTYPES.get(cfg.train.precision), getattr(torch, cfg.train.dtype)
+    return 1.0 if low is None else min(1.0, low.itemsize / stored.itemsize)
+
+
 def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
     """From the task's model (built in the run's dtype on ``device``, default the CPU: the device its
     stages run on, which times them): ``units``, fsdp's shard units'
@@ -140,14 +152,15 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
     in every stage that holds them) and :func:`stage_profile`'s measured ``stage_fractions`` and
     ``microbatch_factor`` on ``device`` under that precision (a GPU's small micro-batches are bound
     by kernel launches, a CPU's much less: the factor is the device's), for the stage plan
-    ``dist.pipeline_split``."""
+    ``dist.pipeline_split``; ``gather_scale`` (:func:`fsdp_gather_scale`)."""
     import torch
 
     device = torch.device(device or "cpu")
     torch.manual_seed(0)
     model = task.build_model().to(device=device, dtype=getattr(torch, cfg.train.dtype))
     out: dict[str, Any] = {"units": [sum(p.numel() * p.element_size() for p in own)
-                                     for own in fsdp_unit_parameters(model)]}
+                                     for own in fsdp_unit_parameters(model)],
+                           "gather_scale": fsdp_gather_scale(cfg)}
     from ..errors import UsageError
     from ..strategies.stages import cut_stages, task_hooks
 
@@ -343,7 +356,7 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
                             scatter_link=links.get("reduce_scatter"), copy_s=copy_s, meeting_s=meeting_s,
                             unit_path_s=unit_path_s, path_meeting_s=path_meeting_s,
                             step_path_s=inputs.get("fsdp_step_s"),
-                            dispatch_s=step_dispatch + norm_dispatch)
+                            dispatch_s=step_dispatch + norm_dispatch, gather_scale=inputs.get("gather_scale", 1.0))
     if model == STAGES:
         if "activation_bytes" not in inputs or n % d.pipeline_stages:
             return None

@@ -36,7 +36,45 @@ def to_float32(obj: Any) -> Any:
     return obj
 
 
-class ReplicaModule(nn.Module):
+class PlainModuleWrapper(nn.Module):
+    """A wrapper that passes for the plain model it holds, ``self.module`` (registered:
+    ``parameters()``, ``train()``/``eval()`` reach it): the attributes it lacks are the model's
+    (``model.init_hidden(...)``, through :meth:`_module_attribute`), and pickling (``torch.save``,
+    ``copy.deepcopy``) gives the plain model."""
+
+    module: nn.Module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return self._module_attribute(getattr(self._modules["module"], name))
+
+    def _module_attribute(self, value: Any) -> Any:
+        """What an attribute of the plain model is through the wrapper (the same, unless overridden)."""
+        return value
+
+    def __reduce_ex__(self, protocol):  # pickle / deepcopy: the plain module
+        return _plain_module, (self.module,)
+
+
+class AutocastModule(PlainModuleWrapper):
+    """``module``'s forward as a strategy runs it under ``train.precision`` bf16 or fp16
+    (:class:`ReplicaModule` without a strategy's engine): under ``torch.autocast(device_type,
+    dtype)``, its bf16/fp16 outputs returned as float32 (:func:`to_float32`), for the loss outside
+    autocast. The profile of ``paratrain plan`` runs its model's forward through it."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.module(*args, **kwargs)
+        return to_float32(out)
+
+
+class ReplicaModule(PlainModuleWrapper):
     """The user-facing model of a strategy (see the module docstring).
 
     ``module``: the plain model (registered: ``parameters()``, ``train()``/``eval()`` reach it).
@@ -61,11 +99,7 @@ class ReplicaModule(nn.Module):
                 out = self.module(*args, **kwargs)
         return out if s.precision == "fp32" else to_float32(out)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            value = getattr(self._modules["module"], name)
+    def _module_attribute(self, value: Any) -> Any:
         convert = self._strategy.plain_tensors
         if callable(value) and not isinstance(value, nn.Module) and convert is not None:
             # a method of the user's model (init_hidden) that makes tensors from parameters that are
@@ -95,9 +129,6 @@ class ReplicaModule(nn.Module):
         if assign:
             return self.module.load_state_dict(state_dict, strict, assign)
         return self._strategy.load_state_dict(state_dict, strict=strict)
-
-    def __reduce_ex__(self, protocol):  # pickle / deepcopy: the plain module
-        return _plain_module, (self.module,)
 
 
 def _plain_module(module: nn.Module) -> nn.Module:
