@@ -2003,6 +2003,139 @@ def test_rescore_prices_each_validated_layout_with_the_dist_keys_it_ran_with(tmp
     assert got["zero1"]["predicted_step_ms"] == pytest.approx(predicted("zero1", 25.0), rel=1e-12)
 
 
+def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
+    """Activation checkpointing's step (Chen et al. 2016): the backward gains the checkpointed blocks'
+    forward, their share of the profile's in-process forward (the blocks' 24 ms of 150 ms: 0.16) times
+    the workload's forward; CPU towers' one backward gains every tower's in turn; with sync BatchNorm
+    each layer's forward meetings again; memory as before. gpt_wt2's v25 and digits_cnn's v40
+    profiles on this machine's measured link."""
+    import json
+    from pathlib import Path
+
+    from paratrain import config as configuration
+    from paratrain.bench import plan as pl
+    from paratrain.bench.costmodel import Link
+    from paratrain.bench.plan_inputs import recompute_fraction, towers_backward_s, workload
+
+    assert recompute_fraction({"blocks": [{"forward_s": 0.010}, {"forward_s": 0.014}], "default_threads": 2,
+                               "workloads_in_process": {"2": {"forward_s": 0.150}}}) == pytest.approx(0.16)
+    assert recompute_fraction({"blocks": [{"forward_s": 0.2}], "default_threads": 2,
+                               "workloads_in_process": {"2": {"forward_s": 0.150}}}) == 1.0  # at most the forward
+    assert recompute_fraction({"blocks": [], "default_threads": 2,
+                               "workloads_in_process": {"2": {"forward_s": 0.150}}}) == 0.0
+
+    root = Path(__file__).resolve().parents[2]
+    prof = json.loads((root / "benchmarks/results/plan-xeon/gpt_wt2-v25/profile.json").read_text())
+    cfg = configuration.load(root / "configs/gpt_wt2.toml")
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+    f = recompute_fraction(prof)
+    assert 0.05 < f < 0.5  # gpt_wt2: the decoder and its softmax outside the two blocks
+
+    def both(lay):
+        plain, ckpt = (pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None,
+                                         checkpointing=c) for c in (False, True))
+        return plain, ckpt
+    plain, ckpt = both(pl.Layout("single", 1, {}, "single"))
+    w = workload(prof, None)  # one device: this process' threads
+    assert ckpt["step_s"] - plain["step_s"] == pytest.approx(f * w.forward_s, rel=1e-9)
+    assert ckpt["label"] == "single + checkpointing" and ckpt["checkpointing"]
+    assert ckpt["memory"]["activations"] < plain["memory"]["activations"]
+    # two processes, each at its share of the cores: the recompute at that share's forward, in the step
+    plain2, ckpt2 = both(pl.Layout("allreduce", 2, {"bucket_mb": 25.0}, "allreduce"))
+    w1 = workload(prof, 1)
+    assert ckpt2["step_s"] - plain2["step_s"] == pytest.approx(f * w1.forward_s, rel=1e-6)
+    # CPU towers: their measured backward gains n recomputes, in the backward's one thread
+    assert pl.towers_backward(prof, 2, 1.0, 0.5) == (None if towers_backward_s(prof, 2) is None
+                                                     else towers_backward_s(prof, 2) + 0.5)
+    # sync BatchNorm (digits_cnn): each layer's two forward meetings again in the backward, 6 of 4
+    from paratrain.bench.plan_inputs import sync_batchnorm_s
+
+    digits = json.loads((root / "benchmarks/results/plan-amd/digits_cnn-amd-v40/profile.json").read_text())
+    dcfg = configuration.load(root / "configs/digits_cnn.toml")
+    dlink = Link(name="measured", **digits["links"]["all_reduce"])
+    meetings = sync_batchnorm_s(digits, dcfg, 2, dlink, True)
+    assert meetings > 1e-3
+    lay = pl.Layout("allreduce", 2, {"bucket_mb": 25.0}, "allreduce")
+    plain, ckpt = (pl.predict_layout(lay, digits, dcfg, dlink, on_this_machine=True, global_batch=None,
+                                     checkpointing=c) for c in (False, True))
+    # the same as a profile whose measured backwards were longer by the recompute, plus half the meetings
+    # (the waits after each stretch of compute grow with the backward alike)
+    longer = json.loads(json.dumps(digits))
+    for w in longer["workloads"].values():
+        w["backward_s"] += recompute_fraction(digits) * w["forward_s"]
+    slower = pl.predict_layout(lay, longer, dcfg, dlink, on_this_machine=True, global_batch=None)
+    assert ckpt["step_s"] == pytest.approx(slower["step_s"] + meetings / 2, rel=1e-9)
+    assert ckpt["step_s"] - plain["step_s"] > recompute_fraction(digits) * workload(digits, 1).forward_s + meetings / 2
+
+
+def test_the_validation_with_activation_checkpointing_runs_each_layout_again_checkpointed(monkeypatch, tmp_path):
+    """``--validate --activation-checkpointing``: each validated layout runs again with
+    ``model.activation_checkpointing=true``, labelled ``+ checkpointing``, predicted with
+    checkpointing; kept as such (``checkpointing``), and a rescore predicts it so again. None where
+    the profile found no blocks, nor a layout the recipe refuses with the key."""
+    import argparse
+    import json
+    import types
+
+    import paratrain.bench.plan as pl
+    import paratrain.bench.report as report
+    import paratrain.bench.sweep as sweep
+    from paratrain.bench import plan_validate as pv
+
+    lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2)]
+    refused = []
+    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay: (refused.append((lay.label, sets)), None)[1])
+    assert pv.checkpointed_runs({"blocks": []}, lays, "c.toml", None, ["a.b=1"]) == []
+    got = pv.checkpointed_runs({"blocks": [{}]}, lays, "c.toml", None, ["a.b=1"])
+    assert [(lay.strategy, lay.label, n) for lay, n in got] == [("single", "single + checkpointing", 1),
+                                                               ("allreduce", "allreduce + checkpointing", 2)]
+    assert refused == [(label, ["a.b=1", "model.activation_checkpointing=true"]) for label in ("single", "allreduce")]
+    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay: "no" if lay.strategy == "single" else None)
+    assert [lay.label for lay, _ in pv.checkpointed_runs({"blocks": [{}]}, lays, "c", None, [])] == [
+        "allreduce + checkpointing"]
+
+    monkeypatch.setattr(pl, "refusal", lambda *a: None)
+    monkeypatch.setattr(pv, "_runs", lambda *a, **k: list(lays))
+    monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])
+    monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: None)
+    predicted = []
+
+    def predict(lay, *a, checkpointing=False, **k):
+        predicted.append((lay.label, checkpointing))
+        return {"step_s": 0.010 if checkpointing else 0.008, "compute_s": 0.006, "comm_s": 0.0, "bubble_s": 0.0,
+                "optimizer_s": 0.001, "memory": {"total": 2 ** 20 if checkpointing else 2 ** 21},
+                "units_per_s": 100.0, "synchronous": True, "overrides": {}}
+    monkeypatch.setattr(pl, "predict_layout", predict)
+    sets = []
+
+    def fake_sweep(spec, plans, folder, progress):
+        sets.append((spec.strategies[0], "model.activation_checkpointing=true" in spec.overrides))
+        return [types.SimpleNamespace(ms=10.0, summary={"tracked_peak_memory_mb": 1.0})]
+    monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
+    monkeypatch.setattr(report, "run_record", lambda o: {"ok": True, "train_step_ms": o.ms, "units_per_s": 1e3 / o.ms,
+                                                         "rank0_timing_ms": {}})
+    args = argparse.Namespace(config="c.toml", task=None, overrides=[], validate_steps=6, timed_seconds=0.0,
+                              validate_repeats=1, validate_runoff=0, validate_pace="run", data_dir=None,
+                              activation_checkpointing=True)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
+    prof = {"links": {"all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 0.0}}, "cores": 2,
+            "blocks": [{"forward_s": 0.001}]}
+    pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
+    assert sets == [("single", False), ("allreduce", False), ("single", True), ("allreduce", True)]
+    assert predicted == [("single", False), ("allreduce", False), ("single + checkpointing", True),
+                         ("allreduce + checkpointing", True)]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "validation.json").read_text())["rows"]}
+    assert rows["allreduce + checkpointing"]["checkpointing"] is True and "checkpointing" not in rows["allreduce"]
+    assert rows["allreduce + checkpointing"]["predicted_step_ms"] == pytest.approx(10.0)
+    assert rows["allreduce"]["predicted_step_ms"] == pytest.approx(8.0)
+    # a rescore finds the plain layout and predicts it checkpointed again
+    monkeypatch.setattr(pl, "layouts", lambda n, prof, cfg: [lay for lay, m in lays if m == n])
+    predicted.clear()
+    pv.rescore(types.SimpleNamespace(dist=types.SimpleNamespace(bucket_mb=25.0)), prof, tmp_path, "c.toml")
+    assert sorted(predicted) == sorted([("single", False), ("allreduce", False), ("single", True),
+                                        ("allreduce", True)])
+
+
 def test_validation_scores_n_gt_1_at_the_compute_speed_measured_again_in_each_round():
     """With the profile's one-thread runs side by side measured again before each round, an N > 1
     prediction's work on the cores (compute, optimizer, bubble) is scaled by that round's speed over

@@ -14,6 +14,11 @@ with the reason (:func:`~.plan_model.refusal`) and not predicted.
 Weak scaling by default (each replica the recipe's batch); ``--global-batch B`` fixes the global
 batch: each replica gets B / replicas, and compute and activations scale linearly with it (the
 one-rank term, the strategies' host work, does not: a GPU's, and a CPU's on a preset).
+``--activation-checkpointing`` adds each layout with every block checkpointed: its memory
+(:mod:`.plan_memory`) and its backward, which runs the blocks' forward again
+(:func:`~.plan_inputs.recompute_fraction` of the forward; CPU towers: every tower's in turn), and
+with ``model.sync_batchnorm`` each layer's two meetings of the forward again (6 a step of 4: every
+BatchNorm layer taken to be inside a block).
 ``--profile FILE`` plans from a profile measured on another machine (checked against the recipe:
 :func:`~.plan_profile.read_profile`) instead of measuring here.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
@@ -23,6 +28,7 @@ each device on its own like the profiled one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shlex
 from pathlib import Path
@@ -31,8 +37,9 @@ from typing import Any
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .costmodel_hooks import measured_hook
-from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, stage_outputs,  # noqa: F401 (API)
-                          sync_batchnorm_s, tower_sync_batchnorm_s, towers_backward_s, towers_forward_s, workload)
+from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
+                          stage_outputs, sync_batchnorm_s, tower_sync_batchnorm_s, towers_backward_s,
+                          towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
 from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link,
@@ -64,7 +71,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, help="fixed global batch (strong scaling; default: each replica the "
                    "recipe's train.batch_size)")
     p.add_argument("--objective", default="words_per_s", help="words_per_s (fastest) | cost (most per device)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="also plan with every block checkpointed")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="also plan with every block checkpointed (with --validate: also run each validated "
+                   "layout so, twice the runs)")
     p.add_argument("--out", type=Path, help="folder for profile.json (the cache), plan.json, plan.md, plots "
                    "(default runs/plan-<config name>)")
     p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches")
@@ -176,6 +185,10 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
     return out
 
 
+CHECKPOINTED = " + checkpointing"
+"""What a layout's label gains with every block checkpointed (``model.activation_checkpointing``)."""
+
+
 def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,
                    checkpointing: bool = False) -> dict[str, Any] | None:
     """One plan row: the layout's predicted step parts, throughput, speedup and efficiency (against
@@ -195,6 +208,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                       if on_this_machine else (None, 1.0))
     shared_cores = on_this_machine and prof["device"] == "cpu"  # towers on CPU virtual devices
     w = workload(prof, threads, ratio)
+    # activation checkpointing runs the checkpointed blocks' forward again in the backward
+    recompute = recompute_fraction(prof) * w.forward_s if checkpointing else 0.0
+    w = dataclasses.replace(w, backward_s=w.backward_s + recompute)
     overrides = dict(layout.overrides)
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
@@ -214,7 +230,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                                                       hook_cost, cfg.train.dtype))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
-              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine),
+              # checkpointing runs each layer's two forward meetings again in the backward: 6 of 4
+              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) * (1.5 if checkpointing
+                                                                                            else 1.0),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
@@ -238,7 +256,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
-              "towers_backward_s": towers_backward_s(prof, n, ratio) if shared_cores else None,
+              # (the towers' one backward, in one thread: every tower's recompute in turn)
+              "towers_backward_s": towers_backward(prof, n, ratio, n * recompute) if shared_cores else None,
               # a profile since version 26 measured the towers' join and loss in their forward
               "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined")),
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
@@ -259,7 +278,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                             batch_ratio=ratio, shared_cores=shared_cores,
                             server_share=ps_busiest_share(w.param_bytes, servers) if servers else None)
     speedup = parts["units_per_s"] / one
-    row = {"strategy": layout.strategy, "label": layout.label + (" + checkpointing" if checkpointing else ""),
+    row = {"strategy": layout.strategy, "label": layout.label + (CHECKPOINTED if checkpointing else ""),
            "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
@@ -269,6 +288,13 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
+
+
+def towers_backward(prof: dict, n: int, ratio: float, recompute_s: float) -> float | None:
+    """:func:`~.plan_inputs.towers_backward_s` plus ``recompute_s`` (activation checkpointing's
+    forwards again); None where the profile did not measure the towers' backward."""
+    measured = towers_backward_s(prof, n, ratio)
+    return None if measured is None else measured + recompute_s
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

@@ -49,6 +49,17 @@ def workload(prof: dict, threads: int | None = None, ratio: float = 1.0) -> Work
                     local_sd_s=w.get("local_sd_s", 0.0) * math.sqrt(ratio))
 
 
+def recompute_fraction(prof: dict) -> float:
+    """The share of the one-device forward that activation checkpointing runs again in the backward
+    (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost": each checkpointed segment's
+    forward once more): the profile's blocks' forward seconds (``blocks``, timed in its process at
+    the default threads) over that process' whole forward there (the loss included), at most 1; 0
+    where the profile has no blocks (nothing is checkpointed)."""
+    blocks = sum(b.get("forward_s", 0.0) for b in prof.get("blocks", []))
+    whole = (prof.get("workloads_in_process") or {}).get(str(prof.get("default_threads")), {}).get("forward_s")
+    return min(1.0, blocks / whole) if blocks > 0 and whole else 0.0
+
+
 def memory_inputs(prof: dict) -> MemoryInputs:
     mem = prof["memory_measured"]
     return MemoryInputs(params=prof["param_total_bytes"] + prof.get("buffer_bytes", 0),

@@ -78,6 +78,21 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
     return next((lay for lay, row in rows if row is best), None)
 
 
+CHECKPOINTING_KEY = "model.activation_checkpointing=true"
+
+
+def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str, task: str | None,
+                      overrides: list[str]) -> list[tuple[pl.Layout, int]]:
+    """``runs`` again with every block checkpointed (``--activation-checkpointing``), each labelled
+    ``+ checkpointing`` (:data:`~.plan.CHECKPOINTED`): the ones the recipe allows with
+    ``model.activation_checkpointing``; none where the profile found no blocks (nothing to checkpoint)."""
+    if not prof.get("blocks"):
+        return []
+    keyed = [*overrides, CHECKPOINTING_KEY]
+    return [(pl.Layout(lay.strategy, lay.n, dict(lay.overrides), lay.label + pl.CHECKPOINTED), n) for lay, n in runs
+            if pl.refusal(config, task, keyed, lay) is None]
+
+
 def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:
     """(warm-up steps, ``--set`` overrides) of a validation run of ``steps`` (>= 6): a third warm-up
     (at least 3), no checkpoints, 6 log intervals, and memory tracked on the last but one warm-up step:
@@ -102,6 +117,10 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
               f"skipped: {GPU_LINK})", flush=True)
     first = plan_first(prof, cfg, link, 2, args.config, args.task, args.overrides) if 2 in ns else None
     runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides, first)
+    checkpointed = [False] * len(runs)
+    if getattr(args, "activation_checkpointing", False):  # each layout again with every block checkpointed
+        more = checkpointed_runs(prof, runs, args.config, args.task, args.overrides)
+        runs, checkpointed = runs + more, checkpointed + [True] * len(more)
     rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
           f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
@@ -111,13 +130,14 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
     with tempfile.TemporaryDirectory(prefix="paratrain-plan-") as tmp:
         done: list[list] = [[] for _ in runs]  # (record, outcome) per layout
         specs, counts, preds = [], [], []
-        for lay, n in runs:
-            preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None))
+        for (lay, n), ckpt in zip(runs, checkpointed):
+            preds.append(pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None,
+                                           checkpointing=ckpt))
             steps = run_steps(args.validate_steps, preds[-1]["step_s"], args.timed_seconds)
             warmup, base = run_overrides(steps)
             # the dist keys the prediction priced (DDP's bucket it chose), after the command's --set: the run
             # is what was predicted
-            overrides = (*device_sets, *args.overrides, *base,
+            overrides = (*device_sets, *args.overrides, *base, *((CHECKPOINTING_KEY,) if ckpt else ()),
                          *(f"dist.{k}={json.dumps(v)}" for k, v in preds[-1]["overrides"].items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
             counts.append(steps)
@@ -149,9 +169,11 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                 done[i].append(run(i, r))
                 print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
-        for (lay, n), got, steps, pred, own in zip(runs, done, counts, preds, paced_runs):
+        for (lay, n), got, steps, pred, own, ckpt in zip(runs, done, counts, preds, paced_runs, checkpointed):
             row = _row(lay, n, got, pred)
             row.update(steps=steps, overrides=pred["overrides"])  # the dist keys it ran with
+            if ckpt:
+                row["checkpointing"] = True
             if own:  # its runs' own measurements of the machine's speed, run r's before run r
                 row["side_by_side_ms_all"] = own
             rows.append(row)
@@ -267,7 +289,9 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
     link = Link(name="measured", **prof["links"]["all_reduce"])
     first = plan_first(prof, cfg, link, 2, config, task, overrides or [])
     for row in result["rows"]:
-        lay = next((x for x in pl.layouts(row["n"], prof, cfg) if x.label == row["label"]), None)
+        ckpt = bool(row.get("checkpointing"))
+        label = row["label"].removesuffix(pl.CHECKPOINTED) if ckpt else row["label"]
+        lay = next((x for x in pl.layouts(row["n"], prof, cfg) if x.label == label), None)
         if lay is None:
             raise UsageError(f"--rescore: layout {row['label']!r} at N = {row['n']} is no longer planned; "
                              f"validate again (--validate)")
@@ -275,7 +299,8 @@ def rescore(cfg, prof: dict, out: Path, config: str, task: str | None = None, ov
         kept = row.get("overrides", {"bucket_mb": cfg.dist.bucket_mb})
         ran = pl.Layout(lay.strategy, lay.n, {**lay.overrides, **kept}, lay.label)
         row["overrides"] = ran.overrides  # what the score's tie rule reads (plan_rank.simplicity)
-        _predicted(row, pl.predict_layout(ran, prof, cfg, link, on_this_machine=True, global_batch=None))
+        _predicted(row, pl.predict_layout(ran, prof, cfg, link, on_this_machine=True, global_batch=None,
+                                          checkpointing=ckpt))
     paced, now = result.get("side_by_side"), side_by_side_ms(prof)
     if paced and now is not None:  # the speeds measured in the runs, over the profile the predictions are of
         result["side_by_side"] = paced = {**paced, "profile_ms": now}
