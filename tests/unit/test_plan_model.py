@@ -84,6 +84,28 @@ def test_checkpointing_keeps_block_inputs_and_one_block():
     assert memory_per_device(RING, 1, m, checkpointing=True)["activations"] == 80
 
 
+def test_checkpointings_peak_is_the_forwards_end_with_the_loss_or_a_blocks_recompute_without_it():
+    """Two moments (Chen et al. 2016's recompute, in backward order): at the forward's end the blocks
+    keep their inputs and the loss's temporaries T are live; while the largest block is recomputed T
+    is gone. ptb_small's one block (the LSTM, 10.7 MiB saved, 0.3 MiB input) under a 30.5 MiB loss:
+    the forward's end, 17.75 + (33.06 - 10.71 + 0.31) + 30.52 = 70.9 MiB (MemTracker: 71.3), not the
+    81.6 MiB of the largest block on top of it."""
+    ptb = MemoryInputs(params=17.75, optimizer=0.0, activations=33.06, temporaries=30.52, blocks_saved=(10.71,),
+                       blocks_input=(0.31,))
+    one = memory_per_device(RING, 1, ptb, checkpointing=True)
+    assert one["total"] == pytest.approx(17.75 + 33.06 - 10.71 + 0.31 + 30.52)
+    assert (one["activations"], one["temporaries"]) == (pytest.approx(33.06 - 10.71 + 0.31), pytest.approx(30.52))
+    # a small loss: the recompute is the peak (the largest block back, no T)
+    small = MemoryInputs(params=10, optimizer=0, activations=100, temporaries=5, blocks_saved=(30, 40),
+                         blocks_input=(5, 5))
+    assert memory_per_device(RING, 1, small, checkpointing=True)["total"] == 10 + 100 - 70 + 10 + 40
+    # at half the batch both moments scale alike; without blocks, checkpointing changes nothing
+    half = memory_per_device(RING, 1, ptb, checkpointing=True, batch_ratio=0.5)
+    assert half["total"] == pytest.approx(17.75 + (33.06 - 10.71 + 0.31 + 30.52) / 2)
+    bare = MemoryInputs(params=10, optimizer=0, activations=100, temporaries=5)
+    assert memory_per_device(RING, 1, bare, checkpointing=True) == memory_per_device(RING, 1, bare)
+
+
 def test_activations_scale_with_the_per_replica_batch():
     assert memory_per_device(RING, 2, M, batch_ratio=0.5)["activations"] == 25
 
@@ -98,8 +120,9 @@ def test_autocasts_casts_of_the_weights_stay_whole_at_any_batch_and_follow_each_
     ring = memory_per_device(RING, 2, m, batch_ratio=0.5)
     assert (ring["activations"], ring["autocast_copies"], ring["total"]) == (80, 30, 515)
     assert memory_per_device(RING, 1, m)["total"] == 100 + 200 + 160 + 30 + 10
-    # checkpointed: A = 160 - 60 + 10 + 40 = 150, C whole (autocast's cache holds it to the forward's end)
-    assert memory_per_device(RING, 1, m, checkpointing=True)["total"] == 100 + 200 + 150 + 30 + 10
+    # checkpointed: C whole (autocast's cache holds it to the forward's end) at both moments; the forward's
+    # end (A = 160 - 60 + 10 = 110, with T) is below a block's recompute (A = 110 + 40 = 150, T gone)
+    assert memory_per_device(RING, 1, m, checkpointing=True)["total"] == 100 + 200 + 150 + 30
     # FSDP at 2: P/2 + O/2 + A/2 + T/2, no casts
     fsdp = memory_per_device(SHARDED_PARAMETERS, 2, m, batch_ratio=0.5)
     assert (fsdp["autocast_copies"], fsdp["total"]) == (0, 50 + 100 + 80 + 5)
@@ -2007,7 +2030,7 @@ def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
     """Activation checkpointing's step (Chen et al. 2016): the backward gains the checkpointed blocks'
     forward, their share of the profile's in-process forward (the blocks' 24 ms of 150 ms: 0.16) times
     the workload's forward; CPU towers' one backward gains every tower's in turn; with sync BatchNorm
-    each layer's forward meetings again; memory as before. gpt_wt2's v25 and digits_cnn's v40
+    each layer's forward all-reduces again; memory as before. gpt_wt2's v25 and digits_cnn's v40
     profiles on this machine's measured link."""
     import json
     from pathlib import Path
@@ -2047,25 +2070,32 @@ def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
     # CPU towers: their measured backward gains n recomputes, in the backward's one thread
     assert pl.towers_backward(prof, 2, 1.0, 0.5) == (None if towers_backward_s(prof, 2) is None
                                                      else towers_backward_s(prof, 2) + 0.5)
-    # sync BatchNorm (digits_cnn): each layer's two forward meetings again in the backward, 6 of 4
-    from paratrain.bench.plan_inputs import sync_batchnorm_s
+    # sync BatchNorm (digits_cnn): each layer's two forward all-reduces again in the backward, at the ring's
+    # price on the link (the ranks come from the backward's meetings in step: no wait for the slowest)
+    from paratrain.bench.costmodel import ring_allreduce_s
+    from paratrain.bench.plan_inputs import sync_batchnorm_recompute_s
 
     digits = json.loads((root / "benchmarks/results/plan-amd/digits_cnn-amd-v40/profile.json").read_text())
     dcfg = configuration.load(root / "configs/digits_cnn.toml")
     dlink = Link(name="measured", **digits["links"]["all_reduce"])
-    meetings = sync_batchnorm_s(digits, dcfg, 2, dlink, True)
-    assert meetings > 1e-3
+    again = sync_batchnorm_recompute_s(digits, dcfg, 2, dlink)
+    shapes = digits["batchnorm_inputs"]
+    assert len(shapes) >= 2 and again == pytest.approx(sum(2 * ring_allreduce_s((s[1] + 1) * 4, 2, dlink)
+                                                           for s in shapes), rel=1e-12)
+    assert sync_batchnorm_recompute_s(digits, dcfg, 1, dlink) == 0.0
+    assert sync_batchnorm_recompute_s(digits, configuration.load(root / "configs/digits_cnn.toml",
+                                                                 ["model.sync_batchnorm=false"]), 2, dlink) == 0.0
     lay = pl.Layout("allreduce", 2, {"bucket_mb": 25.0}, "allreduce")
     plain, ckpt = (pl.predict_layout(lay, digits, dcfg, dlink, on_this_machine=True, global_batch=None,
                                      checkpointing=c) for c in (False, True))
-    # the same as a profile whose measured backwards were longer by the recompute, plus half the meetings
+    # the same as a profile whose measured backwards were longer by the recompute, plus those all-reduces
     # (the waits after each stretch of compute grow with the backward alike)
     longer = json.loads(json.dumps(digits))
     for w in longer["workloads"].values():
         w["backward_s"] += recompute_fraction(digits) * w["forward_s"]
     slower = pl.predict_layout(lay, longer, dcfg, dlink, on_this_machine=True, global_batch=None)
-    assert ckpt["step_s"] == pytest.approx(slower["step_s"] + meetings / 2, rel=1e-9)
-    assert ckpt["step_s"] - plain["step_s"] > recompute_fraction(digits) * workload(digits, 1).forward_s + meetings / 2
+    assert ckpt["step_s"] == pytest.approx(slower["step_s"] + again, rel=1e-9)
+    assert ckpt["step_s"] - plain["step_s"] > recompute_fraction(digits) * workload(digits, 1).forward_s + again
 
 
 def test_the_validation_with_activation_checkpointing_runs_each_layout_again_checkpointed(monkeypatch, tmp_path):

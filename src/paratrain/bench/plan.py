@@ -17,8 +17,8 @@ one-rank term, the strategies' host work, does not: a GPU's, and a CPU's on a pr
 ``--activation-checkpointing`` adds each layout with every block checkpointed: its memory
 (:mod:`.plan_memory`) and its backward, which runs the blocks' forward again
 (:func:`~.plan_inputs.recompute_fraction` of the forward; CPU towers: every tower's in turn), and
-with ``model.sync_batchnorm`` each layer's two meetings of the forward again (6 a step of 4: every
-BatchNorm layer taken to be inside a block).
+with ``model.sync_batchnorm`` each layer's two meetings of the forward again, at the link's price
+(:func:`~.plan_inputs.sync_batchnorm_recompute_s`).
 ``--profile FILE`` plans from a profile measured on another machine (checked against the recipe:
 :func:`~.plan_profile.read_profile`) instead of measuring here.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
@@ -38,7 +38,8 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
-                          stage_outputs, sync_batchnorm_s, tower_sync_batchnorm_s, towers_backward_s,
+                          stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
+                          towers_backward_s,
                           towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
@@ -230,9 +231,9 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                                                       hook_cost, cfg.train.dtype))
     inputs = {**prof["strategy_inputs"], "output_bytes": prof.get("output_bytes", 0.0) * ratio,
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
-              # checkpointing runs each layer's two forward meetings again in the backward: 6 of 4
-              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) * (1.5 if checkpointing
-                                                                                            else 1.0),
+              # checkpointing runs each layer's two forward meetings again in the backward
+              "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) + (
+                  sync_batchnorm_recompute_s(prof, cfg, n, link) if checkpointing else 0.0),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),

@@ -121,6 +121,24 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     return measured + ring(n) - ring(2)
 
 
+def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link) -> float:
+    """Seconds per step that activation checkpointing adds to :func:`sync_batchnorm_s`: the recomputed
+    forward's two all-reduces per BatchNorm layer (count and sums, the variance) again, in the
+    backward, priced as the ring on ``link`` alone: the ranks come to them from the backward's own
+    meetings a moment before, in step, so without the wait for the slowest rank after a stretch of
+    compute that the loop's measurement holds (every BatchNorm layer taken to be inside a block). On
+    the 2-vCPU EPYC VM (2026-11-29) digits_cnn's allreduce at N = 2 paid 4.8 ms more a step
+    checkpointed, where half its measured term (4 meetings a layer become 6) priced 9.8 ms for the
+    meetings alone. 0 where :func:`sync_batchnorm_s` is."""
+    from .costmodel import ring_allreduce_s
+    from .microbench import FLOAT32_BYTES
+
+    shapes = prof.get("batchnorm_inputs") or []
+    if n < 2 or not shapes or not cfg.model_value("sync_batchnorm", False):
+        return 0.0
+    return sum(2 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, n, link) for shape in shapes)
+
+
 def sends_buffers(prof: dict, cfg) -> bool:
     """Whether DDP (``allreduce``, ``zero1``) broadcasts rank 0's buffers before every forward for the
     profiled model under recipe ``cfg``, as :class:`~paratrain.strategies.allreduce.AllReduce` decides

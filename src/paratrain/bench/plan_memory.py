@@ -32,8 +32,13 @@ one device, U the largest FSDP unit, all for one replica's batch):
   synchronous) and the answer's copy (S): reported apart;
 * towers (``towers``, one process over n devices): device 0 holds P, G, O, its tower's A and the
   loss over every tower's output (n T); CPU virtual devices share one memory: n A;
-* activation checkpointing (Chen et al. 2016): A becomes A - sum(blocks' saved) + sum(blocks'
-  inputs) + max(block's saved) (one block recomputed at a time);
+* activation checkpointing (Chen et al. 2016): the larger of two moments. At the forward's end,
+  with the loss's temporaries T, the blocks keep their inputs alone: ``A - sum(blocks' saved) +
+  sum(blocks' inputs)``. While a block is recomputed in the backward, one block's saved activations
+  are back (the largest: ``+ max(block's saved)``) and the loss's temporaries are gone, since the
+  backward went through the loss first. Until 2026-11-29 the plan added the largest block to the
+  forward's end, with T: ptb_small's one-device peak (one block, the LSTM) was predicted 81.6 MiB
+  where MemTracker measured 71.3, at the forward's end;
 * a bf16 or fp16 recipe's autocast keeps, besides A, a cast of each weight its lower-precision ops use
   (C, ``autocast_copies``: measured apart from A, :func:`~.profile.parameter_copy`), held for the
   backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
@@ -84,12 +89,28 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     ``server_share`` of the parameter bytes (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the
     total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
     batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
-    on CPU virtual devices (one memory)."""
+    on CPU virtual devices (one memory). ``checkpointing``: the larger of two moments (see the
+    module): the forward's end, with the loss's temporaries T, and a block's recompute, without them."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
-    act = (m.checkpointed_activations() if checkpointing else m.activations) * batch_ratio
+    same = dict(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
+                stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs, schedule=schedule,
+                num_ps=num_ps, shared_cores=shared_cores, server_share=server_share)
+    if not (checkpointing and m.blocks_saved):
+        return _at(model, n, m, m.activations * batch_ratio, m.temporaries * batch_ratio, **same)
+    kept = m.activations - sum(m.blocks_saved) + sum(m.blocks_input)
+    ends = _at(model, n, m, kept * batch_ratio, m.temporaries * batch_ratio, **same)
+    again = _at(model, n, m, m.checkpointed_activations() * batch_ratio, 0.0, **same)
+    return max((ends, again), key=lambda phase: phase["total"])
+
+
+def _at(model: str, n: int, m: MemoryInputs, act: float, tmp: float, *, synchronous_buckets: bool, stages: int,
+        microbatches: int, stage_shares: list[float] | None, stage_params: list[float] | None,
+        stage_outputs: list[float] | None, schedule: str, num_ps: int, shared_cores: bool,
+        server_share: float | None) -> dict[str, float]:
+    """:func:`memory_per_device` at one moment: ``act`` bytes of activations and ``tmp`` of the loss's
+    temporaries for one replica's batch, as held then."""
     copies = m.autocast_copies  # not scaled by the batch; whole under checkpointing (see the module)
-    tmp = m.temporaries * batch_ratio
     p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
     root = 0.0  # FSDP's root unit, gathered from its forward to its backward
     out: dict[str, float] = {}
