@@ -86,19 +86,26 @@ def test_checkpointing_keeps_block_inputs_and_one_block():
 
 def test_checkpointings_peak_is_the_forwards_end_with_the_loss_or_a_blocks_recompute_without_it():
     """Two moments (Chen et al. 2016's recompute, in backward order): at the forward's end the blocks
-    keep their inputs and the loss's temporaries T are live; while the largest block is recomputed T
-    is gone. ptb_small's one block (the LSTM, 10.7 MiB saved, 0.3 MiB input) under a 30.5 MiB loss:
-    the forward's end, 17.75 + (33.06 - 10.71 + 0.31) + 30.52 = 70.9 MiB (MemTracker: 71.3), not the
-    81.6 MiB of the largest block on top of it."""
+    keep their inputs and the loss's temporaries T are live; while the largest block is recomputed the
+    loss's are gone and its backward's gradients (at most its saved bytes, at most T) are live.
+    ptb_small's one block (the LSTM, 10.7 MiB saved, 0.3 MiB input) under a 30.5 MiB loss: the
+    forward's end, 17.75 + (33.06 - 10.71 + 0.31) + 30.52 = 70.9 MiB (MemTracker: 71.3), not the 81.6
+    MiB of the largest block on top of it. digits_cnn's whole model in blocks (its convolutions 2.39
+    MiB): the recompute, 0.18 + 0.05 + 2.39 + 0.5 = 3.13 MiB (MemTracker: 3.06)."""
     ptb = MemoryInputs(params=17.75, optimizer=0.0, activations=33.06, temporaries=30.52, blocks_saved=(10.71,),
                        blocks_input=(0.31,))
     one = memory_per_device(RING, 1, ptb, checkpointing=True)
     assert one["total"] == pytest.approx(17.75 + 33.06 - 10.71 + 0.31 + 30.52)
     assert (one["activations"], one["temporaries"]) == (pytest.approx(33.06 - 10.71 + 0.31), pytest.approx(30.52))
-    # a small loss: the recompute is the peak (the largest block back, no T)
+    # a small loss: the recompute is the peak (the largest block back, with min(T, its bytes) of gradients)
     small = MemoryInputs(params=10, optimizer=0, activations=100, temporaries=5, blocks_saved=(30, 40),
                          blocks_input=(5, 5))
-    assert memory_per_device(RING, 1, small, checkpointing=True)["total"] == 10 + 100 - 70 + 10 + 40
+    assert memory_per_device(RING, 1, small, checkpointing=True)["total"] == 10 + 100 - 70 + 10 + 40 + 5
+    digits = MemoryInputs(params=0.0927, optimizer=0.0918, activations=2.4265, temporaries=0.5,
+                          blocks_saved=(2.392, 0.016, 0.016), blocks_input=(0.016, 0.016, 0.016))
+    got = memory_per_device(RING, 1, digits, checkpointing=True)["total"]
+    assert got == pytest.approx(0.0927 + 0.0918 + 2.4265 - 2.424 + 0.048 + 2.392 + 0.5)
+    assert got == pytest.approx(3.06, rel=0.03)
     # at half the batch both moments scale alike; without blocks, checkpointing changes nothing
     half = memory_per_device(RING, 1, ptb, checkpointing=True, batch_ratio=0.5)
     assert half["total"] == pytest.approx(17.75 + (33.06 - 10.71 + 0.31 + 30.52) / 2)
@@ -121,8 +128,9 @@ def test_autocasts_casts_of_the_weights_stay_whole_at_any_batch_and_follow_each_
     assert (ring["activations"], ring["autocast_copies"], ring["total"]) == (80, 30, 515)
     assert memory_per_device(RING, 1, m)["total"] == 100 + 200 + 160 + 30 + 10
     # checkpointed: C whole (autocast's cache holds it to the forward's end) at both moments; the forward's
-    # end (A = 160 - 60 + 10 = 110, with T) is below a block's recompute (A = 110 + 40 = 150, T gone)
-    assert memory_per_device(RING, 1, m, checkpointing=True)["total"] == 100 + 200 + 150 + 30
+    # end (A = 160 - 60 + 10 = 110, with T) is below a block's recompute (A = 110 + 40 = 150, its backward's
+    # min(T, 40) = 10)
+    assert memory_per_device(RING, 1, m, checkpointing=True)["total"] == 100 + 200 + 150 + 30 + 10
     # FSDP at 2: P/2 + O/2 + A/2 + T/2, no casts
     fsdp = memory_per_device(SHARDED_PARAMETERS, 2, m, batch_ratio=0.5)
     assert (fsdp["autocast_copies"], fsdp["total"]) == (0, 50 + 100 + 80 + 5)
@@ -2096,6 +2104,49 @@ def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
     slower = pl.predict_layout(lay, longer, dcfg, dlink, on_this_machine=True, global_batch=None)
     assert ckpt["step_s"] == pytest.approx(slower["step_s"] + again, rel=1e-9)
     assert ckpt["step_s"] - plain["step_s"] > recompute_fraction(digits) * workload(digits, 1).forward_s + again
+
+
+def test_the_profile_times_the_model_plain_and_a_checkpointed_copy_in_paired_rounds():
+    """_checkpointing_cost: the model itself runs plain (each block's forward once a step) and a deep
+    copy with every block checkpointed (its blocks' forward twice: once more in the backward), in
+    turn; the model is left as it was; the fraction the plan reads is the measured forward and
+    backward beyond plain over the plain forward (from an older profile: the blocks' share)."""
+    from paratrain.bench.plan_inputs import recompute_fraction
+    from paratrain.bench.profile import _checkpointing_cost
+
+    calls = []
+
+    class Counted(torch.nn.Module):  # counts its forwards, the recompute's too (it calls forward itself)
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            calls.append(type(self.inner).__name__)
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Counted(torch.nn.Linear(4, 8)), Counted(torch.nn.Tanh()),
+                                Counted(torch.nn.Linear(8, 1)))
+    x = torch.randn(16, 4)
+
+    def loss_fn(batch, module=None):
+        return (module or model)(batch).pow(2).mean()
+    got = _checkpointing_cost(model, loss_fn, lambda: x, torch.device("cpu"), step_s=0.1, rounds=3)
+    assert set(got) == {"plain_forward_s", "plain_backward_s", "checkpointed_forward_s", "checkpointed_backward_s"}
+    assert all(v > 0 for v in got.values())
+    # per round 2 steps (0.2 s / 0.1 s) of each, after a warm-up of each: the model's 3 blocks once a step,
+    # the copy's twice (the forward, and again in the backward)
+    steps = 1 + 3 * 2
+    assert len(calls) == 3 * steps + 2 * 3 * steps
+    assert all("forward" not in vars(block) for block in model)  # the model itself is not checkpointed
+    assert _checkpointing_cost(torch.nn.Sequential(), loss_fn, lambda: x, torch.device("cpu"), 0.1) is None
+    measured = {"checkpointing": {"plain_forward_s": 0.010, "plain_backward_s": 0.020,
+                                  "checkpointed_forward_s": 0.011, "checkpointed_backward_s": 0.034},
+                "blocks": [{"forward_s": 0.004}], "default_threads": 2,
+                "workloads_in_process": {"2": {"forward_s": 0.01}}}
+    assert recompute_fraction(measured) == pytest.approx((0.045 - 0.030) / 0.010)
+    assert recompute_fraction({**measured, "checkpointing": None}) == pytest.approx(0.4)  # an older profile's
 
 
 def test_the_validation_with_activation_checkpointing_runs_each_layout_again_checkpointed(monkeypatch, tmp_path):

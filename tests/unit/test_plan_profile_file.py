@@ -17,8 +17,15 @@ from paratrain.errors import UsageError
 RECIPE = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
 
 
-def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_another_devices():
+def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_another_devices(monkeypatch):
+    from paratrain.bench import profile_cache
+
     assert compatible(PROFILE_VERSION, "cpu") and compatible(PROFILE_VERSION, "cuda:0")
+    # 42: what checkpointing costs the step, measured on any device in any precision: no older profile is whole
+    assert PROFILE_VERSION == 42 and 42 not in DEVICE_ONLY_CHANGES and 42 not in MIXED_PRECISION_ONLY_CHANGES
+    assert not compatible(41, "cpu") and not compatible(41, "cuda:0", "bf16") and not compatible(39, "cpu")
+    assert not compatible(32, "cuda:0", "fp32") and compatible(42, "cpu", "bf16") and compatible(42, "cuda:0")
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 41)  # the history below, as at version 41
     assert DEVICE_ONLY_CHANGES[20] == DEVICE_ONLY_CHANGES[21] == "cpu"  # the CPU's loop runs alone
     # 32: a GPU's stage profiles on the GPU, a CPU's of a mixed-precision recipe under autocast: no older one is whole
     assert not compatible(31, "cuda:0") and not compatible(31, "cpu")
@@ -36,8 +43,7 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     # CPU's) and 32 (a GPU's) are still whole, a mixed-precision recipe's are not, on either
     # 41: a bf16 or fp16 recipe's autocast casts apart and its FSDP2 units under the mixed-precision policy:
     # the same, and a mixed-precision recipe's 40 is not whole either
-    assert PROFILE_VERSION == 41 and MIXED_PRECISION_ONLY_CHANGES == {40, 41}
-    assert 40 not in DEVICE_ONLY_CHANGES and 41 not in DEVICE_ONLY_CHANGES
+    assert MIXED_PRECISION_ONLY_CHANGES == {40, 41} and 40 not in DEVICE_ONLY_CHANGES and 41 not in DEVICE_ONLY_CHANGES
     assert compatible(39, "cpu") and compatible(39, "cpu", "fp32") and compatible(32, "cuda:0", "fp32")
     assert compatible(40, "cpu", "fp32") and compatible(40, "cuda:0")
     assert not compatible(39, "cpu", "bf16") and not compatible(32, "cuda:0", "bf16")
@@ -96,7 +102,10 @@ def test_a_profile_recording_its_recipe_is_read_for_that_recipe_alone(digits):
         read_profile(_write(tmp, {**prof, "recipe": config_text(other)}), cfg, task)
 
 
-def test_a_gpu_profile_older_than_a_recipe_key_is_read_for_the_recipe_without_it(digits):
+def test_a_gpu_profile_older_than_a_recipe_key_is_read_for_the_recipe_without_it(digits, monkeypatch):
+    from paratrain.bench import profile_cache
+
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 41)  # as at version 41, which read a GPU's 33
     cfg, task, tmp = digits
     here = config_text(cfg)
     assert 'cpu_allocator = "retain"' in here  # added by profile version 34
@@ -104,7 +113,10 @@ def test_a_gpu_profile_older_than_a_recipe_key_is_read_for_the_recipe_without_it
     prof = {**WHOLE, "version": 33, "device": "cuda:0", "recipe": written, "param_bytes": []}
     assert read_profile(_write(tmp, prof), cfg, task) == prof
     with pytest.raises(UsageError, match="another recipe"):  # at version 34 the key is the recipe's
-        read_profile(_write(tmp, {**prof, "version": PROFILE_VERSION}), cfg, task)
+        read_profile(_write(tmp, {**prof, "version": 41}), cfg, task)
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 42)  # 42 reads no GPU's 33
+    with pytest.raises(UsageError, match="is profile version 33 of cuda:0; .* --reprofile"):
+        read_profile(_write(tmp, prof), cfg, task)
 
 
 def test_a_profile_without_its_recipe_is_checked_by_task_batch_precision_parameters_and_sync_batchnorm(digits):
@@ -141,9 +153,13 @@ def test_a_profile_missing_what_the_plan_reads_is_one_line(digits, drop, said):
                                   "recipe": 7}), cfg, task)
 
 
-def test_an_older_profile_is_read_by_its_recipes_precision(digits):
+def test_an_older_profile_is_read_by_its_recipes_precision(digits, monkeypatch):
     """A CPU's profile of version 39 holds what 40 measures for an fp32 recipe (40 changed only bf16 and
-    fp16 recipes' profiles), not for a bf16 one: that is refused with what to run."""
+    fp16 recipes' profiles), not for a bf16 one: that is refused with what to run (as at version 41;
+    42 measured checkpointing's cost on every profile)."""
+    from paratrain.bench import profile_cache
+
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 41)
     cfg, task, tmp = digits
     prof = {**WHOLE, "version": 39, "device": "cpu", "recipe": config_text(cfg), "param_bytes": [],
             "precision": "fp32"}

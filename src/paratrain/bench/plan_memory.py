@@ -35,10 +35,13 @@ one device, U the largest FSDP unit, all for one replica's batch):
 * activation checkpointing (Chen et al. 2016): the larger of two moments. At the forward's end,
   with the loss's temporaries T, the blocks keep their inputs alone: ``A - sum(blocks' saved) +
   sum(blocks' inputs)``. While a block is recomputed in the backward, one block's saved activations
-  are back (the largest: ``+ max(block's saved)``) and the loss's temporaries are gone, since the
-  backward went through the loss first. Until 2026-11-29 the plan added the largest block to the
-  forward's end, with T: ptb_small's one-device peak (one block, the LSTM) was predicted 81.6 MiB
-  where MemTracker measured 71.3, at the forward's end;
+  are back (the largest: ``+ max(block's saved)``) with its backward's gradients of them (at most
+  as many bytes, and at most T: ``min(T, max(block's saved))``), and the loss's temporaries are
+  gone, since the backward went through the loss first. Until 2026-11-29 the plan added the
+  largest block to the forward's end, with T: ptb_small's one-device peak (one block, the LSTM; a
+  30.5 MiB loss) was predicted 81.6 MiB where MemTracker measured 71.3, at the forward's end.
+  digits_cnn's peak (a 2.4 MB block of convolutions, its whole model) is the recompute: 3.06 MiB
+  measured, 3.13 predicted;
 * a bf16 or fp16 recipe's autocast keeps, besides A, a cast of each weight its lower-precision ops use
   (C, ``autocast_copies``: measured apart from A, :func:`~.profile.parameter_copy`), held for the
   backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
@@ -90,7 +93,8 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
     batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
     on CPU virtual devices (one memory). ``checkpointing``: the larger of two moments (see the
-    module): the forward's end, with the loss's temporaries T, and a block's recompute, without them."""
+    module): the forward's end, with the loss's temporaries T, and a block's recompute, with its
+    backward's instead."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
     same = dict(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
@@ -100,7 +104,10 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
         return _at(model, n, m, m.activations * batch_ratio, m.temporaries * batch_ratio, **same)
     kept = m.activations - sum(m.blocks_saved) + sum(m.blocks_input)
     ends = _at(model, n, m, kept * batch_ratio, m.temporaries * batch_ratio, **same)
-    again = _at(model, n, m, m.checkpointed_activations() * batch_ratio, 0.0, **same)
+    # a block's recompute: its activations back, and its backward's gradients of them (at most those
+    # bytes, at most the step's temporaries), the loss's temporaries gone
+    again = _at(model, n, m, m.checkpointed_activations() * batch_ratio,
+                min(m.temporaries, max(m.blocks_saved)) * batch_ratio, **same)
     return max((ends, again), key=lambda phase: phase["total"])
 
 

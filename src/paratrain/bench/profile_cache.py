@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 41  # 41: a bf16 or fp16 recipe's autocast casts of the weights apart from the activations
+PROFILE_VERSION = 42  # 42: what checkpointing every block costs the step ("checkpointing": the model and
+# a checkpointed copy timed in paired rounds, in process; any device, any precision);
+# 41: a bf16 or fp16 recipe's autocast casts of the weights apart from the activations
 # (autocast_copy_bytes; were counted in activation_bytes, which the plan scales with the batch per replica),
 # its fsdp units' gather_scale, and a CPU's fsdp_units timed under FSDP2's MixedPrecisionPolicy (any device);
 # 40: a bf16 or fp16 recipe's in-process steps, blocks, FLOPs and memory under its
