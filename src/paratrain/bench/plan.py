@@ -17,7 +17,7 @@ one-rank term, the strategies' host work, does not: a GPU's, and a CPU's on a pr
 ``--activation-checkpointing`` adds each layout with every block checkpointed: its memory
 (:mod:`.plan_memory`) and its backward, which runs the blocks' forward again
 (:func:`~.plan_inputs.recompute_fraction` of the forward; CPU towers: every tower's in turn), and
-with ``model.sync_batchnorm`` each layer's two meetings of the forward again, at the link's price
+with ``model.sync_batchnorm`` each layer's two meetings of the forward again, waits included
 (:func:`~.plan_inputs.sync_batchnorm_recompute_s`).
 ``--profile FILE`` plans from a profile measured on another machine (checked against the recipe:
 :func:`~.plan_profile.read_profile`) instead of measuring here.
@@ -233,7 +233,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "shared_cores": shared_cores, "memory_copy": prof.get("memory_copy") if shared_cores else None,
               # checkpointing runs each layer's two forward meetings again in the backward
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) + (
-                  sync_batchnorm_recompute_s(prof, cfg, n, link) if checkpointing else 0.0),
+                  sync_batchnorm_recompute_s(prof, cfg, n, link, on_this_machine) if checkpointing else 0.0),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
               "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),

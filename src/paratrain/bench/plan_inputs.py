@@ -130,22 +130,17 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     return measured + ring(n) - ring(2)
 
 
-def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link) -> float:
+def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
     """Seconds per step that activation checkpointing adds to :func:`sync_batchnorm_s`: the recomputed
     forward's two all-reduces per BatchNorm layer (count and sums, the variance) again, in the
-    backward, priced as the ring on ``link`` alone: the ranks come to them from the backward's own
-    meetings a moment before, in step, so without the wait for the slowest rank after a stretch of
-    compute that the loop's measurement holds (every BatchNorm layer taken to be inside a block). On
-    the 2-vCPU EPYC VM (2026-11-29) digits_cnn's allreduce at N = 2 paid 4.8 ms more a step
-    checkpointed, where half its measured term (4 meetings a layer become 6) priced 9.8 ms for the
-    meetings alone. 0 where :func:`sync_batchnorm_s` is."""
-    from .costmodel import ring_allreduce_s
-    from .microbench import FLOAT32_BYTES
-
-    shapes = prof.get("batchnorm_inputs") or []
-    if n < 2 or not shapes or not cfg.model_value("sync_batchnorm", False):
-        return 0.0
-    return sum(2 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, n, link) for shape in shapes)
+    backward: half that term (4 meetings a layer become 6), waits included, since in the recompute,
+    as in the forward, each layer's meetings follow the compute before it, over which the ranks drift
+    apart (every BatchNorm layer taken to be inside a block). On the 2-vCPU EPYC VM (2026-11-29)
+    digits_cnn's checkpointed rows at N = 2 paid 4.8 (allreduce; its two runs 27.8 and 36.3 ms), 11.1
+    (zero1), 11.5 (ps-sync) and 11.9 ms (fsdp) more a step, where the recompute measured 2.9 ms and
+    half the term 9.8 ms; the ring's latency alone, without the waits, priced 0.5 ms. 0 where
+    :func:`sync_batchnorm_s` is."""
+    return 0.5 * sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
 
 
 def sends_buffers(prof: dict, cfg) -> bool:
