@@ -79,6 +79,7 @@ def memory_inputs(prof: dict) -> MemoryInputs:
                         blocks_saved=tuple(b["activation_bytes"] for b in prof["blocks"]),
                         blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]),
                         autocast_copies=prof.get("autocast_copy_bytes", 0.0),
+                        blocks_copies=tuple(b.get("autocast_copy_bytes", 0.0) for b in prof["blocks"]),
                         gather_scale=prof["strategy_inputs"].get("gather_scale", 1.0))
 
 

@@ -47,9 +47,10 @@ one device, U the largest FSDP unit, all for one replica's batch):
   backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
   PS worker), each tower's own (a tower thread has its own autocast cache: n C on CPU virtual
   devices), a stage's share of it (P_s / P), none under FSDP (``MixedPrecisionPolicy`` gathers the
-  parameters in the low dtype: there is nothing to cast). Checkpointing leaves C whole: autocast's
-  cache holds every cast until its region, the forward, ends (``torch.autocast``'s cast cache), when
-  the checkpointed blocks' activations are gone but their casts are not.
+  parameters in the low dtype: there is nothing to cast). Under checkpointing the blocks' own casts
+  (``blocks_copies``) are saved by no one: autocast's cache frees them when its region, the forward,
+  ends, before the loss; a block's recompute makes its casts again. So the forward's end holds
+  ``C - sum(blocks' casts)`` and a recompute ``+ max(block's casts)``.
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class MemoryInputs:
     blocks_saved: tuple[float, ...] = ()
     blocks_input: tuple[float, ...] = ()
     autocast_copies: float = 0.0  # C: autocast's casts of the weights, kept for the backward (bf16, fp16)
+    blocks_copies: tuple[float, ...] = ()  # the part of C each block makes
     gather_scale: float = 1.0  # g: FSDP's gathered bytes per stored byte (MixedPrecisionPolicy: 0.5 of float32)
 
     def checkpointed_activations(self) -> float:
@@ -101,23 +103,26 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                 stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs, schedule=schedule,
                 num_ps=num_ps, shared_cores=shared_cores, server_share=server_share)
     if not (checkpointing and m.blocks_saved):
-        return _at(model, n, m, m.activations * batch_ratio, m.temporaries * batch_ratio, **same)
+        return _at(model, n, m, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies, **same)
     kept = m.activations - sum(m.blocks_saved) + sum(m.blocks_input)
-    ends = _at(model, n, m, kept * batch_ratio, m.temporaries * batch_ratio, **same)
-    # a block's recompute: its activations back, and its backward's gradients of them (at most those
-    # bytes, at most the step's temporaries), the loss's temporaries gone
+    casts = max(0.0, m.autocast_copies - sum(m.blocks_copies))  # autocast's cache freed the blocks' casts
+    ends = _at(model, n, m, kept * batch_ratio, m.temporaries * batch_ratio, casts, **same)
+    # a block's recompute: its activations (and casts) back, and its backward's gradients of them (at
+    # most those bytes, at most the step's temporaries), the loss's temporaries gone
     again = _at(model, n, m, m.checkpointed_activations() * batch_ratio,
-                min(m.temporaries, max(m.blocks_saved)) * batch_ratio, **same)
+                min(m.temporaries, max(m.blocks_saved)) * batch_ratio,
+                casts + max(m.blocks_copies, default=0.0), **same)
     return max((ends, again), key=lambda phase: phase["total"])
 
 
-def _at(model: str, n: int, m: MemoryInputs, act: float, tmp: float, *, synchronous_buckets: bool, stages: int,
+def _at(model: str, n: int, m: MemoryInputs, act: float, tmp: float, copies: float, *, synchronous_buckets: bool,
+        stages: int,
         microbatches: int, stage_shares: list[float] | None, stage_params: list[float] | None,
         stage_outputs: list[float] | None, schedule: str, num_ps: int, shared_cores: bool,
         server_share: float | None) -> dict[str, float]:
     """:func:`memory_per_device` at one moment: ``act`` bytes of activations and ``tmp`` of the loss's
-    temporaries for one replica's batch, as held then."""
-    copies = m.autocast_copies  # not scaled by the batch; whole under checkpointing (see the module)
+    temporaries for one replica's batch, and ``copies`` of autocast's casts (not scaled by the
+    batch), as held then."""
     p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
     root = 0.0  # FSDP's root unit, gathered from its forward to its backward
     out: dict[str, float] = {}

@@ -58,6 +58,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 refused.setdefault(layout.label, why)
                 continue
             for ckpt in ((False, True) if args.activation_checkpointing else (False,)):
+                keyed = [*args.overrides, "model.activation_checkpointing=true"]
+                why = pl.refusal(args.config, args.task, keyed, layout) if ckpt else None
+                if why:  # e.g. towers with sync BatchNorm
+                    refused.setdefault(layout.label + pl.CHECKPOINTED, why)
+                    continue
                 row = pl.predict_layout(layout, prof, cfg, link, on_this_machine=preset is None,
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:

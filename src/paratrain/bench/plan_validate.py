@@ -349,8 +349,8 @@ def _choice(rows: list[dict], first: str | None = None, runoff: dict | None = No
     ``runoff``: :func:`run_off`'s answer, kept as ``"runoff"`` where it ran the same two layouts
     (a rescore may recommend another); its ``shortfall`` is then the one the 5% target judges
     (``judged_shortfall``)."""
-    two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"]
-           and math.isfinite(r["measured_units_per_s"])]
+    two = [r for r in rows if r["n"] == 2 and r["synchronous"] and r["ok"] and not r.get("checkpointing")
+           and math.isfinite(r["measured_units_per_s"])]  # (checkpointed rows: the plan ranks them apart)
     if not two:
         return {}
     chosen = next((r for r in two if r["label"] == first), None) or two[

@@ -186,9 +186,11 @@ def _timed_steps(model, optimizer, loss_fn: Callable[[], torch.Tensor], draw: Ca
 def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int = 5) -> dict[str, float] | None:
     """What activation checkpointing costs the model's step here: the model plain and a deep copy
     with every block checkpointed (:func:`paratrain.models.checkpointing.enable`, as
-    ``model.activation_checkpointing`` does), timed in turn over ``rounds`` paired rounds of the same
-    number of forwards and backwards each (about 0.2 s a round, at least 2; one warm-up of each
-    first). Returns the medians ``plain_forward_s``, ``plain_backward_s``,
+    ``model.activation_checkpointing`` does; its RNN weights flattened into one chunk, as the
+    model's), timed in turn over ``rounds`` paired rounds of the same number of forwards and
+    backwards each (about 0.2 s of each model a round, at least 2; one warm-up of each first); the
+    copy is freed after (``loss_fn.release``). None where there is no room for the copy on the
+    device. Returns the medians ``plain_forward_s``, ``plain_backward_s``,
     ``checkpointed_forward_s``, ``checkpointed_backward_s``; None where the model has no block. The
     difference is the blocks' forward again in the backward plus ``torch.utils.checkpoint``'s own work
     per block (its hooks, the random state it keeps for the recompute): on the 2-vCPU EPYC VM
@@ -199,7 +201,13 @@ def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int
 
     if not [b for b in blocks(model) if b is not model]:
         return None
-    twin = copy.deepcopy(model)
+    try:
+        twin = copy.deepcopy(model)
+    except torch.cuda.OutOfMemoryError:  # no room for a second copy on the device: not measured
+        return None
+    for module in twin.modules():  # a deep copy's RNN weights are apart: one chunk again, as the model's
+        if isinstance(module, torch.nn.RNNBase):
+            module.flatten_parameters()
     enable(twin)
     per_round = max(2, round(0.2 / max(step_s, 1e-6)))
     spans: dict[str, list[float]] = {k: [] for k in ("plain_forward_s", "plain_backward_s",
@@ -220,6 +228,9 @@ def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int
                 if r:
                     spans[f"{name}_forward_s"].append(t1 - t0)
                     spans[f"{name}_backward_s"].append(t2 - t1)
+    release = getattr(loss_fn, "release", None)
+    if release is not None:  # the loss' wrapper of the copy (bf16, fp16) holds it
+        release(twin)
     del twin
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -324,8 +335,9 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
     ``tokens``; through ``module`` instead of the model when given), the forward under the recipe's
     ``train.precision`` as training runs it (bf16, fp16:
     :class:`~paratrain.strategies.wrapping.AutocastModule`; the loss on its float32
-    outputs outside autocast). Raises UsageError, as training would, for a bf16 or fp16 recipe on a
-    CPU where the model's recurrent layers have no kernel in that dtype."""
+    outputs outside autocast); ``loss_fn.release(module)`` forgets what it keeps of a ``module`` it was
+    given. Raises UsageError, as training would, for a bf16 or fp16 recipe on a CPU where the
+    model's recurrent layers have no kernel in that dtype."""
     from ..devices import resolve
     from ..strategies.precision import LOW_DTYPES, no_rnn_kernel, rnn_runs_in
     from ..strategies.wrapping import AutocastModule
@@ -356,6 +368,7 @@ def _model_and_batch(task, cfg) -> tuple[torch.nn.Module, torch.device, float, C
             total = total + loss_sum / tokens
         return total
 
+    loss_fn.release = lambda module: wrapped.pop(id(module), None)  # type: ignore[attr-defined]
     return model, device, tokens, draw, loss_fn
 
 
