@@ -188,6 +188,8 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
 
 CHECKPOINTED = " + checkpointing"
 """What a layout's label gains with every block checkpointed (``model.activation_checkpointing``)."""
+CHECKPOINTING_KEY = "model.activation_checkpointing=true"
+"""The ``--set`` a checkpointed row's run and its recipe's refusal check add."""
 
 
 def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,

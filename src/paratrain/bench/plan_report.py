@@ -58,7 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 refused.setdefault(layout.label, why)
                 continue
             for ckpt in ((False, True) if args.activation_checkpointing else (False,)):
-                keyed = [*args.overrides, "model.activation_checkpointing=true"]
+                keyed = [*args.overrides, pl.CHECKPOINTING_KEY]
                 why = pl.refusal(args.config, args.task, keyed, layout) if ckpt else None
                 if why:  # e.g. towers with sync BatchNorm
                     refused.setdefault(layout.label + pl.CHECKPOINTED, why)

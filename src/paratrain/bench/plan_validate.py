@@ -78,7 +78,7 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
     return next((lay for lay, row in rows if row is best), None)
 
 
-CHECKPOINTING_KEY = "model.activation_checkpointing=true"
+CHECKPOINTING_KEY = pl.CHECKPOINTING_KEY
 
 
 def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str, task: str | None,
