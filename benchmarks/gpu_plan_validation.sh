@@ -18,7 +18,8 @@
 #   mkdir -p gpudata && cp -r ../shared/data/ptb ../shared/data/wikitext-2 gpudata/
 #   device run, carry ["gpudata/ptb", "gpudata/wikitext-2"]:
 #   PYTHONPATH=src bash benchmarks/gpu_plan_validation.sh env gpt_bf16 ptb digits pack
-# PARATRAIN_DATA defaults to gpudata where it exists and ../shared/data is missing. Remove gpudata/ after.
+# CKPT=1: each validated layout again with every block checkpointed (--activation-checkpointing; twice
+# the runs: give LIMIT more). PARATRAIN_DATA defaults to gpudata where it exists and ../shared/data is missing. Remove gpudata/ after.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-runs/plan-gpu}
@@ -54,7 +55,8 @@ plan_validate() {  # plan_validate NAME CONFIG [--set ...]: profile on the GPU, 
   shift 2
   [ "${REPROFILE:-1}" = 0 ] && again=()
   run "$name" "${LIMIT:-300}" $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name" ${again[@]+"${again[@]}"} \
-    --validate --validate-nproc 1 --validate-repeats "${REPEATS:-3}" --timed-seconds "${TIMED:-2}" "$@"
+    --validate --validate-nproc 1 --validate-repeats "${REPEATS:-3}" --timed-seconds "${TIMED:-2}" \
+    ${CKPT:+--activation-checkpointing} "$@"
 }
 
 for step in ${@:-env digits ptb gpt gpt_bf16 nvlink nccl train_mfu}; do

@@ -113,6 +113,20 @@ def test_checkpointings_peak_is_the_forwards_end_with_the_loss_or_a_blocks_recom
     assert memory_per_device(RING, 1, bare, checkpointing=True) == memory_per_device(RING, 1, bare)
 
 
+def test_cpu_towers_hold_every_towers_kept_bytes_and_one_blocks_recompute_at_a_time():
+    """CPU towers (one memory) under checkpointing: the one backward thread recomputes one tower's
+    block at a time, so a recompute moment holds n towers' kept bytes and one block's saved bytes and
+    gradients, not n of each. A = 100, one block saving 70 from a 10-byte input, T = 40, P = 10,
+    O = 20, n = 2: the forward's end 10 + 20 + 2 x 40 + 2 x 40 = 190; a recompute 10 + 20 + (2 x 40 +
+    70) + min(40, 70) = 220 (n-fold it would be 10 + 20 + 2 x 110 + 2 x 40 = 330)."""
+    m = MemoryInputs(params=10, optimizer=20, activations=100, temporaries=40, blocks_saved=(70,), blocks_input=(10,))
+    towers = memory_per_device(TOWERS, 2, m, checkpointing=True, shared_cores=True)
+    assert (towers["total"], towers["activations"], towers["temporaries"]) == (220, 150, 40)
+    # GPU towers (a memory each): device 0 holds one tower's, as one device does, with the loss over both
+    gpu = memory_per_device(TOWERS, 2, m, checkpointing=True)
+    assert gpu["total"] == max(10 + 20 + 40 + 2 * 40, 10 + 20 + 40 + 70 + 40)
+
+
 def test_activations_scale_with_the_per_replica_batch():
     assert memory_per_device(RING, 2, M, batch_ratio=0.5)["activations"] == 25
 
@@ -1399,6 +1413,30 @@ def test_a_plan_row_carries_its_strategys_measured_error_at_its_own_n(tmp_path):
     assert read_validation(tmp_path / "nothing") == {}
 
 
+def test_a_checkpointed_row_carries_its_checkpointed_runs_error_and_a_plain_row_its_plain_runs(tmp_path):
+    """plan.read_validation keeps a strategy's checkpointed runs apart: digits_cnn's allreduce on
+    2026-11-29 measured +5.0% plain and +16.7% checkpointed at N = 2. The plain row carries 5.0% (the
+    recompute's error is not its own), the checkpointed row 16.7%. fsdp validated plain only: its
+    checkpointed row carries the plain 8.0% and is extrapolated (its recompute was not measured);
+    allreduce's checkpointed row at 2 is not."""
+    import json
+
+    from paratrain.bench.plan import extrapolated, read_validation, row_error
+
+    rows = [{"strategy": "allreduce", "n": 2, "step_error": 0.05, "memory_error": 0.01},
+            {"strategy": "allreduce", "n": 2, "step_error": 0.167, "memory_error": 0.08, "checkpointing": True},
+            {"strategy": "fsdp", "n": 2, "step_error": -0.08, "memory_error": 0.02}]
+    (tmp_path / "validation.json").write_text(json.dumps({"rows": rows}))
+    checked = read_validation(tmp_path)
+    assert row_error(checked, "allreduce", 2) == pytest.approx(0.05)
+    assert checked["allreduce"]["memory_error"] == pytest.approx(0.01)
+    assert row_error(checked, "allreduce", 2, checkpointing=True) == pytest.approx(0.167)
+    assert row_error(checked, "fsdp", 2, checkpointing=True) == pytest.approx(0.08)
+    assert not extrapolated(checked, "allreduce", 2, False, checkpointing=True)
+    assert extrapolated(checked, "allreduce", 4, False, checkpointing=True)
+    assert extrapolated(checked, "fsdp", 2, False, checkpointing=True) and not extrapolated(checked, "fsdp", 2, False)
+
+
 def test_a_plan_row_is_extrapolated_beyond_the_measured_n_and_off_the_measured_link_above_one_device(tmp_path):
     """plan.extrapolated: a validation of single at N = 1 and allreduce at N = 1, 2 (a failed fsdp run
     at 2). On the measured link: allreduce at 2 is measured, at 4 extrapolated; single at 1 measured;
@@ -2085,8 +2123,8 @@ def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
     # CPU towers: their measured backward gains n recomputes, in the backward's one thread (digits_cnn's v40
     # profile measured it; gpt_wt2's v25 did not)
     v40 = json.loads((root / "benchmarks/results/plan-amd/digits_cnn-amd-v40/profile.json").read_text())
-    assert towers_backward_s(v40, 2) > 0 and pl.towers_backward(v40, 2, 1.0, 0.5) == towers_backward_s(v40, 2) + 0.5
-    assert towers_backward_s(prof, 2) is None and pl.towers_backward(prof, 2, 1.0, 0.5) is None
+    assert towers_backward_s(v40, 2) > 0 and towers_backward_s(v40, 2, 1.0, 0.5) == towers_backward_s(v40, 2) + 0.5
+    assert towers_backward_s(prof, 2) is None and towers_backward_s(prof, 2, 1.0, 0.5) is None
     # sync BatchNorm (digits_cnn): each layer's two forward meetings again in the backward, after the
     # recomputed compute as in the forward: half the term, waits and all (6 meetings a layer of 4)
     from paratrain.bench.plan_inputs import sync_batchnorm_recompute_s, sync_batchnorm_s

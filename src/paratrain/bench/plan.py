@@ -46,7 +46,8 @@ from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (
 from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link,
                       ps_streams, slower)
 from .plan_profile import TIMED_S
-from .plan_rank import (TIE, close_calls, extrapolated, objective_value, pick, rank,  # noqa: F401 (API)
+from .plan_rank import (CHECKPOINTED, TIE, close_calls, extrapolated, objective_value, pick,  # noqa: F401 (API)
+                        rank,
                         read_validation, recommendation, row_error, unpriced)
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import PS, RING, SHARDED_OPTIMIZER, STAGES, TOWERS
@@ -186,8 +187,6 @@ def layouts(n: int, prof: dict, cfg) -> list[Layout]:
     return out
 
 
-CHECKPOINTED = " + checkpointing"
-"""What a layout's label gains with every block checkpointed (``model.activation_checkpointing``)."""
 CHECKPOINTING_KEY = "model.activation_checkpointing=true"
 """The ``--set`` a checkpointed row's run and its recipe's refusal check add."""
 
@@ -260,7 +259,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
               "path_meetings": prof.get("meetings") if shared_cores else None,
               "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
               # (the towers' one backward, in one thread: every tower's recompute in turn)
-              "towers_backward_s": towers_backward(prof, n, ratio, n * recompute) if shared_cores else None,
+              "towers_backward_s": towers_backward_s(prof, n, ratio, n * recompute) if shared_cores else None,
               # a profile since version 26 measured the towers' join and loss in their forward
               "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined")),
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
@@ -291,13 +290,6 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
-
-
-def towers_backward(prof: dict, n: int, ratio: float, recompute_s: float) -> float | None:
-    """:func:`~.plan_inputs.towers_backward_s` plus ``recompute_s`` (activation checkpointing's
-    forwards again); None where the profile did not measure the towers' backward."""
-    measured = towers_backward_s(prof, n, ratio)
-    return None if measured is None else measured + recompute_s
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

@@ -242,15 +242,19 @@ def _towers_share(seconds: float, cores: int, n: int, ratio: float) -> float | N
     return seconds * ratio * n / cores
 
 
-def towers_backward_s(prof: dict, n: int, ratio: float = 1.0) -> float | None:
+def towers_backward_s(prof: dict, n: int, ratio: float = 1.0, extra_s: float = 0.0) -> float | None:
     """Seconds of the one backward of n CPU towers on this machine's cores, through every tower's
     graph in the calling thread: the profile's, timed after the towers' forward as ``replicate``
     runs it (``towers_forward_threads["backward_seconds"]``, since version 36,
     :func:`~.microbench_towers.measured_towers_forward`), times n / cores, the batch scaled by
-    ``ratio``. None where it was not measured (an older profile: the plan then prices n one-device
+    ``ratio``, plus ``extra_s`` (activation checkpointing's forwards again, every tower's in turn in
+    that thread). None where it was not measured (an older profile: the plan then prices n one-device
     backwards) or n < cores."""
     got = prof.get("towers_forward_threads") or {}
-    return _towers_share(got["backward_seconds"], int(got["towers"]), n, ratio) if "backward_seconds" in got else None
+    if "backward_seconds" not in got:
+        return None
+    measured = _towers_share(got["backward_seconds"], int(got["towers"]), n, ratio)
+    return None if measured is None else measured + extra_s
 
 
 def tower_sync_batchnorm_s(prof: dict, cfg, n: int, on_this_machine: bool) -> float:

@@ -41,7 +41,8 @@ one device, U the largest FSDP unit, all for one replica's batch):
   largest block to the forward's end, with T: ptb_small's one-device peak (one block, the LSTM; a
   30.5 MiB loss) was predicted 81.6 MiB where MemTracker measured 71.3, at the forward's end.
   digits_cnn's peak (a 2.4 MB block of convolutions, its whole model) is the recompute: 3.06 MiB
-  measured, 3.13 predicted;
+  measured, 3.13 predicted. CPU towers (one memory) hold every tower's kept bytes at both moments
+  but recompute one tower's block at a time (one backward thread): that block's bytes once;
 * a bf16 or fp16 recipe's autocast keeps, besides A, a cast of each weight its lower-precision ops use
   (C, ``autocast_copies``: measured apart from A, :func:`~.profile.parameter_copy`), held for the
   backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
@@ -83,6 +84,22 @@ class MemoryInputs:
         return max(0.0, self.activations - sum(self.blocks_saved) + sum(self.blocks_input) + max(self.blocks_saved))
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """The layout's keys that :func:`memory_per_device` passes to each moment (see there)."""
+
+    synchronous_buckets: bool = True
+    stages: int = 1
+    microbatches: int = 1
+    stage_shares: list[float] | None = None
+    stage_params: list[float] | None = None
+    stage_outputs: list[float] | None = None
+    schedule: str = "1f1b"
+    num_ps: int = 1
+    shared_cores: bool = False
+    server_share: float | None = None
+
+
 def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
                       checkpointing: bool = False, stages: int = 1, microbatches: int = 1,
                       stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
@@ -96,33 +113,35 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
     on CPU virtual devices (one memory). ``checkpointing``: the larger of two moments (see the
     module): the forward's end, with the loss's temporaries T, and a block's recompute, with its
-    backward's instead."""
+    backward's instead. Raises :class:`~paratrain.errors.UsageError` where n, stages, microbatches
+    or num_ps is below 1."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
-    same = dict(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
-                stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs, schedule=schedule,
-                num_ps=num_ps, shared_cores=shared_cores, server_share=server_share)
+    layout = _Layout(synchronous_buckets, stages, microbatches, stage_shares, stage_params, stage_outputs,
+                     schedule, num_ps, shared_cores, server_share)
     if not (checkpointing and m.blocks_saved):
-        return _at(model, n, m, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies, **same)
+        return _at(model, n, m, layout, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies)
     kept = m.activations - sum(m.blocks_saved) + sum(m.blocks_input)
     casts = max(0.0, m.autocast_copies - sum(m.blocks_copies))  # autocast's cache freed the blocks' casts
-    ends = _at(model, n, m, kept * batch_ratio, m.temporaries * batch_ratio, casts, **same)
+    ends = _at(model, n, m, layout, kept * batch_ratio, m.temporaries * batch_ratio, casts)
     # a block's recompute: its activations (and casts) back, and its backward's gradients of them (at
     # most those bytes, at most the step's temporaries), the loss's temporaries gone
-    again = _at(model, n, m, m.checkpointed_activations() * batch_ratio,
-                min(m.temporaries, max(m.blocks_saved)) * batch_ratio,
-                casts + max(m.blocks_copies, default=0.0), **same)
+    # (held once: CPU towers' one backward thread recomputes one tower's block at a time)
+    again = _at(model, n, m, layout, kept * batch_ratio, 0.0, casts,
+                once=(max(m.blocks_saved) * batch_ratio, min(m.temporaries, max(m.blocks_saved)) * batch_ratio,
+                      max(m.blocks_copies, default=0.0)))
     return max((ends, again), key=lambda phase: phase["total"])
 
 
-def _at(model: str, n: int, m: MemoryInputs, act: float, tmp: float, copies: float, *, synchronous_buckets: bool,
-        stages: int,
-        microbatches: int, stage_shares: list[float] | None, stage_params: list[float] | None,
-        stage_outputs: list[float] | None, schedule: str, num_ps: int, shared_cores: bool,
-        server_share: float | None) -> dict[str, float]:
+def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: float,
+        copies: float, once: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
     """:func:`memory_per_device` at one moment: ``act`` bytes of activations and ``tmp`` of the loss's
     temporaries for one replica's batch, and ``copies`` of autocast's casts (not scaled by the
-    batch), as held then."""
+    batch), as held then; ``once``: activations, temporaries and casts held once per device at that
+    moment, not per tower (a block's recompute), in the same three terms."""
+    synchronous_buckets = layout.synchronous_buckets
+    if model != TOWERS:  # one replica per device: held once is held
+        act, tmp, copies = act + once[0], tmp + once[1], copies + once[2]
     p, o, g_kept, gather = m.params, m.optimizer, (m.params if synchronous_buckets and n > 1 else 0.0), 0.0
     root = 0.0  # FSDP's root unit, gathered from its forward to its backward
     out: dict[str, float] = {}
@@ -136,20 +155,21 @@ def _at(model: str, n: int, m: MemoryInputs, act: float, tmp: float, copies: flo
         # activations; then (resharded) that gradient and its copy into the reduce-scatter's float32 buffer
         out["backward_start"] = p + o + act + root + m.largest_unit * (1 + gs)
     elif model == STAGES:
-        return _stage_memory(n, m, act, tmp, stages, microbatches, stage_shares, stage_params, stage_outputs,
-                             schedule, synchronous_buckets, copies)
+        return _stage_memory(n, m, act, tmp, layout.stages, layout.microbatches, layout.stage_shares,
+                             layout.stage_params, layout.stage_outputs, layout.schedule, synchronous_buckets, copies)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
         # synchronous, one update's when not), the mean's buffer (kept) and the parameters copied for the answer
         received = n if synchronous_buckets else 1
-        share = 1 / num_ps if server_share is None else server_share
+        share = 1 / layout.num_ps if layout.server_share is None else layout.server_share
         out["server"] = (m.params * (received + 1 + (2 if synchronous_buckets else 1)) + m.optimizer) * share
     elif model == TOWERS:
         g_kept = 0.0  # one process, no buckets
-        act *= n if shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
-        copies *= n if shared_cores else 1  # and every tower thread's autocast casts
+        act *= n if layout.shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
+        copies *= n if layout.shared_cores else 1  # and every tower thread's autocast casts
         tmp *= n  # the loss runs on device 0 over every tower's output
+        act, tmp, copies = act + once[0], tmp + once[1], copies + once[2]
     g = p if model != SHARDED_PARAMETERS else m.params / n
     forward_end = p + g_kept + o + act + copies + tmp + root
     optimizer_phase = p + g + o + gather

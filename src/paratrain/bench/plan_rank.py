@@ -12,6 +12,10 @@ from pathlib import Path
 from .costmodel_hooks import measured_hook
 from .strategy_model import TOWERS
 
+CHECKPOINTED = " + checkpointing"
+"""What a layout's label gains with every block checkpointed (``model.activation_checkpointing``);
+:func:`read_validation` keys a strategy's checkpointed runs by its name and this."""
+
 
 def unpriced(model: str | None, prof: dict, *, on_this_machine: bool, comm_hook: str | None = None) -> str:
     """What the step formula of cost model ``model`` is known to leave out on the profiled device
@@ -143,17 +147,21 @@ def recommendation(ranked: list[dict]) -> dict | None:
 
 
 def read_validation(out: Path) -> dict[str, dict]:
-    """{strategy: {"error": max |step error| over every N measured, "by_n": {N: max |step error| of
-    its layouts at N}, "memory_error": max |memory error|, "max_n": largest N with a step time}} from
-    a previous ``--validate`` in ``out`` (empty when none; a run without a step time, failed, measures
-    nothing). A plan row at a measured N carries that N's error (:func:`row_error`)."""
+    """{key: {"error": max |step error| over every N measured, "by_n": {N: max |step error| of its
+    layouts at N}, "memory_error": max |memory error|, "max_n": largest N with a step time}} from a
+    previous ``--validate`` in ``out`` (empty when none; a run without a step time, failed, measures
+    nothing). The key is the strategy for its plain runs and the strategy + :data:`CHECKPOINTED` for
+    its runs with every block checkpointed (``--validate --activation-checkpointing``): their
+    recompute is a term of their own. A plan row at a measured N carries that N's error
+    (:func:`row_error`)."""
     try:
         v = json.loads((out / "validation.json").read_text())
     except (OSError, ValueError):
         return {}
     errs: dict[str, dict] = {}
     for r in v.get("rows", []):
-        e = errs.setdefault(r["strategy"], {"error": 0.0, "memory_error": 0.0, "max_n": 0, "by_n": {}})
+        key = r["strategy"] + (CHECKPOINTED if r.get("checkpointing") else "")
+        e = errs.setdefault(key, {"error": 0.0, "memory_error": 0.0, "max_n": 0, "by_n": {}})
         if math.isfinite(r.get("step_error", math.nan)):
             e["error"] = max(e["error"], abs(r["step_error"]))
             e["by_n"][r["n"]] = max(e["by_n"].get(r["n"], 0.0), abs(r["step_error"]))
@@ -163,20 +171,30 @@ def read_validation(out: Path) -> dict[str, dict]:
     return errs
 
 
-def row_error(checked: dict[str, dict], strategy: str, n: int) -> float | None:
+def row_error(checked: dict[str, dict], strategy: str, n: int, checkpointing: bool = False) -> float | None:
     """The measured step error a plan row of ``strategy`` at ``n`` devices carries (``checked``:
     :func:`read_validation`'s): its strategy's at that N where N was measured, else its largest at any
-    N measured; None where the strategy was not validated or none of its runs gave a step time."""
-    v = checked.get(strategy)
+    N measured; a checkpointed row (``checkpointing``) its strategy's checkpointed runs' where they
+    were validated, else its plain runs' (the recompute then unmeasured: :func:`extrapolated`); None
+    where the strategy was not validated or none of its runs gave a step time."""
+    v = checked.get(_key(checked, strategy, checkpointing))
     if not v or not v.get("by_n"):
         return None
     return v["by_n"].get(n, v["error"])
 
 
-def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool) -> bool:
+def _key(checked: dict[str, dict], strategy: str, checkpointing: bool) -> str:
+    """The validation's key a plan row reads: its checkpointed runs' where there are any."""
+    return strategy + CHECKPOINTED if checkpointing and strategy + CHECKPOINTED in checked else strategy
+
+
+def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool, checkpointing: bool = False) -> bool:
     """Whether a plan row of ``strategy`` at ``n`` devices is beyond what was measured (``checked``:
     :func:`read_validation`'s): its strategy was not validated, ``n`` is above the largest N measured,
-    or ``preset`` (the plan prices an ``--interconnect`` preset, not the measured link) at ``n`` > 1. At
+    or ``preset`` (the plan prices an ``--interconnect`` preset, not the measured link) at ``n`` > 1;
+    a checkpointed row (``checkpointing``) also where its strategy was not validated checkpointed. At
     N = 1 no link is used: the one-device row's prediction is the measured one's on any interconnect."""
-    v = checked.get(strategy)
+    if checkpointing and strategy + CHECKPOINTED not in checked:
+        return True
+    v = checked.get(_key(checked, strategy, checkpointing))
     return v is None or n > v["max_n"] or (preset and n > 1)

@@ -84,8 +84,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         rescored = rescore(cfg, prof, out, args.config, args.task, args.overrides)
     checked = pl.read_validation(out if args.profile is None else args.profile.parent)  # the profile's machine's
     for r in rows:
-        r["measured_error"] = pl.row_error(checked, r["strategy"], r["n"])
-        r["extrapolated"] = pl.extrapolated(checked, r["strategy"], r["n"], preset is not None)
+        r["measured_error"] = pl.row_error(checked, r["strategy"], r["n"], r["checkpointing"])
+        r["extrapolated"] = pl.extrapolated(checked, r["strategy"], r["n"], preset is not None, r["checkpointing"])
     ranked = pl.rank(rows, args.objective)
     best = pl.recommendation(ranked)
     extra = list(args.overrides)

@@ -59,7 +59,7 @@ from typing import Any, Callable
 import torch
 
 from ..devices import synchronize
-from .profile_blocks import (_BlockProbe, _blocks_and_flops, _bytes, _checkpointing_cost,  # noqa: F401 (API)
+from .profile_blocks import (_BlockProbe, _blocks_and_flops, _bytes, _checkpointing_cost, forward_backward_s,  # noqa: F401 (API)
                              parameter_copy)
 from .profile_cache import PROFILE_VERSION  # the versions live with the cache's key
 
@@ -74,19 +74,14 @@ def _timed_steps(model, optimizer, loss_fn: Callable[[], torch.Tensor], draw: Ca
         t0 = time.perf_counter()
         batch = draw()
         synchronize(device)
-        t1 = time.perf_counter()
-        loss = loss_fn(batch)
-        synchronize(device)
-        t2 = time.perf_counter()
-        loss.backward()
-        synchronize(device)
+        data_s = time.perf_counter() - t0
+        forward_s, backward_s = forward_backward_s(lambda: loss_fn(batch), device)
         t3 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
-        t4 = time.perf_counter()
         if i >= warmup:
-            for key, dt in zip(spans, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for key, dt in zip(spans, (data_s, forward_s, backward_s, time.perf_counter() - t3)):
                 spans[key].append(dt)
     return {k: statistics.median(v) for k, v in spans.items()}
 

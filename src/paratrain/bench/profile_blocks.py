@@ -106,6 +106,19 @@ class _BlockProbe:
             h.remove()
 
 
+def forward_backward_s(forward: Any, device) -> tuple[float, float]:
+    """Seconds of one forward (``forward()`` returns the loss, a scalar tensor) and of its loss'
+    backward, each timed between two synchronisations of ``device``."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    loss = forward()
+    synchronize(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    synchronize(device)
+    return t1 - t0, time.perf_counter() - t1
+
+
 def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int = 5) -> dict[str, float] | None:
     """What activation checkpointing costs the model's step here: the model plain and a deep copy
     with every block checkpointed (:func:`paratrain.models.checkpointing.enable`, as
@@ -139,18 +152,11 @@ def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int
         for name, module in (("plain", model), ("checkpointed", twin)):
             for _ in range(per_round if r else 1):
                 batch = draw()
-                synchronize(device)
-                t0 = time.perf_counter()
-                loss = loss_fn(batch, module)
-                synchronize(device)
-                t1 = time.perf_counter()
-                loss.backward()
-                synchronize(device)
-                t2 = time.perf_counter()
+                forward_s, backward_s = forward_backward_s(lambda: loss_fn(batch, module), device)
                 module.zero_grad(set_to_none=True)
                 if r:
-                    spans[f"{name}_forward_s"].append(t1 - t0)
-                    spans[f"{name}_backward_s"].append(t2 - t1)
+                    spans[f"{name}_forward_s"].append(forward_s)
+                    spans[f"{name}_backward_s"].append(backward_s)
     release = getattr(loss_fn, "release", None)
     if release is not None:  # the loss' wrapper of the copy (bf16, fp16) holds it
         release(twin)
