@@ -41,8 +41,16 @@ one device, U the largest FSDP unit, all for one replica's batch):
   largest block to the forward's end, with T: ptb_small's one-device peak (one block, the LSTM; a
   30.5 MiB loss) was predicted 81.6 MiB where MemTracker measured 71.3, at the forward's end.
   digits_cnn's peak (a 2.4 MB block of convolutions, its whole model) is the recompute: 3.06 MiB
-  measured, 3.13 predicted. CPU towers (one memory) hold every tower's kept bytes at both moments
-  but recompute one tower's block at a time (one backward thread): that block's bytes once;
+  measured, 3.13 predicted. Towers: device 0 holds the recompute of its own tower's block, once (on
+  GPUs each device recomputes its own tower's). CPU towers (one memory) hold every tower's kept
+  bytes at both moments; their one backward thread runs tower 0's graph first (autograd's sequence
+  numbers are per thread: the calling thread's are the highest), one block at a time, then the
+  other n - 1 towers' graphs together (their threads are new each step, so their nodes share
+  numbers and the engine interleaves them): n - 1 blocks recomputed at once, ``max(1, n - 1)``
+  blocks' saved bytes (and casts), with one block's gradients of them at a time. Measured
+  (2026-11-29, the 2-vCPU Xeon VM; digits_cnn, towers without sync BatchNorm or dropout, one step
+  under MemTracker): 3.18, 5.58 and 7.97 MiB at n = 2, 3, 4, where this counts 3.18, 5.57, 8.06
+  from the AMD VM's profile (its 2.39 MiB block once more a tower); n blocks, as counted before, 6.3 to 12.5;
 * a bf16 or fp16 recipe's autocast keeps, besides A, a cast of each weight its lower-precision ops use
   (C, ``autocast_copies``: measured apart from A, :func:`~.profile.parameter_copy`), held for the
   backward. C does not grow with the batch: one replica's whole C per process (all-reduce, ZeRO-1, a
@@ -121,12 +129,12 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                      schedule, num_ps, shared_cores, server_share)
     if not (checkpointing and m.blocks_saved):
         return _at(model, n, m, layout, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies)
-    kept = m.activations - sum(m.blocks_saved) + sum(m.blocks_input)
+    kept = max(0.0, m.activations - sum(m.blocks_saved) + sum(m.blocks_input))
     casts = max(0.0, m.autocast_copies - sum(m.blocks_copies))  # autocast's cache freed the blocks' casts
     ends = _at(model, n, m, layout, kept * batch_ratio, m.temporaries * batch_ratio, casts)
     # a block's recompute: its activations (and casts) back, and its backward's gradients of them (at
     # most those bytes, at most the step's temporaries), the loss's temporaries gone
-    # (held once: CPU towers' one backward thread recomputes one tower's block at a time)
+    # (held once a device; CPU towers: up to n - 1 blocks at once, see the module)
     again = _at(model, n, m, layout, kept * batch_ratio, 0.0, casts,
                 once=(max(m.blocks_saved) * batch_ratio, min(m.temporaries, max(m.blocks_saved)) * batch_ratio,
                       max(m.blocks_copies, default=0.0)))
@@ -137,8 +145,9 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         copies: float, once: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
     """:func:`memory_per_device` at one moment: ``act`` bytes of activations and ``tmp`` of the loss's
     temporaries for one replica's batch, and ``copies`` of autocast's casts (not scaled by the
-    batch), as held then; ``once``: activations, temporaries and casts held once per device at that
-    moment, not per tower (a block's recompute), in the same three terms."""
+    batch), as held then; ``once``: activations, temporaries and casts of one block's recompute at
+    that moment, in the same three terms: held once a device, not per tower (CPU towers: n - 1
+    blocks' activations and casts at once, see the module)."""
     synchronous_buckets = layout.synchronous_buckets
     if model != TOWERS:  # one replica per device: held once is held
         act, tmp, copies = act + once[0], tmp + once[1], copies + once[2]
@@ -169,7 +178,8 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         act *= n if layout.shared_cores else 1  # CPU virtual devices: every tower's activations in the one memory
         copies *= n if layout.shared_cores else 1  # and every tower thread's autocast casts
         tmp *= n  # the loss runs on device 0 over every tower's output
-        act, tmp, copies = act + once[0], tmp + once[1], copies + once[2]
+        blocks = max(1, n - 1) if layout.shared_cores else 1  # towers 1 ... n - 1 recompute together
+        act, tmp, copies = act + blocks * once[0], tmp + once[1], copies + blocks * once[2]
     g = p if model != SHARDED_PARAMETERS else m.params / n
     forward_end = p + g_kept + o + act + copies + tmp + root
     optimizer_phase = p + g + o + gather

@@ -184,8 +184,9 @@ def row_error(checked: dict[str, dict], strategy: str, n: int, checkpointing: bo
 
 
 def _key(checked: dict[str, dict], strategy: str, checkpointing: bool) -> str:
-    """The validation's key a plan row reads: its checkpointed runs' where there are any."""
-    return strategy + CHECKPOINTED if checkpointing and strategy + CHECKPOINTED in checked else strategy
+    """The validation's key a plan row reads: its checkpointed runs' where any gave a step time."""
+    ckpt = checked.get(strategy + CHECKPOINTED) if checkpointing else None
+    return strategy + CHECKPOINTED if ckpt and ckpt.get("by_n") else strategy
 
 
 def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool, checkpointing: bool = False) -> bool:
@@ -194,7 +195,7 @@ def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool, 
     or ``preset`` (the plan prices an ``--interconnect`` preset, not the measured link) at ``n`` > 1;
     a checkpointed row (``checkpointing``) also where its strategy was not validated checkpointed. At
     N = 1 no link is used: the one-device row's prediction is the measured one's on any interconnect."""
-    if checkpointing and strategy + CHECKPOINTED not in checked:
+    if checkpointing and _key(checked, strategy, checkpointing) == strategy:  # its recompute not measured
         return True
     v = checked.get(_key(checked, strategy, checkpointing))
     return v is None or n > v["max_n"] or (preset and n > 1)

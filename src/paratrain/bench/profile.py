@@ -59,8 +59,8 @@ from typing import Any, Callable
 import torch
 
 from ..devices import synchronize
-from .profile_blocks import (_BlockProbe, _blocks_and_flops, _bytes, _checkpointing_cost, forward_backward_s,  # noqa: F401 (API)
-                             parameter_copy)
+from .profile_blocks import (_BlockProbe, _blocks_and_flops, _bytes, _checkpointing_cost,  # noqa: F401 (API)
+                             forward_backward_s, parameter_copy)
 from .profile_cache import PROFILE_VERSION  # the versions live with the cache's key
 
 STAGE_COUNTS = (2, 4)
