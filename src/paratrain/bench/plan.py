@@ -47,8 +47,7 @@ from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share
                       ps_streams, slower)
 from .plan_profile import TIMED_S
 from .plan_rank import (CHECKPOINTED, TIE, close_calls, extrapolated, objective_value, pick,  # noqa: F401 (API)
-                        rank,
-                        read_validation, recommendation, row_error, unpriced)
+                        rank, read_validation, recommendation, row_error, unpriced)
 from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import PS, RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 

@@ -85,11 +85,16 @@ class MemoryInputs:
     blocks_copies: tuple[float, ...] = ()  # the part of C each block makes
     gather_scale: float = 1.0  # g: FSDP's gathered bytes per stored byte (MixedPrecisionPolicy: 0.5 of float32)
 
+    def kept_activations(self) -> float:
+        """A at the forward's end with every block checkpointed: the blocks keep their inputs alone
+        (see the module)."""
+        return max(0.0, self.activations - sum(self.blocks_saved) + sum(self.blocks_input))
+
     def checkpointed_activations(self) -> float:
-        """A with every block checkpointed (see the module); A when there are no blocks."""
+        """A while the largest block is recomputed (see the module); A when there are no blocks."""
         if not self.blocks_saved:
             return self.activations
-        return max(0.0, self.activations - sum(self.blocks_saved) + sum(self.blocks_input) + max(self.blocks_saved))
+        return self.kept_activations() + max(self.blocks_saved)
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                      schedule, num_ps, shared_cores, server_share)
     if not (checkpointing and m.blocks_saved):
         return _at(model, n, m, layout, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies)
-    kept = max(0.0, m.activations - sum(m.blocks_saved) + sum(m.blocks_input))
+    kept = m.kept_activations()
     casts = max(0.0, m.autocast_copies - sum(m.blocks_copies))  # autocast's cache freed the blocks' casts
     ends = _at(model, n, m, layout, kept * batch_ratio, m.temporaries * batch_ratio, casts)
     # a block's recompute: its activations (and casts) back, and its backward's gradients of them (at

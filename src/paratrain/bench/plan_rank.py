@@ -195,7 +195,8 @@ def extrapolated(checked: dict[str, dict], strategy: str, n: int, preset: bool, 
     or ``preset`` (the plan prices an ``--interconnect`` preset, not the measured link) at ``n`` > 1;
     a checkpointed row (``checkpointing``) also where its strategy was not validated checkpointed. At
     N = 1 no link is used: the one-device row's prediction is the measured one's on any interconnect."""
-    if checkpointing and _key(checked, strategy, checkpointing) == strategy:  # its recompute not measured
+    key = _key(checked, strategy, checkpointing)
+    if checkpointing and key == strategy:  # its recompute not measured
         return True
-    v = checked.get(_key(checked, strategy, checkpointing))
+    v = checked.get(key)
     return v is None or n > v["max_n"] or (preset and n > 1)

@@ -78,9 +78,6 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
     return next((lay for lay, row in rows if row is best), None)
 
 
-CHECKPOINTING_KEY = pl.CHECKPOINTING_KEY
-
-
 def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str, task: str | None,
                       overrides: list[str]) -> list[tuple[pl.Layout, int]]:
     """``runs`` again with every block checkpointed (``--activation-checkpointing``), each labelled
@@ -88,7 +85,7 @@ def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str
     ``model.activation_checkpointing``; none where the profile found no blocks (nothing to checkpoint)."""
     if not prof.get("blocks"):
         return []
-    keyed = [*overrides, CHECKPOINTING_KEY]
+    keyed = [*overrides, pl.CHECKPOINTING_KEY]
     return [(pl.Layout(lay.strategy, lay.n, dict(lay.overrides), lay.label + pl.CHECKPOINTED), n) for lay, n in runs
             if pl.refusal(config, task, keyed, lay) is None]
 
@@ -137,7 +134,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
             warmup, base = run_overrides(steps)
             # the dist keys the prediction priced (DDP's bucket it chose), after the command's --set: the run
             # is what was predicted
-            overrides = (*device_sets, *args.overrides, *base, *((CHECKPOINTING_KEY,) if ckpt else ()),
+            overrides = (*device_sets, *args.overrides, *base, *((pl.CHECKPOINTING_KEY,) if ckpt else ()),
                          *(f"dist.{k}={json.dumps(v)}" for k, v in preds[-1]["overrides"].items()))
             replicas = n // lay.overrides.get("pipeline_stages", 1)
             counts.append(steps)
