@@ -53,18 +53,50 @@ def test_memory_of_fsdp_shards_everything_but_a_gathered_unit_and_its_gradient()
 def test_memory_of_a_pipeline_stage_counts_its_micro_batches_in_flight():
     big = MemoryInputs(params=100, optimizer=200, activations=500, temporaries=40)
     kw = dict(stages=2, microbatches=4, stage_shares=[0.6, 0.4], stage_params=[60, 50])
-    # 1F1B, stage 0: min(S - 0, M) = 2 of 4 micro-batches: A 500 x 0.6 x 2/4 = 150, P 60, O 200 x 60/100 = 120:
-    # 330; stage 1: one micro-batch (50) and one micro-batch's loss (40 / 4 = 10), P 50, O 100: 210 -> stage 0
+    # 1F1B, stage 0: min(S - 0, M) = 2 of 4 micro-batches: A 500 x 0.6 x 2/4 = 150, P 60, O 200 x 60/100 = 120,
+    # and its gradient G 60 (held from the first backward on, before the third forward): 390; stage 1: one
+    # micro-batch (50) and one micro-batch's loss (40 / 4 = 10), P 50, G 50, O 100: 260 -> stage 0
     m = memory_per_device(STAGES, 2, big, schedule="1f1b", **kw)
-    assert (m["total"], m["stage"]) == (330, 0)
-    # GPipe: all 4 in flight everywhere: stage 0 60 + 120 + 300 = 480; stage 1 50 + 100 + 200 + 40 = 390
+    assert (m["total"], m["stage"]) == (390, 0)
+    # GPipe: all 4 in flight everywhere before any backward, without gradients: stage 0 60 + 120 + 300 = 480
+    # (after the first backward: 60 + 60 + 120 + 225 = 465); stage 1 50 + 100 + 200 + 40 = 390
     assert memory_per_device(STAGES, 2, big, schedule="gpipe", **kw)["total"] == 480
     # each stage keeps its outputs until the micro-batch's backward: 1F1B stage 1 (the model's output, 400 for the
-    # batch) adds one micro-batch's 100: 310; stage 0 (the boundary's 80) adds 2 x 20: 370 -> stage 0
+    # batch) adds one micro-batch's 100: 360; stage 0 (the boundary's 80) adds 2 x 20: 430 -> stage 0
     kept = memory_per_device(STAGES, 2, big, schedule="1f1b", stage_outputs=[80, 400], **kw)
-    assert (kept["total"], kept["stage"], kept["activations"]) == (370, 0, 190)
+    assert (kept["total"], kept["stage"], kept["activations"]) == (430, 0, 190)
     out = memory_per_device(STAGES, 2, big, schedule="1f1b", stage_outputs=[0, 800], **kw)
-    assert (out["total"], out["stage"]) == (410, 1)  # 50 + 100 + 50 + 200 + 10
+    assert (out["total"], out["stage"]) == (460, 1)  # 50 + 50 + 100 + 50 + 200 + 10
+
+
+def test_a_pipeline_stage_shares_the_activations_by_saved_bytes_and_holds_the_batchs_storage_whole():
+    """The activations besides the batch's own storage D split by what each stage's forward saves
+    (``stage_saved``, not the compute's shares); D (a language model's corpus shard, which every
+    stage's view of the batch keeps) is held whole by every stage, not per micro-batch."""
+    lm = MemoryInputs(params=100, optimizer=200, activations=500, temporaries=40, data_bytes=40)
+    kw = dict(stages=2, microbatches=4, stage_shares=[0.6, 0.4], stage_params=[60, 50], stage_saved=[10, 90])
+    # A - D = 460; stage 1: 460 x 0.9 / 4 + 40 = 143.5, + P 50 + G 50 + O 100 + T/M 10 = 353.5; stage 0:
+    # 460 x 0.1 x 2/4 + 40 = 63, + 60 + 60 + 120 = 303
+    m = memory_per_device(STAGES, 2, lm, schedule="1f1b", **kw)
+    assert (m["total"], m["stage"], m["activations"]) == (pytest.approx(353.5), 1, pytest.approx(143.5))
+    # half the batch per replica: A, D and T halve: 230 x 0.9 / 4 + 20 + 50 + 50 + 100 + 5 = 276.75
+    half = memory_per_device(STAGES, 2, lm, schedule="1f1b", batch_ratio=0.5, **kw)
+    assert (half["total"], half["stage"]) == (pytest.approx(276.75), 1)
+    # gpt_wt2's last of 2 stages, M = 4 (profile v43, MiB): A 327.0 of which D 15.93, outputs (logits) 260.0,
+    # T 520.0, P_1 17.01, O_1 34.01, saved shares [25.03, 286.05]: MemTracker measured 351.24 on rank 1
+    gpt = MemoryInputs(params=17.79, optimizer=35.59, activations=327.0, temporaries=519.97, data_bytes=15.93)
+    got = memory_per_device(STAGES, 2, gpt, stages=2, microbatches=4, stage_params=[17.04, 17.01],
+                            stage_saved=[25.03, 286.05], stage_outputs=[1.0, 260.0])
+    assert got["stage"] == 1
+    assert got["total"] == pytest.approx(351.24, rel=0.01)
+
+
+def test_a_pipeline_stage_with_every_micro_batch_in_flight_holds_its_gradient_after_the_first_backward():
+    # GPipe, M = 2: before the first backward 2 micro-batches (10 each) without G: 60 + 120 + 20 = 200; after it
+    # one micro-batch with G: 60 + 60 + 120 + 10 = 250 (above the optimizer step's 2 x 60 + 120 = 240)
+    small = MemoryInputs(params=120, optimizer=240, activations=40)
+    got = memory_per_device(STAGES, 2, small, stages=2, microbatches=2, stage_params=[60, 60], schedule="gpipe")
+    assert got["total"] == 250
 
 
 def test_memory_of_a_parameter_server_worker_and_server():
@@ -2526,6 +2558,51 @@ def test_the_microbatch_factor_pairs_its_rounds_so_a_machine_that_slows_moves_bo
     assert got["microbatch_factor"] == pytest.approx(0.048 / 0.036)
     # one micro-batch: stage 0 0.004, stage 1 0.008 (no whole batch among them: one speed)
     assert got["stage_fractions"] == pytest.approx([1 / 3, 2 / 3])
+
+
+def test_stage_saved_counts_what_each_stage_saves_and_the_batchs_storage_apart():
+    """Stage 0 (a Linear) saves its input, a view of the batch's storage (a (100, 4) float32 tensor:
+    1600 bytes, held whole); stage 1 (ReLU, Linear, the loss out ** 2) saves the ReLU's result (the
+    Linear's input too: one storage) and the output: 3 rows x (8 + 3) x 4 bytes a micro-batch, x 2
+    micro-batches = 264 bytes for the batch; the Linears' weights are parameters, not counted."""
+    from paratrain.bench.strategy_model import stage_saved
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    stages = [model[:1], model[1:]]
+    store = torch.randn(100, 4)
+    batch = (store[10:16], torch.zeros(6, dtype=torch.long))
+    got = stage_saved(stages, model, batch, batch[0], 2, lambda out, lo, hi: (out ** 2).sum())
+    assert got == {"stage_saved_bytes": [0.0, 264.0], "stage_data_bytes": [1600.0, 0.0]}
+
+
+def test_a_language_models_stages_keep_its_corpus_shard_and_the_profile_counts_it_apart(tiny_data):
+    """gpt's batch is a view of the rank's batchified corpus: stage 0's embedding saves its indices,
+    so the stage holds the whole corpus tensor, and so do the one-device profile's activations
+    (``data_bytes``); the last stage saves at least the loss's log-softmax, B x T x V float32 numbers
+    for the batch (the logits' size), and none of the corpus (the loss's targets are a copy)."""
+    from paratrain.bench.profile import _model_and_batch, _stage_inputs
+    from paratrain.bench.profile_blocks import _blocks_and_flops
+    from paratrain.config import from_dict
+    from paratrain.runs import build_task
+    from paratrain.train.optim import build_optimizer
+
+    from ..distributed.test_task_exactness import task_cfg
+
+    cfg = from_dict(task_cfg("gpt", "float32", "single", 1, 1))  # batch 8 windows of bptt 8, d_model 16
+    task = build_task(cfg, str(tiny_data), world_size=1)
+    first = next(iter(task.train_steps(1, 0))).micro_batches[0]
+    corpus = first.inputs.untyped_storage().nbytes()
+    assert corpus > first.inputs.numel() * 8  # a view of the corpus shard, not a batch of its own
+    got = _stage_inputs(task, cfg, None, torch.device("cpu"))["stage_profiles"]["2"]
+    vocab = task.vocab_size
+    assert got["stage_data_bytes"] == [float(corpus), 0.0]
+    assert got["stage_saved_bytes"][1] >= 8 * 8 * vocab * 4 and got["stage_saved_bytes"][0] > 0
+    model, device, tokens, draw, loss_fn = _model_and_batch(task, cfg)
+    w = {"forward_s": 1.0, "backward_s": 2.0}
+    whole = _blocks_and_flops(model, build_optimizer(model.parameters(), cfg.train, 0.1), loss_fn, draw, device, w,
+                              tokens)
+    assert whole["data_bytes"] == corpus < whole["activation_bytes"]
 
 
 @pytest.mark.parametrize("cores, threads", [(8, {0: 3, 2: 4, 4: 2}), (2, {0: 3, 2: 1, 4: 1}),

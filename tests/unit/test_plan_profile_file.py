@@ -21,8 +21,12 @@ def test_a_profile_is_readable_at_its_version_or_where_every_change_since_was_an
     from paratrain.bench import profile_cache
 
     assert compatible(PROFILE_VERSION, "cpu") and compatible(PROFILE_VERSION, "cuda:0")
+    # 43: what each pipeline stage saves and the batch's storage, on any device in any precision: no older one is whole
+    assert PROFILE_VERSION == 43 and 43 not in DEVICE_ONLY_CHANGES and 43 not in MIXED_PRECISION_ONLY_CHANGES
+    assert not compatible(42, "cpu") and not compatible(42, "cuda:0", "bf16") and compatible(43, "cuda:0", "bf16")
+    monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 42)  # as at version 42
     # 42: what checkpointing costs the step, measured on any device in any precision: no older profile is whole
-    assert PROFILE_VERSION == 42 and 42 not in DEVICE_ONLY_CHANGES and 42 not in MIXED_PRECISION_ONLY_CHANGES
+    assert 42 not in DEVICE_ONLY_CHANGES and 42 not in MIXED_PRECISION_ONLY_CHANGES
     assert not compatible(41, "cpu") and not compatible(41, "cuda:0", "bf16") and not compatible(39, "cpu")
     assert not compatible(32, "cuda:0", "fp32") and compatible(42, "cpu", "bf16") and compatible(42, "cuda:0")
     monkeypatch.setattr(profile_cache, "PROFILE_VERSION", 41)  # the history below, as at version 41

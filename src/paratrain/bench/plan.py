@@ -274,7 +274,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     mem = memory_per_device(cls.cost_model or RING, n, memory_inputs(prof), synchronous_buckets=cls.synchronous,
                             checkpointing=checkpointing, stages=stages, microbatches=overrides.get("microbatches", 1),
                             stage_shares=pipe.get("stage_fractions"), stage_params=pipe.get("stage_param_bytes"),
-                            stage_outputs=stage_outputs(prof, stages, ratio),
+                            stage_outputs=stage_outputs(prof, stages, ratio), stage_saved=pipe.get("stage_saved_bytes"),
                             schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
                             batch_ratio=ratio, shared_cores=shared_cores,
                             server_share=ps_busiest_share(w.param_bytes, servers) if servers else None)

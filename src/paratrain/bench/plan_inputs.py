@@ -86,7 +86,8 @@ def memory_inputs(prof: dict) -> MemoryInputs:
                         blocks_input=tuple(b["input_bytes"] for b in prof["blocks"]),
                         autocast_copies=prof.get("autocast_copy_bytes", 0.0),
                         blocks_copies=tuple(b.get("autocast_copy_bytes", 0.0) for b in prof["blocks"]),
-                        gather_scale=prof["strategy_inputs"].get("gather_scale", 1.0))
+                        gather_scale=prof["strategy_inputs"].get("gather_scale", 1.0),
+                        data_bytes=prof.get("data_bytes", 0.0))
 
 
 def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | None:

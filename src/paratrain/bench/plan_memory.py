@@ -22,10 +22,12 @@ one device, U the largest FSDP unit, all for one replica's batch):
   into a float32 buffer to be reduce-scattered, after the unit is resharded (FSDP2's ``post_backward``,
   ``foreach_reduce``): ``R g`` and ``U (g + 1)`` (the gathered unit and its gradient, ``2 U g``, are
   less);
-* pipeline (``stages``): the busiest stage s: its P_s, G_s and O P_s / P; its share of A and its
-  output (kept until the micro-batch's backward) for the micro-batches it has in flight (GPipe: all
-  M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe:
-  all M micro-batches'; 1F1B: one micro-batch's);
+* pipeline (``stages``): the busiest stage s: its P_s, O P_s / P and, from the first micro-batch's
+  backward on, G_s; the batch's own storage D (in A: a language model's batch is a view of its
+  corpus shard, which every stage keeps whole); its share of A - D (by the bytes each stage's forward
+  saves) and its output (kept until the micro-batch's backward) for the micro-batches it has in
+  flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the
+  last stage (GPipe: all M micro-batches'; 1F1B: one micro-batch's);
 * parameter server (``ps``): a worker holds P, its gradient and A + T; the busiest of K servers
   holds its shard S (whole parameters: S = P/K only where they balance) and O S/P, and in its step
   the gradients it received (n S synchronous, S an asynchronous update), the mean's buffer (S,
@@ -84,6 +86,7 @@ class MemoryInputs:
     autocast_copies: float = 0.0  # C: autocast's casts of the weights, kept for the backward (bf16, fp16)
     blocks_copies: tuple[float, ...] = ()  # the part of C each block makes
     gather_scale: float = 1.0  # g: FSDP's gathered bytes per stored byte (MixedPrecisionPolicy: 0.5 of float32)
+    data_bytes: float = 0.0  # D: the part of A that is the batch's own storage (a language model's: its corpus shard)
 
     def kept_activations(self) -> float:
         """A at the forward's end with every block checkpointed: the blocks keep their inputs alone
@@ -109,6 +112,8 @@ class _Layout:
     stage_outputs: list[float] | None = None
     schedule: str = "1f1b"
     num_ps: int = 1
+    stage_saved: list[float] | None = None
+    batch_ratio: float = 1.0
     shared_cores: bool = False
     server_share: float | None = None
 
@@ -118,7 +123,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                       stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
                       stage_outputs: list[float] | None = None, schedule: str = "1f1b",
                       num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False,
-                      server_share: float | None = None) -> dict[str, float]:
+                      server_share: float | None = None, stage_saved: list[float] | None = None) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
     ``total``; ``server`` too for a parameter server: the busiest of ``num_ps``, which holds
     ``server_share`` of the parameter bytes (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the
@@ -130,8 +135,10 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     or num_ps is below 1."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
-    layout = _Layout(synchronous_buckets, stages, microbatches, stage_shares, stage_params, stage_outputs,
-                     schedule, num_ps, shared_cores, server_share)
+    layout = _Layout(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
+                     stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs,
+                     schedule=schedule, num_ps=num_ps, shared_cores=shared_cores, server_share=server_share,
+                     stage_saved=stage_saved, batch_ratio=batch_ratio)
     if not (checkpointing and m.blocks_saved):
         return _at(model, n, m, layout, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies)
     kept = m.kept_activations()
@@ -169,8 +176,7 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         # activations; then (resharded) that gradient and its copy into the reduce-scatter's float32 buffer
         out["backward_start"] = p + o + act + root + m.largest_unit * (1 + gs)
     elif model == STAGES:
-        return _stage_memory(n, m, act, tmp, layout.stages, layout.microbatches, layout.stage_shares,
-                             layout.stage_params, layout.stage_outputs, layout.schedule, synchronous_buckets, copies)
+        return _stage_memory(n, m, act, tmp, layout, copies, data=m.data_bytes * layout.batch_ratio)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
@@ -193,32 +199,47 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
     return out
 
 
-def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, stages: int, microbatches: int,
-                  shares: list[float] | None, params: list[float] | None, outputs: list[float] | None,
-                  schedule: str, buckets: bool, copies: float = 0.0) -> dict:
-    """The pipeline's busiest stage: stage s holds its parameters P_s (a tied embedding in each stage
-    that uses it), their gradient, O P_s / P of the optimizer state, its share of the activations and
-    its output (``outputs[s]`` for the whole batch: what it sends the next stage, the model's output
-    on the last; ``torch.distributed.pipelining`` keeps a forward's outputs until that micro-batch's
-    backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M)), and on the
-    last stage the loss's temporaries: every micro-batch's under GPipe (all forwards first), one
-    micro-batch's under 1F1B (each micro-batch's backward follows its forward there); autocast's casts
-    of its weights, ``copies`` P_s / P (one autocast region over the schedule's step: cast once)."""
-    S, M = stages, microbatches
-    shares = list(shares) if shares else [1 / S] * S
-    params = list(params) if params else [m.params / S] * S
-    outputs = list(outputs) if outputs else [0.0] * S
+def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layout, copies: float = 0.0,
+                  data: float = 0.0) -> dict:
+    """The pipeline's busiest stage. Stage s holds its parameters P_s (a tied embedding in each stage
+    that uses it), O P_s / P of the optimizer state, autocast's casts of its weights ``copies`` P_s / P
+    (one autocast region over the schedule's step: cast once), the batch's own storage ``data`` (D,
+    every stage: each reads its replica's batch; a language model's is its corpus shard), and, per
+    micro-batch in flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019), its share of
+    the activations besides D and its output (``outputs[s]`` for the whole batch: what it sends the
+    next stage, the model's output on the last; ``torch.distributed.pipelining`` keeps a forward's
+    outputs until that micro-batch's backward). The share is ``stage_saved[s]`` over their sum (the
+    bytes each stage's forward saves, :func:`~.strategy_model.stage_saved`), else, from a profile
+    before version 43, the stage's share of the compute (``stage_shares``). The last stage adds the
+    loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's under
+    1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
+    from the first micro-batch's backward on: at the in-flight peak where M exceeds the micro-batches
+    in flight (1F1B: a later forward runs after the first backward), else at the larger of the
+    micro-batches all in flight without them and one fewer with them. Until 2026-11-30 the shares
+    were the compute's, D was one of the activations shared out, and G_s was left out: gpt_wt2's last
+    stage (of 2, M = 4) was predicted 322.0 MiB where MemTracker measured 351.2 (its gradient 17.0, D
+    15.9 held whole, not a fraction of a quarter)."""
+    S, M = layout.stages, layout.microbatches
+    shares = list(layout.stage_saved or layout.stage_shares or [1 / S] * S)
+    params = list(layout.stage_params) if layout.stage_params else [m.params / S] * S
+    outputs = list(layout.stage_outputs) if layout.stage_outputs else [0.0] * S
+    data = min(data, act)
     best: dict[str, float] = {}
     for s in range(S):
         p = params[s]
         o = m.optimizer * (p / m.params if m.params else 1 / S)
-        in_flight = M if schedule == "gpipe" else min(S - s, M)
-        a = (act * shares[s] / sum(shares) + outputs[s]) * in_flight / M
-        t = (tmp if schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
+        in_flight = M if layout.schedule == "gpipe" else min(S - s, M)
+        per_micro_batch = ((act - data) * shares[s] / sum(shares) + outputs[s]) / M
+        t = (tmp if layout.schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
         c = copies * (p / m.params if m.params else 1 / S)
-        kept = p if buckets and n > S else 0.0
-        total = max(p + kept + o + a + c + t, 2 * p + o)
-        if total > best.get("total", -1.0):
-            best = {"params": p, "grads": p, "optimizer": o, "activations": a, "autocast_copies": c,
-                    "temporaries": t, "total": total, "stage": s}
+        kept = layout.synchronous_buckets and n > S  # DDP's buckets hold the gradients between steps
+        moments = [(p if kept or M > in_flight else 0.0, in_flight)]
+        if not (kept or M > in_flight):
+            moments.append((p, in_flight - 1))  # after the first backward
+        for g, k in moments:
+            a = per_micro_batch * k + data
+            total = max(p + g + o + a + c + t, 2 * p + o + data)
+            if total > best.get("total", -1.0):
+                best = {"params": p, "grads": p, "optimizer": o, "activations": a, "autocast_copies": c,
+                        "temporaries": t, "total": total, "stage": s}
     return best

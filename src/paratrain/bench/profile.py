@@ -280,6 +280,7 @@ def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = No
         if device is not None and device.type == "cuda":  # the stages' model copy goes before the next
             torch.cuda.empty_cache()
         if "activation_bytes" in got:
-            keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor")
-            out["stage_profiles"][str(s)] = {k: got[k] for k in keys}
+            keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor",
+                    "stage_saved_bytes", "stage_data_bytes")
+            out["stage_profiles"][str(s)] = {k: got[k] for k in keys if k in got}
     return out

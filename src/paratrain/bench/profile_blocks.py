@@ -48,12 +48,43 @@ def parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
     return False
 
 
+def batch_storages(obj: Any) -> set[int]:
+    """The data pointers of the storages of every tensor in a batch (tensors, :class:`LMBatch` and
+    other objects by their attributes, dataclasses, tuples, lists, dicts): what a saved tensor that is
+    a view of the batch holds. A language model's batch is a view of its rank's batchified corpus
+    (``LMBatch``: inputs and targets are rows of one tensor), so its storage is that whole tensor."""
+    out: set[int] = set()
+
+    def walk(o: Any, depth: int = 0) -> None:
+        if depth > 4:
+            return
+        if isinstance(o, torch.Tensor):
+            out.add(o.untyped_storage().data_ptr())
+        elif isinstance(o, (tuple, list)):
+            for x in o:
+                walk(x, depth + 1)
+        elif isinstance(o, dict):
+            for x in o.values():
+                walk(x, depth + 1)
+        elif hasattr(o, "__dict__"):
+            for x in vars(o).values():
+                walk(x, depth + 1)
+        elif hasattr(o, "__slots__"):
+            for k in o.__slots__:
+                walk(getattr(o, k, None), depth + 1)
+
+    walk(obj)
+    return out
+
+
 class _BlockProbe:
     """Forward seconds, input bytes and saved bytes per block over one forward: activations, and
-    autocast's casts of the parameters apart (:func:`parameter_copy`)."""
+    autocast's casts of the parameters apart (:func:`parameter_copy`); of the activations, what is a
+    storage of the batch's own (``data``: data pointers, :func:`batch_storages`) in ``total_data``."""
 
-    def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> None:
-        self.blocks, self.device = blocks, device
+    def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device,
+                 data: set[int] = frozenset()) -> None:
+        self.blocks, self.device, self.data = blocks, device, data
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.stack: list[int] = []
         self.reset()
@@ -69,7 +100,7 @@ class _BlockProbe:
         self.forward_s, self.saved, self.inputs, self.copies = [0.0] * k, [0] * k, [0] * k, [0] * k
         self.seen: set[int] = set()
         self.t0 = [0.0] * k
-        self.total_saved = self.total_copies = 0
+        self.total_saved = self.total_copies = self.total_data = 0
 
     def _enter(self, i: int, args) -> None:
         synchronize(self.device)
@@ -97,6 +128,7 @@ class _BlockProbe:
                 self.total_copies += n
             else:
                 self.total_saved += n
+                self.total_data += n if ptr in self.data else 0
             if self.stack:
                 (self.copies if copy else self.saved)[self.stack[-1]] += n
         return t
@@ -170,17 +202,20 @@ def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, floa
     """Per block: forward seconds (mean of 2 steps), backward seconds (its forward share of the
     measured backward ``w``), parameter bytes, bytes saved for the backward (activations; autocast's
     casts of the parameters apart, ``autocast_copy_bytes``: 0 in fp32), input bytes; the whole
-    forward's saved bytes (the same two) and output bytes; the step's counted FLOPs (total and per unit)."""
+    forward's saved bytes (the same two; ``data_bytes``: the part of the activations that is the batch's
+    own storage, :func:`batch_storages`) and output bytes; the step's counted FLOPs (total and per unit)."""
     from ..models.checkpointing import blocks as model_blocks
     from .mfu import count_flops
 
     blocks = [b for b in model_blocks(model) if b is not model]
-    probe = _BlockProbe(model, blocks, device)
+    batch = draw()
+    probe = _BlockProbe(model, blocks, device, batch_storages(batch))
     try:
         with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
-            loss_fn(draw()).backward()  # what each block saves for the backward, and its inputs
+            loss_fn(batch).backward()  # what each block saves for the backward, and its inputs
         saved, inputs, total_saved, output_bytes = probe.saved, probe.inputs, probe.total_saved, probe.output_bytes
-        copies, total_copies = probe.copies, probe.total_copies
+        copies, total_copies, data_bytes = probe.copies, probe.total_copies, probe.total_data
+        del batch
         optimizer.zero_grad(set_to_none=True)
         probe.reset()
         for _ in range(2):
@@ -198,4 +233,5 @@ def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, floa
              "activation_bytes": saved[i], "autocast_copy_bytes": copies[i], "input_bytes": inputs[i]}
             for i, b in enumerate(blocks)]
     return {"blocks": rows, "activation_bytes": total_saved, "autocast_copy_bytes": total_copies,
-            "output_bytes": output_bytes, "flops_per_step": flops, "flops_per_unit": flops / tokens}
+            "data_bytes": data_bytes, "output_bytes": output_bytes, "flops_per_step": flops,
+            "flops_per_unit": flops / tokens}

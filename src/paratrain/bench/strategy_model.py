@@ -166,13 +166,14 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
 
     try:
         stages = cut_stages(model, cfg.dist.pipeline_stages, cfg.dist.pipeline_split)
-        feed, _ = task_hooks(task)  # (UsageError: this model or task does not pipeline)
+        feed, chunk = task_hooks(task)  # (UsageError: this model or task does not pipeline)
     except UsageError:
         stages = None
     if stages:
         from ..data.batching import move_to
 
-        batch = next(iter(task.train_steps(1, 0))).micro_batches[0]
+        # the replica's batch on the device, as the training loop moves it before the schedule feeds stage 0
+        batch = move_to(next(iter(task.train_steps(1, 0))).micro_batches[0], device, non_blocking=False)
         x = move_to(feed(batch), device, non_blocking=False)
         amp = precision_autocast(device, cfg.train.precision)
         with torch.no_grad(), amp():
@@ -186,7 +187,53 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
         out["shared_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if owners.get(id(p), 0) > 1)
         out["stage_param_bytes"] = [sum(p.numel() * p.element_size() for p in part.parameters()) for part in stages]
         out.update(stage_profile(stages, x, cfg.dist.microbatches, autocast=amp))
+        from ..strategies.pipeline import _Given
+
+        def loss_of(output, lo: int, hi: int):  # the task's loss on a micro-batch, as the last stage runs it
+            return task.loss(_Given(output), chunk(batch, lo, hi))[0]
+
+        out.update(stage_saved(stages, model, batch, x, cfg.dist.microbatches, loss_of, autocast=amp))
     return out
+
+
+def stage_saved(stages, model, batch, x, microbatches: int, loss_of: Callable[[Any, int, int], Any],
+                autocast: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """What each stage saves for its backward, measured on one micro-batch (``x``'s first rows /
+    ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs
+    it: each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo,
+    hi)`` on rows [lo, hi), under ``autocast()``; no backward runs. Per stage, for the replica's whole
+    batch (the micro-batch's bytes x ``microbatches``): ``stage_saved_bytes``, the saved tensors'
+    storages but the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`)
+    and the batch's own storages; ``stage_data_bytes``, the batch's own storages a stage saves
+    (:func:`~.profile_blocks.batch_storages`: a language model's targets and inputs are views of its
+    rank's batchified corpus, whole): held once by the stage however many micro-batches it has in
+    flight, not scaled by ``microbatches``. Bytes. The plan splits the one-device activations over
+    the stages by ``stage_saved_bytes`` (:func:`~.plan_memory.memory_per_device`)."""
+    import contextlib
+
+    import torch
+
+    from .profile_blocks import _BlockProbe, batch_storages
+
+    amp = autocast or contextlib.nullcontext
+    data = batch_storages(batch) | {x.untyped_storage().data_ptr()}
+    rows = max(1, x.size(0) // microbatches)
+    saved, held = [], []
+    h = x[:rows]
+    for s, stage in enumerate(stages):
+        probe = _BlockProbe(model, [], x.device, data)
+        try:
+            h = h.detach().requires_grad_(h.is_floating_point())
+            with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), amp():
+                out = stage(h)
+                if s == len(stages) - 1:
+                    loss_of(out, 0, rows)
+        finally:
+            probe.close()
+        saved.append(float(probe.total_saved - probe.total_data) * microbatches)
+        held.append(float(probe.total_data))
+        h = out
+    return {"stage_saved_bytes": saved, "stage_data_bytes": held}
 
 
 def precision_autocast(device, precision: str) -> Callable[[], Any]:
