@@ -79,9 +79,13 @@ def test_a_pipeline_stage_shares_the_activations_by_saved_bytes_and_holds_the_ba
     # 460 x 0.1 x 2/4 + 40 = 63, + 60 + 60 + 120 = 303
     m = memory_per_device(STAGES, 2, lm, schedule="1f1b", **kw)
     assert (m["total"], m["stage"], m["activations"]) == (pytest.approx(353.5), 1, pytest.approx(143.5))
-    # half the batch per replica: A, D and T halve: 230 x 0.9 / 4 + 20 + 50 + 50 + 100 + 5 = 276.75
+    # half the batch per replica: A - D and T halve, D (the replica's corpus shard) does not:
+    # 230 x 0.9 / 4 + 40 + 50 + 50 + 100 + 5 = 296.75
     half = memory_per_device(STAGES, 2, lm, schedule="1f1b", batch_ratio=0.5, **kw)
-    assert (half["total"], half["stage"]) == (pytest.approx(276.75), 1)
+    assert (half["total"], half["stage"]) == (pytest.approx(296.75), 1)
+    # 2 replicas of 2 stages (n = 4): each replica's stages hold half the corpus: 103.5 + 20 + 210 = 333.5
+    assert memory_per_device(STAGES, 4, lm, schedule="1f1b", synchronous_buckets=False,
+                             **kw)["total"] == pytest.approx(333.5)
     # gpt_wt2's last of 2 stages, M = 4 (profile v43, MiB): A 327.0 of which D 15.93, outputs (logits) 260.0,
     # T 520.0, P_1 17.01, O_1 34.01, saved shares [25.03, 286.05]: MemTracker measured 351.24 on rank 1
     gpt = MemoryInputs(params=17.79, optimizer=35.59, activations=327.0, temporaries=519.97, data_bytes=15.93)
@@ -89,6 +93,24 @@ def test_a_pipeline_stage_shares_the_activations_by_saved_bytes_and_holds_the_ba
                             stage_saved=[25.03, 286.05], stage_outputs=[1.0, 260.0])
     assert got["stage"] == 1
     assert got["total"] == pytest.approx(351.24, rel=0.01)
+
+
+def test_a_process_holds_its_shard_of_the_data_set_its_batch_views_whatever_its_batch():
+    """D (``data_bytes``, part of A): the data set's storage a language model's batch is a view of,
+    whole at one process; n processes hold D / n each, towers (one process) D, in every phase."""
+    m = MemoryInputs(params=100, optimizer=200, activations=50, temporaries=10, data_bytes=20)
+    # one device: the optimizer step P + G + O + D = 420 above the forward's end 100 + 200 + 50 + 10 = 360
+    assert memory_per_device(RING, 1, m)["total"] == 420
+    # n = 2: P + G (buckets) + O + (A - D) + D / 2 + T = 100 + 100 + 200 + 30 + 10 + 10 = 450; the batch halved,
+    # A - D and T halve, D / 2 does not: 100 + 100 + 200 + 15 + 10 + 5 = 430
+    assert memory_per_device(RING, 2, m)["total"] == 450
+    assert memory_per_device(RING, 2, m, batch_ratio=0.5)["total"] == 430
+    # CPU towers, n = 2, one process: every tower's A - D (60) and the one corpus (20)
+    assert memory_per_device(TOWERS, 2, m, shared_cores=True)["activations"] == 80
+    # gpt_wt2 (v42 profile, MiB): allreduce at N = 2, 17.79 x 2 + 35.59 + (327.0 - 15.93) + 15.93 / 2 + 519.97
+    # = 910.2, MemTracker 910.2 (was 918.2 with D scaled as the batch)
+    gpt = MemoryInputs(params=17.79, optimizer=35.59, activations=327.0, temporaries=519.97, data_bytes=15.93)
+    assert memory_per_device(RING, 2, gpt)["total"] == pytest.approx(910.2, abs=0.05)
 
 
 def test_a_pipeline_stage_with_every_micro_batch_in_flight_holds_its_gradient_after_the_first_backward():

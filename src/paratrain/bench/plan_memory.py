@@ -6,6 +6,12 @@ Memory per device (bytes; P parameters, G gradients = P in the parameters' dtype
 state, A the bytes the forward saves for the backward, T the step's other temporaries measured at
 one device, U the largest FSDP unit, all for one replica's batch):
 
+* the data set's storage that the batch is a view of (D, ``data_bytes``; in A as the profile measures
+  it): a language model's batch is rows of its rank's batchified corpus, and a saved view keeps the
+  whole shard. D is the whole corpus at one process: a process holds D / R where R processes split the
+  data (n, a pipeline's replicas n / S, one for towers), whatever its batch, and in every phase.
+  Until 2026-11-30 it was scaled with the batch as the rest of A: every data-parallel row at N = 2
+  was D / 2 high (gpt_wt2: +8.0 MiB, ptb_small: +3.5 MiB, exactly), towers D high;
 * the peak is the larger of two phases (Rajbhandari et al. 2020, "ZeRO", section 3, counts the same
   terms): the end of the forward, ``P_d + G_kept + O_d + A_d + T_d``, and the optimizer step,
   ``P_d + G_d + O_d + buffers``;
@@ -23,11 +29,11 @@ one device, U the largest FSDP unit, all for one replica's batch):
   ``foreach_reduce``): ``R g`` and ``U (g + 1)`` (the gathered unit and its gradient, ``2 U g``, are
   less);
 * pipeline (``stages``): the busiest stage s: its P_s, O P_s / P and, from the first micro-batch's
-  backward on, G_s; the batch's own storage D (in A: a language model's batch is a view of its
-  corpus shard, which every stage keeps whole); its share of A - D (by the bytes each stage's forward
-  saves) and its output (kept until the micro-batch's backward) for the micro-batches it has in
-  flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019); the loss's temporaries on the
-  last stage (GPipe: all M micro-batches'; 1F1B: one micro-batch's);
+  backward on, G_s; its replica's data shard D / R (every stage reads the replica's batch; below);
+  its share of A - D (by the bytes each stage's forward saves) and its output (kept until the
+  micro-batch's backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M),
+  Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe: all M micro-batches';
+  1F1B: one micro-batch's);
 * parameter server (``ps``): a worker holds P, its gradient and A + T; the busiest of K servers
   holds its shard S (whole parameters: S = P/K only where they balance) and O S/P, and in its step
   the gradients it received (n S synchronous, S an asynchronous update), the mean's buffer (S,
@@ -139,22 +145,37 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                      stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs,
                      schedule=schedule, num_ps=num_ps, shared_cores=shared_cores, server_share=server_share,
                      stage_saved=stage_saved, batch_ratio=batch_ratio)
+    # the data set's storage the batch views (D, in A): a process' own shard of it, whatever its batch
+    d = min(m.data_bytes, m.activations)
+    data = d / data_ranks(model, n, stages)
     if not (checkpointing and m.blocks_saved):
-        return _at(model, n, m, layout, m.activations * batch_ratio, m.temporaries * batch_ratio, m.autocast_copies)
-    kept = m.kept_activations()
+        return _at(model, n, m, layout, (m.activations - d) * batch_ratio, m.temporaries * batch_ratio,
+                   m.autocast_copies, data=data)
+    kept = max(0.0, m.kept_activations() - d)
     casts = max(0.0, m.autocast_copies - sum(m.blocks_copies))  # autocast's cache freed the blocks' casts
-    ends = _at(model, n, m, layout, kept * batch_ratio, m.temporaries * batch_ratio, casts)
+    ends = _at(model, n, m, layout, kept * batch_ratio, m.temporaries * batch_ratio, casts, data=data)
     # a block's recompute: its activations (and casts) back, and its backward's gradients of them (at
     # most those bytes, at most the step's temporaries), the loss's temporaries gone
     # (held once a device; CPU towers: up to n - 1 blocks at once, see the module)
     again = _at(model, n, m, layout, kept * batch_ratio, 0.0, casts,
                 once=(max(m.blocks_saved) * batch_ratio, min(m.temporaries, max(m.blocks_saved)) * batch_ratio,
-                      max(m.blocks_copies, default=0.0)))
+                      max(m.blocks_copies, default=0.0)), data=data)
     return max((ends, again), key=lambda phase: phase["total"])
 
 
+def data_ranks(model: str, n: int, stages: int = 1) -> int:
+    """The processes that split the data set at n devices (each holds its shard): n for one replica
+    per process (a parameter server's n workers too), the replicas n / S of a pipeline (every stage of
+    a replica reads its batch), 1 for towers (one process)."""
+    if model == TOWERS:
+        return 1
+    if model == STAGES:
+        return max(1, n // max(1, stages))
+    return max(1, n)
+
+
 def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: float,
-        copies: float, once: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> dict[str, float]:
+        copies: float, once: tuple[float, float, float] = (0.0, 0.0, 0.0), data: float = 0.0) -> dict[str, float]:
     """:func:`memory_per_device` at one moment: ``act`` bytes of activations and ``tmp`` of the loss's
     temporaries for one replica's batch, and ``copies`` of autocast's casts (not scaled by the
     batch), as held then; ``once``: activations, temporaries and casts of one block's recompute at
@@ -176,7 +197,7 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         # activations; then (resharded) that gradient and its copy into the reduce-scatter's float32 buffer
         out["backward_start"] = p + o + act + root + m.largest_unit * (1 + gs)
     elif model == STAGES:
-        return _stage_memory(n, m, act, tmp, layout, copies, data=m.data_bytes * layout.batch_ratio)
+        return _stage_memory(n, m, act, tmp, layout, copies, data=data)
     elif model == PS:
         o, g_kept = 0.0, 0.0
         # a server's peak, in its step: its shard and optimizer state, the gradients it received (n when
@@ -192,9 +213,11 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         blocks = max(1, n - 1) if layout.shared_cores else 1  # towers 1 ... n - 1 recompute together
         act, tmp, copies = act + blocks * once[0], tmp + once[1], copies + blocks * once[2]
     g = p if model != SHARDED_PARAMETERS else m.params / n
-    forward_end = p + g_kept + o + act + copies + tmp + root
-    optimizer_phase = p + g + o + gather
-    out.update({"params": p, "grads": g, "optimizer": o, "activations": act, "autocast_copies": copies,
+    forward_end = p + g_kept + o + act + data + copies + tmp + root
+    optimizer_phase = p + g + o + gather + data
+    if "backward_start" in out:
+        out["backward_start"] += data
+    out.update({"params": p, "grads": g, "optimizer": o, "activations": act + data, "autocast_copies": copies,
                 "temporaries": tmp, "total": max(forward_end, optimizer_phase, out.pop("backward_start", 0.0))})
     return out
 
@@ -203,33 +226,32 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
                   data: float = 0.0) -> dict:
     """The pipeline's busiest stage. Stage s holds its parameters P_s (a tied embedding in each stage
     that uses it), O P_s / P of the optimizer state, autocast's casts of its weights ``copies`` P_s / P
-    (one autocast region over the schedule's step: cast once), the batch's own storage ``data`` (D,
-    every stage: each reads its replica's batch; a language model's is its corpus shard), and, per
-    micro-batch in flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019), its share of
-    the activations besides D and its output (``outputs[s]`` for the whole batch: what it sends the
-    next stage, the model's output on the last; ``torch.distributed.pipelining`` keeps a forward's
-    outputs until that micro-batch's backward). The share is ``stage_saved[s]`` over their sum (the
-    bytes each stage's forward saves, :func:`~.strategy_model.stage_saved`), else, from a profile
-    before version 43, the stage's share of the compute (``stage_shares``). The last stage adds the
-    loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's under
-    1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
-    from the first micro-batch's backward on: at the in-flight peak where M exceeds the micro-batches
-    in flight (1F1B: a later forward runs after the first backward), else at the larger of the
-    micro-batches all in flight without them and one fewer with them. Until 2026-11-30 the shares
-    were the compute's, D was one of the activations shared out, and G_s was left out: gpt_wt2's last
-    stage (of 2, M = 4) was predicted 322.0 MiB where MemTracker measured 351.2 (its gradient 17.0, D
-    15.9 held whole, not a fraction of a quarter)."""
+    (one autocast region over the schedule's step: cast once), the data set's storage its replica's
+    batch views, ``data`` (every stage reads the replica's batch: a language model's corpus shard), and,
+    per micro-batch in flight (GPipe: all M; 1F1B: min(S - s, M), Narayanan et al. 2019), its share of
+    the activations ``act`` (without that storage) and its output (``outputs[s]`` for the whole batch:
+    what it sends the next stage, the model's output on the last; ``torch.distributed.pipelining`` keeps
+    a forward's outputs until that micro-batch's backward). The share is ``stage_saved[s]`` over their
+    sum (the bytes each stage's forward saves, :func:`~.strategy_model.stage_saved`), else, from a
+    profile before version 43, the stage's share of the compute (``stage_shares``). The last stage adds
+    the loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's
+    under 1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
+    from the first micro-batch's backward on: at the in-flight peak where M exceeds the micro-batches in
+    flight (1F1B: a later forward runs after the first backward), else at the larger of the
+    micro-batches all in flight without them and one fewer with them. Until 2026-11-30 the shares were
+    the compute's, D was one of the activations shared out, and G_s was left out: gpt_wt2's last stage
+    (of 2, M = 4) was predicted 322.0 MiB where MemTracker measured 351.2 (its gradient 17.0, D 15.9
+    held whole, not a fraction of a quarter)."""
     S, M = layout.stages, layout.microbatches
     shares = list(layout.stage_saved or layout.stage_shares or [1 / S] * S)
     params = list(layout.stage_params) if layout.stage_params else [m.params / S] * S
     outputs = list(layout.stage_outputs) if layout.stage_outputs else [0.0] * S
-    data = min(data, act)
     best: dict[str, float] = {}
     for s in range(S):
         p = params[s]
         o = m.optimizer * (p / m.params if m.params else 1 / S)
         in_flight = M if layout.schedule == "gpipe" else min(S - s, M)
-        per_micro_batch = ((act - data) * shares[s] / sum(shares) + outputs[s]) / M
+        per_micro_batch = (act * shares[s] / sum(shares) + outputs[s]) / M
         t = (tmp if layout.schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
         c = copies * (p / m.params if m.params else 1 / S)
         kept = layout.synchronous_buckets and n > S  # DDP's buckets hold the gradients between steps

@@ -48,18 +48,20 @@ def parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
     return False
 
 
-def batch_storages(obj: Any) -> set[int]:
-    """The data pointers of the storages of every tensor in a batch (tensors, :class:`LMBatch` and
-    other objects by their attributes, dataclasses, tuples, lists, dicts): what a saved tensor that is
-    a view of the batch holds. A language model's batch is a view of its rank's batchified corpus
-    (``LMBatch``: inputs and targets are rows of one tensor), so its storage is that whole tensor."""
+def data_set_storages(obj: Any) -> set[int]:
+    """The data pointers of the storages that a batch's tensors are views of and that hold more than
+    the tensor (tensors, :class:`LMBatch` and other objects by their attributes, dataclasses, tuples,
+    lists, dicts): the data set's tensor the batch is cut from, which a saved view of the batch keeps
+    whole. A language model's batch (``LMBatch``: inputs and targets are rows of its rank's batchified
+    corpus) is such a view; a batch collated into tensors of its own (digits) is not."""
     out: set[int] = set()
 
     def walk(o: Any, depth: int = 0) -> None:
         if depth > 4:
             return
         if isinstance(o, torch.Tensor):
-            out.add(o.untyped_storage().data_ptr())
+            if o.untyped_storage().nbytes() > _bytes(o):
+                out.add(o.untyped_storage().data_ptr())
         elif isinstance(o, (tuple, list)):
             for x in o:
                 walk(x, depth + 1)
@@ -69,9 +71,6 @@ def batch_storages(obj: Any) -> set[int]:
         elif hasattr(o, "__dict__"):
             for x in vars(o).values():
                 walk(x, depth + 1)
-        elif hasattr(o, "__slots__"):
-            for k in o.__slots__:
-                walk(getattr(o, k, None), depth + 1)
 
     walk(obj)
     return out
@@ -79,8 +78,9 @@ def batch_storages(obj: Any) -> set[int]:
 
 class _BlockProbe:
     """Forward seconds, input bytes and saved bytes per block over one forward: activations, and
-    autocast's casts of the parameters apart (:func:`parameter_copy`); of the activations, what is a
-    storage of the batch's own (``data``: data pointers, :func:`batch_storages`) in ``total_data``."""
+    autocast's casts of the parameters apart (:func:`parameter_copy`); of the activations, what is
+    the data set's storage the batch views (``data``: data pointers, :func:`data_set_storages`) in
+    ``total_data``."""
 
     def __init__(self, model: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device,
                  data: set[int] = frozenset()) -> None:
@@ -199,17 +199,18 @@ def _checkpointing_cost(model, loss_fn, draw, device, step_s: float, rounds: int
 
 
 def _blocks_and_flops(model, optimizer, loss_fn, draw, device, w: dict[str, float], tokens: float) -> dict[str, Any]:
-    """Per block: forward seconds (mean of 2 steps), backward seconds (its forward share of the
-    measured backward ``w``), parameter bytes, bytes saved for the backward (activations; autocast's
-    casts of the parameters apart, ``autocast_copy_bytes``: 0 in fp32), input bytes; the whole
-    forward's saved bytes (the same two; ``data_bytes``: the part of the activations that is the batch's
-    own storage, :func:`batch_storages`) and output bytes; the step's counted FLOPs (total and per unit)."""
+    """Per block: forward seconds (mean of 2 steps), backward seconds (its forward share of the measured
+    backward ``w``), parameter bytes, bytes saved for the backward (activations; autocast's casts of the
+    parameters apart, ``autocast_copy_bytes``: 0 in fp32), input bytes; the whole forward's saved bytes
+    (the same two; ``data_bytes``: the part of the activations that is the data set's storage the batch
+    views, :func:`data_set_storages`: a language model's corpus shard) and output bytes; the step's
+    counted FLOPs (total and per unit)."""
     from ..models.checkpointing import blocks as model_blocks
     from .mfu import count_flops
 
     blocks = [b for b in model_blocks(model) if b is not model]
     batch = draw()
-    probe = _BlockProbe(model, blocks, device, batch_storages(batch))
+    probe = _BlockProbe(model, blocks, device, data_set_storages(batch))
     try:
         with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
             loss_fn(batch).backward()  # what each block saves for the backward, and its inputs

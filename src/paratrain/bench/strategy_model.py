@@ -199,24 +199,24 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
 def stage_saved(stages, model, batch, x, microbatches: int, loss_of: Callable[[Any, int, int], Any],
                 autocast: Callable[[], Any] | None = None) -> dict[str, list[float]]:
     """What each stage saves for its backward, measured on one micro-batch (``x``'s first rows /
-    ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs
-    it: each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo,
-    hi)`` on rows [lo, hi), under ``autocast()``; no backward runs. Per stage, for the replica's whole
-    batch (the micro-batch's bytes x ``microbatches``): ``stage_saved_bytes``, the saved tensors'
-    storages but the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`)
-    and the batch's own storages; ``stage_data_bytes``, the batch's own storages a stage saves
-    (:func:`~.profile_blocks.batch_storages`: a language model's targets and inputs are views of its
-    rank's batchified corpus, whole): held once by the stage however many micro-batches it has in
-    flight, not scaled by ``microbatches``. Bytes. The plan splits the one-device activations over
-    the stages by ``stage_saved_bytes`` (:func:`~.plan_memory.memory_per_device`)."""
+    ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs it:
+    each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo, hi)``
+    on rows [lo, hi), under ``autocast()``; no backward runs. Per stage, for the replica's whole batch
+    (the micro-batch's bytes x ``microbatches``): ``stage_saved_bytes``, the saved tensors' storages but
+    the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`) and the data
+    set's storage the batch views; ``stage_data_bytes``, that storage where a stage saves a view of it
+    (:func:`~.profile_blocks.data_set_storages`: a language model's inputs and targets are views of its
+    rank's batchified corpus, kept whole): held once by the process however many micro-batches it has in
+    flight, not scaled by ``microbatches``. Bytes. The plan splits the one-device activations over the
+    stages by ``stage_saved_bytes`` (:func:`~.plan_memory.memory_per_device`)."""
     import contextlib
 
     import torch
 
-    from .profile_blocks import _BlockProbe, batch_storages
+    from .profile_blocks import _BlockProbe, data_set_storages
 
     amp = autocast or contextlib.nullcontext
-    data = batch_storages(batch) | {x.untyped_storage().data_ptr()}
+    data = data_set_storages(batch) | data_set_storages(x)
     rows = max(1, x.size(0) // microbatches)
     saved, held = [], []
     h = x[:rows]
