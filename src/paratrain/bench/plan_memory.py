@@ -29,7 +29,7 @@ one device, U the largest FSDP unit, all for one replica's batch):
   ``foreach_reduce``): ``R g`` and ``U (g + 1)`` (the gathered unit and its gradient, ``2 U g``, are
   less);
 * pipeline (``stages``): the busiest stage s: its P_s, O P_s / P and, from the first micro-batch's
-  backward on, G_s; its replica's data shard D / R (every stage reads the replica's batch; below);
+  backward on, G_s; its replica's data shard D / R (every stage reads the replica's batch; above);
   its share of A - D (by the bytes each stage's forward saves) and its output (kept until the
   micro-batch's backward) for the micro-batches it has in flight (GPipe: all M; 1F1B: min(S - s, M),
   Narayanan et al. 2019); the loss's temporaries on the last stage (GPipe: all M micro-batches';
@@ -92,7 +92,7 @@ class MemoryInputs:
     autocast_copies: float = 0.0  # C: autocast's casts of the weights, kept for the backward (bf16, fp16)
     blocks_copies: tuple[float, ...] = ()  # the part of C each block makes
     gather_scale: float = 1.0  # g: FSDP's gathered bytes per stored byte (MixedPrecisionPolicy: 0.5 of float32)
-    data_bytes: float = 0.0  # D: the part of A that is the batch's own storage (a language model's: its corpus shard)
+    data_bytes: float = 0.0  # D: the part of A that is the data set's storage the batch views (an LM's corpus)
 
     def kept_activations(self) -> float:
         """A at the forward's end with every block checkpointed: the blocks keep their inputs alone
@@ -233,9 +233,9 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
     what it sends the next stage, the model's output on the last; ``torch.distributed.pipelining`` keeps
     a forward's outputs until that micro-batch's backward). The share is ``stage_saved[s]`` over their
     sum (the bytes each stage's forward saves, :func:`~.strategy_model.stage_saved`), else, from a
-    profile before version 43, the stage's share of the compute (``stage_shares``). The last stage adds
-    the loss's temporaries: every micro-batch's under GPipe (all forwards first), one micro-batch's
-    under 1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
+    profile without them, the stage's share of the compute (``stage_shares``). The last stage adds
+    the loss's temporaries: every micro-batch's in flight under GPipe (all forwards first), one
+    micro-batch's under 1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
     from the first micro-batch's backward on: at the in-flight peak where M exceeds the micro-batches in
     flight (1F1B: a later forward runs after the first backward), else at the larger of the
     micro-batches all in flight without them and one fewer with them. Until 2026-11-30 the shares were
@@ -243,7 +243,7 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
     (of 2, M = 4) was predicted 322.0 MiB where MemTracker measured 351.2 (its gradient 17.0, D 15.9
     held whole, not a fraction of a quarter)."""
     S, M = layout.stages, layout.microbatches
-    shares = list(layout.stage_saved or layout.stage_shares or [1 / S] * S)
+    shares = next((list(x) for x in (layout.stage_saved, layout.stage_shares) if x and sum(x) > 0), [1 / S] * S)
     params = list(layout.stage_params) if layout.stage_params else [m.params / S] * S
     outputs = list(layout.stage_outputs) if layout.stage_outputs else [0.0] * S
     best: dict[str, float] = {}
@@ -252,7 +252,6 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
         o = m.optimizer * (p / m.params if m.params else 1 / S)
         in_flight = M if layout.schedule == "gpipe" else min(S - s, M)
         per_micro_batch = (act * shares[s] / sum(shares) + outputs[s]) / M
-        t = (tmp if layout.schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
         c = copies * (p / m.params if m.params else 1 / S)
         kept = layout.synchronous_buckets and n > S  # DDP's buckets hold the gradients between steps
         moments = [(p if kept or M > in_flight else 0.0, in_flight)]
@@ -260,6 +259,7 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
             moments.append((p, in_flight - 1))  # after the first backward
         for g, k in moments:
             a = per_micro_batch * k + data
+            t = (tmp * k / M if layout.schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0
             total = max(p + g + o + a + c + t, 2 * p + o + data)
             if total > best.get("total", -1.0):
                 best = {"params": p, "grads": p, "optimizer": o, "activations": a, "autocast_copies": c,

@@ -281,6 +281,6 @@ def _stage_inputs(task, cfg, cores: int | None, device: torch.device | None = No
             torch.cuda.empty_cache()
         if "activation_bytes" in got:
             keys = ("activation_bytes", "shared_bytes", "stage_param_bytes", "stage_fractions", "microbatch_factor",
-                    "stage_saved_bytes", "stage_data_bytes")
+                    "stage_saved_bytes")
             out["stage_profiles"][str(s)] = {k: got[k] for k in keys if k in got}
     return out

@@ -48,32 +48,36 @@ def parameter_copy(t: torch.Tensor, params: set[int]) -> bool:
     return False
 
 
+def batch_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor in a batch: tensors, :class:`LMBatch` and other objects by their attributes,
+    dataclasses, tuples, lists, dicts (4 levels deep)."""
+    if depth > 4:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for x in items for t in batch_tensors(x, depth + 1)]
+
+
 def data_set_storages(obj: Any) -> set[int]:
-    """The data pointers of the storages that a batch's tensors are views of and that hold more than
-    the tensor (tensors, :class:`LMBatch` and other objects by their attributes, dataclasses, tuples,
-    lists, dicts): the data set's tensor the batch is cut from, which a saved view of the batch keeps
-    whole. A language model's batch (``LMBatch``: inputs and targets are rows of its rank's batchified
-    corpus) is such a view; a batch collated into tensors of its own (digits) is not."""
-    out: set[int] = set()
-
-    def walk(o: Any, depth: int = 0) -> None:
-        if depth > 4:
-            return
-        if isinstance(o, torch.Tensor):
-            if o.untyped_storage().nbytes() > _bytes(o):
-                out.add(o.untyped_storage().data_ptr())
-        elif isinstance(o, (tuple, list)):
-            for x in o:
-                walk(x, depth + 1)
-        elif isinstance(o, dict):
-            for x in o.values():
-                walk(x, depth + 1)
-        elif hasattr(o, "__dict__"):
-            for x in vars(o).values():
-                walk(x, depth + 1)
-
-    walk(obj)
-    return out
+    """The data pointers of the storages that a batch's tensors (:func:`batch_tensors`; give the
+    step's every micro-batch) are views of and that hold more than all of them together: the data
+    set's tensor the batch is cut from, which a saved view of the batch keeps whole. A language
+    model's batch (``LMBatch``: inputs and targets are rows of its rank's batchified corpus) is such a
+    view; a batch collated into tensors of its own (digits), or cut into views of one (a sequence's
+    inputs and targets ``seq[:, :-1]``, ``seq[:, 1:]``), is not."""
+    viewed: dict[int, list] = {}
+    for t in batch_tensors(obj):
+        st = t.untyped_storage()
+        viewed.setdefault(st.data_ptr(), [st.nbytes(), 0])[1] += _bytes(t)
+    return {ptr for ptr, (whole, seen) in viewed.items() if whole > seen}
 
 
 class _BlockProbe:
@@ -129,7 +133,7 @@ class _BlockProbe:
             else:
                 self.total_saved += n
                 self.total_data += n if ptr in self.data else 0
-            if self.stack:
+            if self.stack and ptr not in self.data:  # the data set's storage is no block's: D apart
                 (self.copies if copy else self.saved)[self.stack[-1]] += n
         return t
 

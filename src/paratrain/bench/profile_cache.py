@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 
 PROFILE_VERSION = 43  # 43: what each pipeline stage's forward saves for a micro-batch (stage_saved_bytes, the
-# plan's split of the activations over the stages; was their compute's split) and the batch's own storage it
-# keeps (stage_data_bytes), and the part of the one-device activations that is the batch's storage
-# (data_bytes: a language model's corpus shard; any device, any precision);
+# plan's split of the activations over the stages; was their compute's split), and the part of the
+# one-device activations that is the data set's storage the batch views (data_bytes: a language model's
+# corpus shard; any device, any precision);
 # 42: what checkpointing every block costs the step ("checkpointing": the model and
 # a checkpointed copy timed in paired rounds, in process; any device, any precision);
 # 41: a bf16 or fp16 recipe's autocast casts of the weights apart from the activations

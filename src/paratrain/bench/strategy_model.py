@@ -201,39 +201,43 @@ def stage_saved(stages, model, batch, x, microbatches: int, loss_of: Callable[[A
     """What each stage saves for its backward, measured on one micro-batch (``x``'s first rows /
     ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs it:
     each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo, hi)``
-    on rows [lo, hi), under ``autocast()``; no backward runs. Per stage, for the replica's whole batch
-    (the micro-batch's bytes x ``microbatches``): ``stage_saved_bytes``, the saved tensors' storages but
-    the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`) and the data
-    set's storage the batch views; ``stage_data_bytes``, that storage where a stage saves a view of it
-    (:func:`~.profile_blocks.data_set_storages`: a language model's inputs and targets are views of its
-    rank's batchified corpus, kept whole): held once by the process however many micro-batches it has in
-    flight, not scaled by ``microbatches``. Bytes. The plan splits the one-device activations over the
-    stages by ``stage_saved_bytes`` (:func:`~.plan_memory.memory_per_device`)."""
+    on rows [lo, hi), under ``autocast()``; no backward runs. ``stage_saved_bytes``, per stage for the
+    replica's whole batch (the micro-batch's bytes x ``microbatches``): the storages of the tensors it
+    saves but the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`), the
+    batch's tensors and what they view (the loop holds the batch whole, once: a language model's
+    corpus shard is the plan's D, :func:`~.profile_blocks.data_set_storages`) and the stage's own
+    output (the plan counts it apart, ``stage_outputs``). Bytes. The plan splits the one-device
+    activations over the stages by these (:func:`~.plan_memory.memory_per_device`)."""
     import contextlib
 
     import torch
 
-    from .profile_blocks import _BlockProbe, data_set_storages
+    from .profile_blocks import batch_tensors, parameter_copy
 
     amp = autocast or contextlib.nullcontext
-    data = data_set_storages(batch) | data_set_storages(x)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    given = {t.untyped_storage().data_ptr() for t in batch_tensors(batch) + [x]}
     rows = max(1, x.size(0) // microbatches)
-    saved, held = [], []
+    saved = []
     h = x[:rows]
     for s, stage in enumerate(stages):
-        probe = _BlockProbe(model, [], x.device, data)
-        try:
-            h = h.detach().requires_grad_(h.is_floating_point())
-            with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), amp():
-                out = stage(h)
-                if s == len(stages) - 1:
-                    loss_of(out, 0, rows)
-        finally:
-            probe.close()
-        saved.append(float(probe.total_saved - probe.total_data) * microbatches)
-        held.append(float(probe.total_data))
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in given and not parameter_copy(t, params):
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        h = h.detach().requires_grad_(h.is_floating_point())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp():
+            out = stage(h)
+            if s == len(stages) - 1:
+                loss_of(out, 0, rows)
+        kept.pop(out.untyped_storage().data_ptr(), None)
+        saved.append(float(sum(kept.values())) * microbatches)
         h = out
-    return {"stage_saved_bytes": saved, "stage_data_bytes": held}
+    return {"stage_saved_bytes": saved}
 
 
 def precision_autocast(device, precision: str) -> Callable[[], Any]:

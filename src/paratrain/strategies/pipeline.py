@@ -339,10 +339,11 @@ class Pipeline(ShardedCheckpoints, AllReduce):
         skip = {id(p.grad) for p in self.stage_params if id(p) in self.counted_elsewhere and p.grad is not None}
         own = {id(p.grad) for p in self.stage_params if p.grad is not None}
         mine = [g for g in grads if id(g) in own and id(g) not in skip]
-        # each tensor's norm accumulated in float64 without a float64 copy of it (a copy and its square
-        # held 4 x the largest gradient's float32 bytes: gpt_wt2's stage 0 peaked there, 65 MiB above)
-        sq = sum((torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float64).pow(2) for g in mine),
-                 torch.zeros((), dtype=torch.float64, device=self.device))
+        # this stage's part as one device computes the whole (get_total_norm, in the gradients' dtype: no
+        # copy of them; a float64 copy and its square held 4 x the largest float32 gradient, gpt_wt2's
+        # stage 0 peaked there), its square summed over the stages in float64
+        part = nn.utils.get_total_norm(mine, 2.0, foreach=True) if mine else torch.zeros((), device=self.device)
+        sq = part.detach().double().pow(2)
         dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt().to(grads[0].dtype if grads else torch.float32)
 
