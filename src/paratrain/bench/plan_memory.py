@@ -119,7 +119,6 @@ class _Layout:
     schedule: str = "1f1b"
     num_ps: int = 1
     stage_saved: list[float] | None = None
-    batch_ratio: float = 1.0
     shared_cores: bool = False
     server_share: float | None = None
 
@@ -134,17 +133,19 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     ``total``; ``server`` too for a parameter server: the busiest of ``num_ps``, which holds
     ``server_share`` of the parameter bytes (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the
     total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
-    batch over the profiled one (activations and temporaries scale with it); ``shared_cores``: towers
-    on CPU virtual devices (one memory). ``checkpointing``: the larger of two moments (see the
-    module): the forward's end, with the loss's temporaries T, and a block's recompute, with its
-    backward's instead. Raises :class:`~paratrain.errors.UsageError` where n, stages, microbatches
+    batch over the profiled one (activations but D, and temporaries, scale with it); ``shared_cores``:
+    towers on CPU virtual devices (one memory). ``stage_saved``: the bytes each pipeline stage's
+    forward saves (:func:`~.strategy_model.stage_saved`), by which the stages split A - D (None: by
+    ``stage_shares``, their compute's). ``checkpointing``: the larger of two moments (see the module):
+    the forward's end, with the loss's temporaries T, and a block's recompute, with its backward's
+    instead. Bytes in, bytes out. Raises :class:`~paratrain.errors.UsageError` where n, stages, microbatches
     or num_ps is below 1."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
     layout = _Layout(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
                      stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs,
                      schedule=schedule, num_ps=num_ps, shared_cores=shared_cores, server_share=server_share,
-                     stage_saved=stage_saved, batch_ratio=batch_ratio)
+                     stage_saved=stage_saved)
     # the data set's storage the batch views (D, in A): a process' own shard of it, whatever its batch
     d = min(m.data_bytes, m.activations)
     data = d / data_ranks(model, n, stages)
