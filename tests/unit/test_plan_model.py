@@ -2594,7 +2594,7 @@ def test_stage_saved_counts_what_each_stage_saves_but_the_batch_and_its_output()
     too: one storage) and its output, which the plan counts apart (``stage_outputs``): 3 rows x 8 x 4
     bytes a micro-batch, x 2 micro-batches = 192 bytes for the batch; the Linears' weights are
     parameters, not counted."""
-    from paratrain.bench.strategy_model import stage_saved
+    from paratrain.bench.profile_blocks import stage_saved
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))

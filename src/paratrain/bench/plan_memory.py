@@ -135,7 +135,7 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     total: whole parameters; None: 1/num_ps, an even split). ``batch_ratio``: this layout's per-replica
     batch over the profiled one (activations but D, and temporaries, scale with it); ``shared_cores``:
     towers on CPU virtual devices (one memory). ``stage_saved``: the bytes each pipeline stage's
-    forward saves (:func:`~.strategy_model.stage_saved`), by which the stages split A - D (None: by
+    forward saves (:func:`~.profile_blocks.stage_saved`), by which the stages split A - D (None: by
     ``stage_shares``, their compute's). ``checkpointing``: the larger of two moments (see the module):
     the forward's end, with the loss's temporaries T, and a block's recompute, with its backward's
     instead. Bytes in, bytes out. Raises :class:`~paratrain.errors.UsageError` where n, stages, microbatches
@@ -171,7 +171,7 @@ def data_ranks(model: str, n: int, stages: int = 1) -> int:
     if model == TOWERS:
         return 1
     if model == STAGES:
-        return max(1, n // max(1, stages))
+        return max(1, n // stages)
     return max(1, n)
 
 
@@ -233,7 +233,7 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
     the activations ``act`` (without that storage) and its output (``outputs[s]`` for the whole batch:
     what it sends the next stage, the model's output on the last; ``torch.distributed.pipelining`` keeps
     a forward's outputs until that micro-batch's backward). The share is ``stage_saved[s]`` over their
-    sum (the bytes each stage's forward saves, :func:`~.strategy_model.stage_saved`), else, from a
+    sum (the bytes each stage's forward saves, :func:`~.profile_blocks.stage_saved`), else, from a
     profile without them, the stage's share of the compute (``stage_shares``). The last stage adds
     the loss's temporaries: every micro-batch's in flight under GPipe (all forwards first), one
     micro-batch's under 1F1B (each micro-batch's backward follows its forward there). The gradients G_s = P_s are held
@@ -254,10 +254,10 @@ def _stage_memory(n: int, m: MemoryInputs, act: float, tmp: float, layout: _Layo
         in_flight = M if layout.schedule == "gpipe" else min(S - s, M)
         per_micro_batch = (act * shares[s] / sum(shares) + outputs[s]) / M
         c = copies * (p / m.params if m.params else 1 / S)
-        kept = layout.synchronous_buckets and n > S  # DDP's buckets hold the gradients between steps
-        moments = [(p if kept or M > in_flight else 0.0, in_flight)]
-        if not (kept or M > in_flight):
-            moments.append((p, in_flight - 1))  # after the first backward
+        # (gradient bytes, micro-batches in flight): DDP's buckets hold the gradients between steps, and a
+        # later forward than the first backward runs beside them; else all in flight before it, one fewer after
+        held = (layout.synchronous_buckets and n > S) or M > in_flight
+        moments = [(p, in_flight)] if held else [(0.0, in_flight), (p, in_flight - 1)]
         for g, k in moments:
             a = per_micro_batch * k + data
             t = (tmp * k / M if layout.schedule == "gpipe" else tmp / M) if s == S - 1 else 0.0

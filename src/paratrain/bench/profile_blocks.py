@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -102,7 +102,7 @@ class _BlockProbe:
     def reset(self) -> None:
         k = len(self.blocks)
         self.forward_s, self.saved, self.inputs, self.copies = [0.0] * k, [0] * k, [0] * k, [0] * k
-        self.seen: set[int] = set()
+        self.seen: dict[int, int] = {}  # storage data pointer: bytes, of every saved tensor but the parameters
         self.t0 = [0.0] * k
         self.total_saved = self.total_copies = self.total_data = 0
 
@@ -125,8 +125,7 @@ class _BlockProbe:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self.params and ptr not in self.seen:
-            self.seen.add(ptr)
-            n = t.untyped_storage().nbytes()
+            n = self.seen[ptr] = t.untyped_storage().nbytes()
             copy = parameter_copy(t, self.params)
             if copy:
                 self.total_copies += n
@@ -140,6 +139,42 @@ class _BlockProbe:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def stage_saved(stages, model, batch, x, microbatches: int, loss_of: Callable[[Any, int, int], Any],
+                autocast: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """What each stage saves for its backward, measured on one micro-batch (``x``'s first rows /
+    ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs it:
+    each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo, hi)``
+    on rows [lo, hi), under ``autocast()``; no backward runs. ``stage_saved_bytes``, per stage for the
+    replica's whole batch (the micro-batch's bytes x ``microbatches``): the storages of the tensors it
+    saves (:class:`_BlockProbe`: not the parameters nor autocast's casts of them) but the batch's
+    tensors and what they view (the loop holds the batch whole, once: a language model's corpus shard
+    is the plan's D, :func:`data_set_storages`) and the stage's own output (the plan counts it apart,
+    ``stage_outputs``). Bytes. The plan splits the one-device activations over the stages by these
+    (:func:`~.plan_memory.memory_per_device`)."""
+    import contextlib
+
+    amp = autocast or contextlib.nullcontext
+    given = {t.untyped_storage().data_ptr() for t in batch_tensors(batch) + [x]}
+    rows = max(1, x.size(0) // microbatches)
+    saved = []
+    h = x[:rows]
+    for s, stage in enumerate(stages):
+        probe = _BlockProbe(model, [], x.device, given)
+        try:
+            h = h.detach().requires_grad_(h.is_floating_point())
+            with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), amp():
+                out = stage(h)
+                if s == len(stages) - 1:
+                    loss_of(out, 0, rows)
+        finally:
+            probe.close()
+        ptr = out.untyped_storage().data_ptr()
+        own = probe.total_saved - probe.total_data - (probe.seen.get(ptr, 0) if ptr not in given else 0)
+        saved.append(float(own) * microbatches)
+        h = out
+    return {"stage_saved_bytes": saved}
 
 
 def forward_backward_s(forward: Any, device) -> tuple[float, float]:

@@ -192,52 +192,10 @@ def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
         def loss_of(output, lo: int, hi: int):  # the task's loss on a micro-batch, as the last stage runs it
             return task.loss(_Given(output), chunk(batch, lo, hi))[0]
 
+        from .profile_blocks import stage_saved
+
         out.update(stage_saved(stages, model, batch, x, cfg.dist.microbatches, loss_of, autocast=amp))
     return out
-
-
-def stage_saved(stages, model, batch, x, microbatches: int, loss_of: Callable[[Any, int, int], Any],
-                autocast: Callable[[], Any] | None = None) -> dict[str, list[float]]:
-    """What each stage saves for its backward, measured on one micro-batch (``x``'s first rows /
-    ``microbatches``; ``x``: stage 0's input for a replica's batch ``batch``) as the pipeline runs it:
-    each stage on the previous one's output, the last with the task's loss ``loss_of(output, lo, hi)``
-    on rows [lo, hi), under ``autocast()``; no backward runs. ``stage_saved_bytes``, per stage for the
-    replica's whole batch (the micro-batch's bytes x ``microbatches``): the storages of the tensors it
-    saves but the parameters, autocast's casts of them (:func:`~.profile_blocks.parameter_copy`), the
-    batch's tensors and what they view (the loop holds the batch whole, once: a language model's
-    corpus shard is the plan's D, :func:`~.profile_blocks.data_set_storages`) and the stage's own
-    output (the plan counts it apart, ``stage_outputs``). Bytes. The plan splits the one-device
-    activations over the stages by these (:func:`~.plan_memory.memory_per_device`)."""
-    import contextlib
-
-    import torch
-
-    from .profile_blocks import batch_tensors, parameter_copy
-
-    amp = autocast or contextlib.nullcontext
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    given = {t.untyped_storage().data_ptr() for t in batch_tensors(batch) + [x]}
-    rows = max(1, x.size(0) // microbatches)
-    saved = []
-    h = x[:rows]
-    for s, stage in enumerate(stages):
-        kept: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params and ptr not in given and not parameter_copy(t, params):
-                kept[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        h = h.detach().requires_grad_(h.is_floating_point())
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp():
-            out = stage(h)
-            if s == len(stages) - 1:
-                loss_of(out, 0, rows)
-        kept.pop(out.untyped_storage().data_ptr(), None)
-        saved.append(float(sum(kept.values())) * microbatches)
-        h = out
-    return {"stage_saved_bytes": saved}
 
 
 def precision_autocast(device, precision: str) -> Callable[[], Any]:
