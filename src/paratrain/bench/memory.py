@@ -70,15 +70,18 @@ def track_memory(fn: Callable[[], Any], module: torch.nn.Module, optimizer: Any,
                  per_module: bool = False) -> tuple[Any, dict[str, float]]:
     """(fn(), {"peak": bytes, kind: bytes at that peak}) of this process' tensors during the call:
     ``torch.distributed._tools.mem_tracker.MemTracker`` with ``module``'s parameters, buffers,
-    gradients and ``optimizer``'s state tracked from before the call and every tensor allocated
-    during it (the CPU allocator keeps no peak of its own); kinds: params, buffers, grads,
+    gradients and ``optimizer``'s state (an optimizer or a list of them: the strategy's
+    ``state_optimizers()``, e.g. zero1's sharded one, whose state the user's optimizer does not hold)
+    tracked from before the call and every tensor allocated during it (the CPU allocator keeps no
+    peak of its own); kinds: params, buffers, grads,
     optimizer, activations, temporaries, other; ``untracked``: bytes allocated outside the tracker's
     sight (DDP's buckets), added to the peak (as ``grad_buckets``) less the gradients it counted
     then; ``per_module``: see :func:`_tracker`. {} where the tracker cannot follow the call (the
     result is kept either way)."""
     try:
         tracker = _tracker(per_module)
-        tracker.track_external(module, *([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []))
+        optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        tracker.track_external(module, *(o for o in optimizers if isinstance(o, torch.optim.Optimizer)))
         tracker.__enter__()
     except Exception:  # noqa: BLE001 - tracking is optional
         return fn(), {}

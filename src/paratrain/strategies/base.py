@@ -116,6 +116,11 @@ class Strategy(JobSpec, StrategyState, MixedPrecision, ABC):
     def device(self) -> torch.device:
         return self.env.device
 
+    def state_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state this process holds (what a memory tracker must count from before
+        the step): the user's, where it steps itself; a strategy that steps another holds that one's."""
+        return [self.optimizer] if isinstance(self.optimizer, torch.optim.Optimizer) else []
+
     @property
     def lockstep(self) -> bool:
         """True when every rank runs the same steps together, so a training loop may call the

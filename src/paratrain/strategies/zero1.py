@@ -81,6 +81,10 @@ class Zero1(ShardedCheckpoints, AllReduce):
         self._names = parameter_names(self.module, opt)
         self._layout = self._row_layout()
 
+    def state_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The sharded optimizer (this rank's rows of the state); the user's keeps no state."""
+        return [self.shard_optimizer] if self.shard_optimizer is not None else super().state_optimizers()
+
     def _dtensor(self, rows: torch.Tensor, p: torch.Tensor):
         return row_dtensor(rows, p, self.mesh)
 

@@ -265,7 +265,8 @@ class Trainer:
                 # 3-6. forward/backward per micro-batch, merge, clip, update (the strategy's one implementation)
                 run = partial(s.train_step, step.micro_batches, self._loss_fn(step.global_count, poison), self.clip)
                 if pos.step + 1 == self.cfg.train.track_memory_step:
-                    res, self.book.tracked_memory = track_memory(run, s.module, s.optimizer, ddp_bucket_bytes(s.engine))
+                    res, self.book.tracked_memory = track_memory(run, s.module, s.state_optimizers(),
+                                                                  ddp_bucket_bytes(s.engine))
                 elif self.book.flops_per_step is None and self._steps_here >= 1:
                     # from this process' second step (the first may set up: a pipeline infers its shapes): model FLOPs
                     res, self.book.flops_per_step = count_flops(run)
