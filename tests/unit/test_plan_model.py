@@ -1199,7 +1199,7 @@ def test_the_tower_microbenchmark_prices_the_threads_meeting_in_synchronised_bat
     assert measured_tower_sync_batchnorm([], repeats=3) == 0.0
 
 
-def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer_on_a_cluster():
+def test_sync_batchnorm_seconds_measured_here_or_three_ring_all_reduces_per_layer_on_a_cluster():
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -1212,8 +1212,10 @@ def test_sync_batchnorm_seconds_measured_here_or_four_ring_all_reduces_per_layer
     prof = {"batchnorm_inputs": [[64, 16, 8, 8], [64, 31, 4, 4]], "sync_batchnorm_s": 0.0123}
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
     assert sync_batchnorm_s(prof, cfg, 2, link, on_this_machine=True) == 0.0123
-    # a ring all-reduce of b bytes at n: 2 (n-1) alpha + 2 (n-1)/n b beta; b = (C + 1) x 4: 68 and 128 bytes
-    ring = {n: 4 * sum(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * b * 1e-9 for b in (68, 128)) for n in (2, 4)}
+    # a ring all-reduce of b bytes at n: 2 (n-1) alpha + 2 (n-1)/n b beta; a layer's three: the forward's
+    # (C + 1) x 4 and C x 4 bytes, the backward's 2 C x 4: 68, 64, 128 and 128, 124, 248 bytes
+    ring = {n: sum(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * b * 1e-9 for b in (68, 64, 128, 128, 124, 248))
+            for n in (2, 4)}
     assert sync_batchnorm_s(prof, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])
     assert sync_batchnorm_s(prof, table, 4, link, on_this_machine=False) == pytest.approx(ring[4])  # a [model] table
     # here, beyond the 2 processes measured: what the ring adds
@@ -2201,14 +2203,14 @@ def test_checkpointing_runs_the_blocks_forward_again_in_the_backward():
     assert towers_backward_s(v40, 2) > 0 and towers_backward_s(v40, 2, 1.0, 0.5) == towers_backward_s(v40, 2) + 0.5
     assert towers_backward_s(prof, 2) is None and towers_backward_s(prof, 2, 1.0, 0.5) is None
     # sync BatchNorm (digits_cnn): each layer's two forward meetings again in the backward, after the
-    # recomputed compute as in the forward: half the term, waits and all (6 meetings a layer of 4)
+    # recomputed compute as in the forward: two thirds of the term, waits and all (5 meetings a layer of 3)
     from paratrain.bench.plan_inputs import sync_batchnorm_recompute_s, sync_batchnorm_s
 
     digits = json.loads((root / "benchmarks/results/plan-amd/digits_cnn-amd-v40/profile.json").read_text())
     dcfg = configuration.load(root / "configs/digits_cnn.toml")
     dlink = Link(name="measured", **digits["links"]["all_reduce"])
     again = sync_batchnorm_recompute_s(digits, dcfg, 2, dlink, True)
-    assert again == pytest.approx(sync_batchnorm_s(digits, dcfg, 2, dlink, True) / 2, rel=1e-12) and again > 1e-3
+    assert again == pytest.approx(sync_batchnorm_s(digits, dcfg, 2, dlink, True) * 2 / 3, rel=1e-12) and again > 1e-3
     assert sync_batchnorm_recompute_s(digits, dcfg, 1, dlink, True) == 0.0
     assert sync_batchnorm_recompute_s(digits, configuration.load(root / "configs/digits_cnn.toml",
                                                                  ["model.sync_batchnorm=false"]), 2, dlink, True) == 0.0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import warnings
 from typing import Sequence
 
 import torch
@@ -54,13 +53,13 @@ def _products_everywhere(a: torch.Tensor, seconds: float) -> int:
 def _time_sync_batchnorm(item: dict, repeats: int, warmup: int) -> float:
     """Seconds that paratrain's :class:`~paratrain.strategies.sync_batchnorm.SyncBatchNorm` over the
     ranks adds to the same layer without a reducer (plain BatchNorm) for one forward and backward on
-    input of shape ``item["shape"]`` (N, C, *): four blocking all-reduces (count and sum, the variance,
-    and their gradients), each pair meeting a rank that may still be computing.
+    input of shape ``item["shape"]`` (N, C, *): three blocking all-reduces (count and sum, the variance,
+    and in the backward the two sums of its gradient), each meeting a rank that may still be computing.
 
     As inside a training step, the layer's forward follows ``item["compute_s"][0]`` seconds of
     one-thread compute (what the step computes between two BatchNorm layers' forwards), and its backward
-    ``item["compute_s"][1]`` more (what it computes between two layers' backwards: each pair of meetings
-    pays the ranks' drift over the compute since the last one). Only the layer's forward and backward
+    ``item["compute_s"][1]`` more (what it computes between two layers' backwards: each layer's meetings
+    pay the ranks' drift over the compute since the last ones). Only the layer's forward and backward
     are timed.
     The median over ``repeats`` interleaved pairs, difference of the medians. Collective: every rank
     calls it."""
@@ -89,13 +88,11 @@ def _time_sync_batchnorm(item: dict, repeats: int, warmup: int) -> float:
         return forward + time.perf_counter() - t
 
     alone, reduced = [], []
-    with warnings.catch_warnings():  # torch's deprecation notice of the differentiable all_reduce, once per rank
-        warnings.simplefilter("ignore", FutureWarning)
-        for i in range(warmup + repeats):
-            got = once(plain), once(synced)
-            if i >= warmup:
-                alone.append(got[0])
-                reduced.append(got[1])
+    for i in range(warmup + repeats):
+        got = once(plain), once(synced)
+        if i >= warmup:
+            alone.append(got[0])
+            reduced.append(got[1])
     return max(0.0, statistics.median(reduced) - statistics.median(alone))
 
 

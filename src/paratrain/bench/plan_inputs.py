@@ -100,10 +100,14 @@ def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | 
     return [pipe["activation_bytes"] * ratio] * (stages - 1) + [prof.get("output_bytes", 0.0) * ratio]
 
 
+FORWARD_MEETINGS, MEETINGS = 2, 3  # a synchronised BatchNorm layer's all-reduces: in its forward, in a step
+
+
 def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
-    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: four
-    ring all-reduces of C + 1 numbers per BatchNorm layer and forward (count and sums, the variance,
-    and the gradients of both; :mod:`paratrain.strategies.sync_batchnorm`); on this machine the
+    """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: three
+    ring all-reduces per BatchNorm layer and step (the forward's count and sums, C + 1 numbers, and
+    variance, C; the backward's two sums, 2 C: :class:`~paratrain.strategies.sync_batchnorm.GroupBatchNorm`;
+    four of C + 1 until 2026-11-30, when autograd differentiated the forward's); on this machine the
     profile's measurement at two processes plus what the ring adds beyond two processes. That
     measurement is the training loop's own (``loop_sync_batchnorm_s`` of the processes' strategy of
     :func:`~.profile_runs.sync_batchnorm_strategies`: its step with the key on minus off,
@@ -124,7 +128,9 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
         return 0.0
 
     def ring(k: int) -> float:
-        return sum(4 * ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) for shape in shapes)
+        return sum(ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) + ring_allreduce_s(
+            shape[1] * FLOAT32_BYTES, k, link) + ring_allreduce_s(2 * shape[1] * FLOAT32_BYTES, k, link)
+            for shape in shapes)
 
     from .profile_runs import sync_batchnorm_strategies
 
@@ -141,14 +147,15 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
 def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
     """Seconds per step that activation checkpointing adds to :func:`sync_batchnorm_s`: the recomputed
     forward's two all-reduces per BatchNorm layer (count and sums, the variance) again, in the
-    backward: half that term (4 meetings a layer become 6), waits included, since in the recompute,
+    backward: two thirds of that term (3 meetings a layer become 5; half, 4 becoming 6, until
+    2026-11-30: see :func:`sync_batchnorm_s`), waits included, since in the recompute,
     as in the forward, each layer's meetings follow the compute before it, over which the ranks drift
     apart (every BatchNorm layer taken to be inside a block). On the 2-vCPU EPYC VM (2026-11-29)
     digits_cnn's checkpointed rows at N = 2 paid 4.8 (allreduce; its two runs 27.8 and 36.3 ms), 11.1
     (zero1), 11.5 (ps-sync) and 11.9 ms (fsdp) more a step, where the recompute measured 2.9 ms and
     half the term 9.8 ms; the ring's latency alone, without the waits, priced 0.5 ms. 0 where
     :func:`sync_batchnorm_s` is."""
-    return 0.5 * sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
+    return FORWARD_MEETINGS / MEETINGS * sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
 
 
 def sends_buffers(prof: dict, cfg) -> bool:

@@ -36,7 +36,7 @@ cores, between two towers of one process (``tower_sync_batchnorm_s``,
 :func:`~.microbench_towers.measured_tower_sync_batchnorm`).
 Each layer's meetings there follow the compute that precedes them in the step: the step's forward and
 backward, split evenly over the BatchNorm calls (for towers, their forward as ``replicate`` runs it, below).
-Every meeting pair of a layer pays the ranks' drift over that compute, not only the layer's first.
+Every meeting of a layer pays the ranks' drift over that compute, not only the layer's first.
 On a CPU of several cores, the forward of one tower per core as the training loop runs it, right after a
 training step: :class:`~paratrain.strategies.towers.CPUTowers` on every tower's batch, the join of their
 outputs and the loss on it included (``towers_forward_threads``, ``joined``,

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 43  # 43: what each pipeline stage's forward saves for a micro-batch (stage_saved_bytes, the
+PROFILE_VERSION = 44  # 44: a CPU's sync BatchNorm between processes (loop_sync_batchnorm_s, sync_batchnorm_s)
+# with its backward in one function (strategies.sync_batchnorm.GroupBatchNorm: 3 all-reduces a layer, was 4);
+# 43: what each pipeline stage's forward saves for a micro-batch (stage_saved_bytes, the
 # plan's split of the activations over the stages; was their compute's split), and the part of the
 # one-device activations that is the data set's storage the batch views (data_bytes: a language model's
 # corpus shard; any device, any precision);
@@ -70,7 +72,7 @@ PROFILE_VERSION = 43  # 43: what each pipeline stage's forward saves for a micro
 # per unit, a collective's wait inside a step; 9: the one-device step's spread (straggle_s), the DTensor
 # optimizer's dispatch; 8: CPU towers' forwards in threads; 7: the PS servers' update; 6: CPU towers' sync
 # BatchNorm; 5: memory copies, the RPC link to 64 MiB; 4: RPC over uv
-DEVICE_ONLY_CHANGES = {**{v: "cpu" for v in range(20, 32)}, **{v: "cpu" for v in range(33, 40)}}
+DEVICE_ONLY_CHANGES = {**{v: "cpu" for v in range(20, 32)}, **{v: "cpu" for v in range(33, 40)}, 44: "cpu"}
 """Profile versions whose change touched the profiles of one device type only (20: the loop's sync
 BatchNorm runs; 21: the loop's runs of DDP's buffer broadcast; a CPU alone makes both; 22: a CPU's
 one-rank runs, which a GPU's profile had since 19; 23: a CPU's loaded PS exchange and FSDP2 step; 24:
@@ -82,7 +84,8 @@ the loop; 34: the host's allocator, which moves a CPU's step; a GPU's kernels do
 host-side work (a parameter server's CPU tensors) does; 35: the same allocator's one arena, likewise; 36:
 a CPU's towers' backward and their sync BatchNorm measured in one process; 37: a CPU's FSDP2 units of
 their own parameters; 38: a CPU's one-device step over rounds spread across the profile; 39: a CPU's FSDP2
-units and sharded steps after the model's compute):
+units and sharded steps after the model's compute; 44: a CPU's sync BatchNorm between processes, whose
+backward is one function since; a GPU's profile does not time it):
 a profile of an older version and another device type holds the same measurements as one of
 :data:`PROFILE_VERSION` (:func:`compatible`). 32 is not among them: it moved a GPU's stage profiles onto
 the GPU, and a CPU's of a bf16 or fp16 recipe under autocast."""
