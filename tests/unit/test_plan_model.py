@@ -1208,7 +1208,8 @@ def test_sync_batchnorm_seconds_measured_here_or_three_ring_all_reduces_per_laye
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")  # sync BatchNorm on
     cfg, off = load(recipe, []), load(recipe, ["model.sync_batchnorm=false"])
-    table = SimpleNamespace(model_value=lambda key, default=None: {"sync_batchnorm": True}.get(key, default))
+    table = SimpleNamespace(model_value=lambda key, default=None: {"sync_batchnorm": True}.get(key, default),
+                            train=SimpleNamespace(dtype="float32"))
     prof = {"batchnorm_inputs": [[64, 16, 8, 8], [64, 31, 4, 4]], "sync_batchnorm_s": 0.0123}
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0)
     assert sync_batchnorm_s(prof, cfg, 2, link, on_this_machine=True) == 0.0123
@@ -1218,6 +1219,13 @@ def test_sync_batchnorm_seconds_measured_here_or_three_ring_all_reduces_per_laye
             for n in (2, 4)}
     assert sync_batchnorm_s(prof, cfg, 4, link, on_this_machine=False) == pytest.approx(ring[4])
     assert sync_batchnorm_s(prof, table, 4, link, on_this_machine=False) == pytest.approx(ring[4])  # a [model] table
+    # a float64 recipe's statistics are float64: 8 bytes a number
+    ring64 = sum(2 * 3 * 1e-5 + 2 * 3 / 4 * b * 2e-9 for b in (68, 64, 128, 128, 124, 248))
+    assert sync_batchnorm_s(prof, load(recipe, ["train.dtype=\"float64\""]), 4, link, False) == pytest.approx(ring64)
+    # checkpointing's recompute on a cluster: the forward's two rings again (C + 1 and C numbers)
+    from paratrain.bench.plan_inputs import sync_batchnorm_recompute_s
+    forward = sum(2 * 3 * 1e-5 + 2 * 3 / 4 * b * 1e-9 for b in (68, 64, 128, 124))
+    assert sync_batchnorm_recompute_s(prof, cfg, 4, link, on_this_machine=False) == pytest.approx(forward)
     # here, beyond the 2 processes measured: what the ring adds
     assert sync_batchnorm_s(prof, cfg, 4, link, on_this_machine=True) == pytest.approx(0.0123 + ring[4] - ring[2])
     assert sync_batchnorm_s(prof, cfg, 1, link, on_this_machine=True) == 0.0  # one process: nothing to sync

@@ -103,11 +103,35 @@ def stage_outputs(prof: dict, stages: int, ratio: float = 1.0) -> list[float] | 
 FORWARD_MEETINGS, MEETINGS = 2, 3  # a synchronised BatchNorm layer's all-reduces: in its forward, in a step
 
 
+def batchnorm_rings_s(prof: dict, cfg, k: int, link: Link, forward_only: bool = False) -> float:
+    """Seconds of a step's synchronised BatchNorm all-reduces, by the ring's formula at k processes
+    (:func:`~.costmodel.ring_allreduce_s`), for every BatchNorm layer of ``prof["batchnorm_inputs"]``
+    (C channels): the forward's count and sums (C + 1 numbers) and variance (C), and unless
+    ``forward_only`` the backward's two sums (2 C); numbers of 8 bytes for a float64 recipe, else 4
+    (:class:`~paratrain.strategies.sync_batchnorm.GroupBatchNorm`'s statistics: float32 at least)."""
+    from .costmodel import ring_allreduce_s
+
+    size = 8 if cfg.train.dtype == "float64" else 4
+    return sum(ring_allreduce_s((shape[1] + 1) * size, k, link) + ring_allreduce_s(shape[1] * size, k, link)
+               + (0.0 if forward_only else ring_allreduce_s(2 * shape[1] * size, k, link))
+               for shape in prof.get("batchnorm_inputs") or [])
+
+
+def _measured_sync_batchnorm(prof: dict, on_this_machine: bool) -> float | None:
+    """The profile's measured term at two processes (the loop's, else the layers'), where it prices this machine."""
+    from .profile_runs import sync_batchnorm_strategies
+
+    processes, _ = sync_batchnorm_strategies()
+    measured = (prof.get("loop_sync_batchnorm_s") or {}).get(processes, prof.get("sync_batchnorm_s"))
+    return measured if on_this_machine else None
+
+
 def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
     """Seconds per step that ``model.sync_batchnorm`` adds to n processes that step together: three
-    ring all-reduces per BatchNorm layer and step (the forward's count and sums, C + 1 numbers, and
-    variance, C; the backward's two sums, 2 C: :class:`~paratrain.strategies.sync_batchnorm.GroupBatchNorm`;
-    four of C + 1 until 2026-11-30, when autograd differentiated the forward's); on this machine the
+    ring all-reduces per BatchNorm layer and step (:func:`batchnorm_rings_s`: the forward's count and
+    sums, C + 1 numbers, and variance, C; the backward's two sums, 2 C:
+    :class:`~paratrain.strategies.sync_batchnorm.GroupBatchNorm`; four of C + 1 until 2026-11-30, when
+    autograd differentiated the forward's); on this machine the
     profile's measurement at two processes plus what the ring adds beyond two processes. That
     measurement is the training loop's own (``loop_sync_batchnorm_s`` of the processes' strategy of
     :func:`~.profile_runs.sync_batchnorm_strategies`: its step with the key on minus off,
@@ -118,44 +142,36 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     2 (n - 1) hops one after another, both linear in n; where the profile measured the loop at
     m > cores replicas too (``loop_sync_batchnorm_oversubscribed``, m = 4 on fewer cores), n > cores
     is the straight line through the measurements at 2 and m (beyond m: extrapolated; at least 0). On the 2-vCPU
-    VM, digits_cnn paid 29 ms a step at 2 processes and 85 ms at 4, where the ring's latency beyond 2
-    adds 10 ms. 0 without BatchNorm, without the key or at n = 1."""
-    from .costmodel import ring_allreduce_s
-    from .microbench import FLOAT32_BYTES  # BatchNorm statistics: float32 for float32 models
-
-    shapes = prof.get("batchnorm_inputs") or []
-    if n < 2 or not shapes or not cfg.model_value("sync_batchnorm", False):
+    VM, digits_cnn paid 29 ms a step at 2 processes and 85 ms at 4 (version 43; 14.1 and 53.9 ms at
+    version 44, on the Xeon VM), where the ring's latency beyond 2 adds 10 ms. 0 without BatchNorm,
+    without the key or at n = 1."""
+    if n < 2 or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
         return 0.0
-
-    def ring(k: int) -> float:
-        return sum(ring_allreduce_s((shape[1] + 1) * FLOAT32_BYTES, k, link) + ring_allreduce_s(
-            shape[1] * FLOAT32_BYTES, k, link) + ring_allreduce_s(2 * shape[1] * FLOAT32_BYTES, k, link)
-            for shape in shapes)
-
-    from .profile_runs import sync_batchnorm_strategies
-
-    processes, _ = sync_batchnorm_strategies()
-    measured = (prof.get("loop_sync_batchnorm_s") or {}).get(processes, prof.get("sync_batchnorm_s"))
-    if not on_this_machine or measured is None:
-        return ring(n)
+    measured = _measured_sync_batchnorm(prof, on_this_machine)
+    if measured is None:
+        return batchnorm_rings_s(prof, cfg, n, link)
     over = prof.get("loop_sync_batchnorm_oversubscribed")
     if over and above_the_cores(prof, n) and over["processes"] > 2:
         return max(0.0, _through_two(measured, over["seconds"], over["processes"], n))
-    return measured + ring(n) - ring(2)
+    return measured + batchnorm_rings_s(prof, cfg, n, link) - batchnorm_rings_s(prof, cfg, 2, link)
 
 
 def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
     """Seconds per step that activation checkpointing adds to :func:`sync_batchnorm_s`: the recomputed
     forward's two all-reduces per BatchNorm layer (count and sums, the variance) again, in the
-    backward: two thirds of that term (3 meetings a layer become 5; half, 4 becoming 6, until
-    2026-11-30: see :func:`sync_batchnorm_s`), waits included, since in the recompute,
-    as in the forward, each layer's meetings follow the compute before it, over which the ranks drift
-    apart (every BatchNorm layer taken to be inside a block). On the 2-vCPU EPYC VM (2026-11-29)
+    backward. Where the term is measured here: two thirds of it (3 meetings a layer become 5; half, 4
+    becoming 6, until 2026-11-30), waits included, since in the recompute, as in the forward, each
+    layer's meetings follow the compute before it, over which the ranks drift apart (every BatchNorm
+    layer taken to be inside a block). Elsewhere (a preset, a GPU's profile): the forward's two rings
+    alone (:func:`batchnorm_rings_s`). On the 2-vCPU EPYC VM (2026-11-29, version 42's four meetings)
     digits_cnn's checkpointed rows at N = 2 paid 4.8 (allreduce; its two runs 27.8 and 36.3 ms), 11.1
     (zero1), 11.5 (ps-sync) and 11.9 ms (fsdp) more a step, where the recompute measured 2.9 ms and
     half the term 9.8 ms; the ring's latency alone, without the waits, priced 0.5 ms. 0 where
     :func:`sync_batchnorm_s` is."""
-    return FORWARD_MEETINGS / MEETINGS * sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
+    term = sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
+    if term == 0.0 or _measured_sync_batchnorm(prof, on_this_machine) is not None:
+        return FORWARD_MEETINGS / MEETINGS * term
+    return batchnorm_rings_s(prof, cfg, n, link, forward_only=True)
 
 
 def sends_buffers(prof: dict, cfg) -> bool:

@@ -107,8 +107,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) -> dict[int, float]:
     """{N: seconds per step that ``model.sync_batchnorm`` adds} (:func:`.plan_inputs.sync_batchnorm_s`): the
     task's BatchNorm input shapes; ``--interconnect measured``: their synchronisation measured between
-    two processes here (plus the ring's growth beyond two), otherwise four ring all-reduces of C + 1
-    numbers per layer on the preset link."""
+    two processes here (plus the ring's growth beyond two), otherwise three ring all-reduces per layer
+    (C + 1, C and 2 C numbers) on the preset link."""
     from .plan_inputs import sync_batchnorm_s
     from .profile import batchnorm_inputs_of
 

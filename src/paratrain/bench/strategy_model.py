@@ -57,8 +57,8 @@ def sync_overhead_s(model: str | None, n: int, w: Workload, link: Link, inputs: 
 
     * ``inputs["sync_batchnorm_s"]``: synchronised BatchNorm between the processes
       (:mod:`paratrain.strategies.sync_batchnorm`: each layer's forward all-reduces its count and
-      sums, then its variance, and the backward the gradients of both; four blocking collectives a
-      layer; :func:`~.plan_inputs.sync_batchnorm_s`);
+      sums, then its variance, and the backward the two sums of its gradient; three blocking
+      collectives a layer; :func:`~.plan_inputs.sync_batchnorm_s`);
     * ``inputs["buffer_broadcast_s"]``: DDP's broadcast of rank 0's buffers before every forward
       (:func:`~.plan_inputs.buffer_broadcast_s`; 0 for other strategies);
     * the wait for the last rank (:func:`straggler_wait_s`).

@@ -29,7 +29,7 @@ plain tensor operations, which also run on CPU)::
 
 so each rank gets d(sum of the ranks' losses)/dx, and the strategy's gradient average makes
 it the gradient of the global loss. Three all-reduces a layer and step (two forward, one
-backward); the backward holds one input-sized temporary besides dx. Until 2026-11-30 the
+backward); for a float32 input the backward holds one input-sized temporary besides dx. Until 2026-11-30 the
 backward was autograd's through ``torch.distributed.nn.functional.all_reduce``: four
 all-reduces, and four input-sized temporaries at once where ``torch.nn.BatchNorm2d``'s
 backward holds dx alone (digits_cnn at N = 2: 3.49 MiB tracked against 3.20 planned from
@@ -83,7 +83,9 @@ class GroupBatchNorm(torch.autograd.Function):
     ``(x (N, C, *), weight (C,) or None, bias (C,) or None, eps, group) -> (y like x, mean (C,), var (C,),
     count ())``: mean, the biased var and the count of every rank's rows (the running statistics'; not
     differentiable).
-    Statistics accumulate in float32 at least (float64 for float64 input). Every rank of ``group``
+    The statistics, x - mean and the gradients are computed in float32 at least (float64 for float64
+    input), y returned in x's dtype, as torch's BatchNorm kernels do for a bf16 or fp16 input (so a
+    bf16 input saves x - mean in float32: twice its bytes). Every rank of ``group``
     calls it, and its backward, in the same order (blocking c10d all-reduces: two in the forward,
     one in the backward). Once differentiable."""
 
@@ -91,23 +93,25 @@ class GroupBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, group):
         import torch.distributed as dist
 
-        dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
-        acc = torch.promote_types(x.dtype, torch.float32)
-        rows = torch.full((1,), x.numel() // x.size(1), dtype=acc, device=x.device)
-        stats = torch.cat([rows, x.sum(dims, dtype=acc)])
-        dist.all_reduce(stats, group=group)
-        count, mean = stats[0], stats[1:] / stats[0]
-        xmu = x - mean.to(x.dtype).view(shape)
-        var = xmu.pow(2).sum(dims, dtype=acc)
-        dist.all_reduce(var, group=group)
-        var = var / count
-        invstd = torch.rsqrt(var + eps)  # (C,)
-        scale = invstd * weight if weight is not None else invstd
-        y = xmu * scale.to(x.dtype).view(shape)
-        if bias is not None:
-            y.add_(bias.to(x.dtype).view(shape))
+        with torch.autocast(x.device.type, enabled=False):  # the dtypes below are explicit
+            dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
+            acc = torch.promote_types(x.dtype, torch.float32)
+            rows = torch.full((1,), x.numel() // x.size(1), dtype=acc, device=x.device)
+            stats = torch.cat([rows, x.sum(dims, dtype=acc)])
+            dist.all_reduce(stats, group=group)
+            count, mean = stats[0], stats[1:] / stats[0]
+            xmu = x - mean.view(shape)  # in acc: a bf16 or fp16 input is subtracted in float32, as torch's kernels do
+            var = xmu.pow(2).sum(dims)
+            dist.all_reduce(var, group=group)
+            var = var / count
+            invstd = torch.rsqrt(var + eps)  # (C,)
+            scale = invstd * weight if weight is not None else invstd
+            y = xmu * scale.view(shape)
+            if bias is not None:
+                y.add_(bias.view(shape))
+            y = y.to(x.dtype)  # as torch's batch_norm: the input's dtype
         ctx.save_for_backward(xmu, invstd, weight, count)
-        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
+        ctx.group, ctx.dtypes = group, (x.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
 
@@ -118,19 +122,20 @@ class GroupBatchNorm(torch.autograd.Function):
 
         xmu, invstd, weight, count = ctx.saved_tensors
         dims, shape = [0, *range(2, xmu.dim())], [1, -1] + [1] * (xmu.dim() - 2)
-        acc = invstd.dtype
-        sum_dy = dy.sum(dims, dtype=acc)
-        sum_dy_xmu = (dy * xmu).sum(dims, dtype=acc)  # the one input-sized temporary besides dx
+        dy = dy.to(xmu.dtype)  # float32 at least (an fp16 loss scale's gradients would overflow in fp16)
+        sum_dy = dy.sum(dims)
+        sum_dy_xmu = (dy * xmu).sum(dims)  # the one input-sized temporary besides dx
         dweight = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = sum_dy.to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        dbias = sum_dy.to(ctx.dtypes[1]) if ctx.needs_input_grad[2] else None
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # the same on every rank (one model): every rank all-reduces, or none
             both = torch.cat([sum_dy, sum_dy_xmu])
             dist.all_reduce(both, group=ctx.group)
             mean_dy, mean_dy_xmu = both[:invstd.numel()] / count, both[invstd.numel():] / count
             scale = invstd * weight if weight is not None else invstd
-            dx = xmu * (invstd * invstd * mean_dy_xmu).to(dy.dtype).view(shape)
-            dx.neg_().add_(dy).sub_(mean_dy.to(dy.dtype).view(shape)).mul_(scale.to(dy.dtype).view(shape))
+            dx = xmu * (invstd * invstd * mean_dy_xmu).view(shape)
+            dx.neg_().add_(dy).sub_(mean_dy.view(shape)).mul_(scale.view(shape))
+            dx = dx.to(ctx.dtypes[0])
         return dx, dweight, dbias, None, None
 
 
