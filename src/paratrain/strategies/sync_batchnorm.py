@@ -7,7 +7,7 @@ batch B computes. ``torch.nn.SyncBatchNorm`` fixes that for DDP on CUDA only (it
 refuses CPU tensors and DataParallel); this module does it for every strategy.
 
 Training forward of :class:`SyncBatchNorm` for input x (N, C, *) on one replica
-(two passes, each a differentiable sum over the replicas: Ioffe & Szegedy 2015's
+(two passes, each a sum over the replicas: Ioffe & Szegedy 2015's
 normalisation with the statistics of the global batch, as in ``torch.nn.SyncBatchNorm``)::
 
     [count, sum]  = reduce([N * prod(*), x.sum over (N, *)])          # (1 + C,)
@@ -29,8 +29,8 @@ plain tensor operations, which also run on CPU)::
 
 so each rank gets d(sum of the ranks' losses)/dx, and the strategy's gradient average makes
 it the gradient of the global loss. Three all-reduces a layer and step (two forward, one
-backward); for a float32 input the backward holds one input-sized temporary besides dx. Until 2026-11-30 the
-backward was autograd's through ``torch.distributed.nn.functional.all_reduce``: four
+backward); for a float32 input the backward holds one input-sized temporary besides dx.
+Until 2026-11-30 the backward was autograd's through ``torch.distributed.nn.functional.all_reduce``: four
 all-reduces, and four input-sized temporaries at once where ``torch.nn.BatchNorm2d``'s
 backward holds dx alone (digits_cnn at N = 2: 3.49 MiB tracked against 3.20 planned from
 one device's plain BatchNorm).
