@@ -28,9 +28,11 @@ def run(c: dict, data, run_dir, on: bool) -> dict:
     return torch.load(latest(run_dir), weights_only=True)["model"]
 
 
-@pytest.mark.parametrize("task", ["lstm-lm", "gpt"])
+@pytest.mark.parametrize("task", ["lstm-lm", "gpt", "digits-cnn"])
 def test_checkpointing_on_equals_off(tiny_data, tmp_path, task):
-    c = tiny_cfg("bptt", "float64", "single", 1, 1, "sgd") if task == "lstm-lm" else task_cfg("gpt", "float64",
+    """The whole state dict: parameters, and BatchNorm's running statistics (a block's recomputed
+    forward must not update them a second time)."""
+    c = tiny_cfg("bptt", "float64", "single", 1, 1, "sgd") if task == "lstm-lm" else task_cfg(task, "float64",
                                                                                                "single", 1, 1)
     off, on = run(c, tiny_data, tmp_path / "off", False), run(c, tiny_data, tmp_path / "on", True)
     assert off.keys() == on.keys()

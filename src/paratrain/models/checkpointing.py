@@ -4,8 +4,10 @@ Cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``).
 A checkpointed block keeps only its inputs during the forward; its inner activations are
 recomputed in the backward. The random state (dropout) is stashed and restored by
 ``torch.utils.checkpoint``, so the recomputation equals the forward and the gradients equal those
-without checkpointing. State-dict keys do not change (the block's ``forward`` is wrapped on the
-instance, no wrapper module is inserted).
+without checkpointing. The block's BatchNorm buffers are put back after the recomputation, which
+would otherwise update the running statistics a second time each step (until 2026-11-30 it did).
+State-dict keys do not change (the block's ``forward`` is wrapped on the instance, no wrapper
+module is inserted).
 
 Blocks: what the model's ``checkpoint_blocks()`` returns when it defines one; otherwise the members
 of every ``nn.ModuleList`` in the model (Transformer blocks, per-layer LSTMs); otherwise the
@@ -13,8 +15,10 @@ model's direct children.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -39,9 +43,35 @@ def enable(model: nn.Module, which: list[nn.Module] | None = None) -> list[str]:
     names = {id(m): n for n, m in model.named_modules()}
     for block in chosen:
         forward = block.forward
+        norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
-        def checkpointed(*args: Any, _forward=forward, **kwargs: Any) -> Any:
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        def contexts(_norms=norms):
+            return contextlib.nullcontext(), _KeepBuffers(_norms)
+
+        def checkpointed(*args: Any, _forward=forward, _contexts=contexts if norms else None, **kwargs: Any) -> Any:
+            if _contexts is None:
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = checkpointed
     return [names.get(id(b), type(b).__name__) for b in chosen]
+
+
+class _KeepBuffers:
+    """The recomputation's context (``torch.utils.checkpoint``'s ``context_fn``): BatchNorm layers'
+    buffers (running mean and variance, batches tracked) as they were before it, so that a block's
+    recomputed forward does not update them a second time (momentum applied twice, the count doubled:
+    the running statistics, and so evaluation, would differ from the run without checkpointing)."""
+
+    def __init__(self, norms: list[nn.Module]) -> None:
+        self.norms = norms
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [(b, b.detach().clone()) for m in self.norms for b in m.buffers(recurse=False)]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buffer, before in self.saved:
+                buffer.copy_(before)
+        self.saved = []
