@@ -16,11 +16,12 @@ model's direct children.
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -44,34 +45,31 @@ def enable(model: nn.Module, which: list[nn.Module] | None = None) -> list[str]:
     for block in chosen:
         forward = block.forward
         norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        contexts = partial(_recompute_contexts, norms) if norms else noop_context_fn
 
-        def contexts(_norms=norms):
-            return contextlib.nullcontext(), _KeepBuffers(_norms)
-
-        def checkpointed(*args: Any, _forward=forward, _contexts=contexts if norms else None, **kwargs: Any) -> Any:
-            if _contexts is None:
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        def checkpointed(*args: Any, _forward=forward, _contexts=contexts, **kwargs: Any) -> Any:
             return checkpoint(_forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         block.forward = checkpointed
     return [names.get(id(b), type(b).__name__) for b in chosen]
 
 
-class _KeepBuffers:
-    """The recomputation's context (``torch.utils.checkpoint``'s ``context_fn``): BatchNorm layers'
-    buffers (running mean and variance, batches tracked) as they were before it, so that a block's
-    recomputed forward does not update them a second time (momentum applied twice, the count doubled:
-    the running statistics, and so evaluation, would differ from the run without checkpointing)."""
+def _recompute_contexts(norms: list[nn.Module]):
+    """``torch.utils.checkpoint``'s ``context_fn``: nothing around the forward; around the
+    recomputation, :func:`_buffers_kept` of the block's BatchNorm layers."""
+    return contextlib.nullcontext(), _buffers_kept(norms)
 
-    def __init__(self, norms: list[nn.Module]) -> None:
-        self.norms = norms
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __enter__(self) -> None:
-        self.saved = [(b, b.detach().clone()) for m in self.norms for b in m.buffers(recurse=False)]
-
-    def __exit__(self, *exc: Any) -> None:
+@contextlib.contextmanager
+def _buffers_kept(norms: list[nn.Module]):
+    """BatchNorm layers' buffers (running mean and variance, batches tracked) put back as they were
+    before the block's recomputed forward, which would update them a second time (momentum applied
+    twice, the count doubled: the running statistics, and so evaluation, would differ from the run
+    without checkpointing)."""
+    saved = [(b, b.detach().clone()) for m in norms for b in m.buffers(recurse=False)]
+    try:
+        yield
+    finally:
         with torch.no_grad():
-            for buffer, before in self.saved:
+            for buffer, before in saved:
                 buffer.copy_(before)
-        self.saved = []

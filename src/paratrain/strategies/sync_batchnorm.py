@@ -112,6 +112,7 @@ class GroupBatchNorm(torch.autograd.Function):
             y = y.to(x.dtype)  # as torch's batch_norm: the input's dtype
         ctx.save_for_backward(xmu, invstd, weight, count)
         ctx.group, ctx.dtypes = group, (x.dtype, None if bias is None else bias.dtype)
+        ctx.dims, ctx.shape = dims, shape
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
 
@@ -121,7 +122,7 @@ class GroupBatchNorm(torch.autograd.Function):
         import torch.distributed as dist
 
         xmu, invstd, weight, count = ctx.saved_tensors
-        dims, shape = [0, *range(2, xmu.dim())], [1, -1] + [1] * (xmu.dim() - 2)
+        dims, shape = ctx.dims, ctx.shape
         dy = dy.to(xmu.dtype)  # float32 at least (an fp16 loss scale's gradients would overflow in fp16)
         sum_dy = dy.sum(dims)
         sum_dy_xmu = (dy * xmu).sum(dims)  # the one input-sized temporary besides dx
