@@ -72,7 +72,7 @@ def _rank(rank: int, world_size: int) -> dict:
         def run():
             t = big.clone().requires_grad_()
             layer(t).sum().backward()
-        return track_memory(run, layer, None)[1]["peak"]
+        return track_memory(run, layer, [])[1]["peak"]
 
     out["peaks"] = (step(SyncBatchNorm(16, reducer=GroupReducer(dist.group.WORLD))), step(SyncBatchNorm(16)))
     out["input_bytes"] = big.numel() * big.element_size()

@@ -104,7 +104,7 @@ def _tracked_rank(rank: int, world_size: int) -> dict:
         nn.functional.cross_entropy(wrapped(x[0, rank * half:(rank + 1) * half]),
                                     y[0, rank * half:(rank + 1) * half]).backward()
 
-    _, theirs = track_memory(forward_backward, s.module, s.optimizer)  # the user's optimizer: it holds no state
+    _, theirs = track_memory(forward_backward, s.module, [s.optimizer])  # the user's optimizer: it holds no state
     _, mine = track_memory(forward_backward, s.module, s.state_optimizers())
     storages = {v.to_local().untyped_storage().data_ptr(): v.to_local().untyped_storage().nbytes()
                 for st in s.shard_optimizer.state.values() for k, v in st.items() if k != "step"}

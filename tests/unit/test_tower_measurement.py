@@ -44,8 +44,8 @@ def test_tracked_memory_of_two_towers_holds_both_towers_activations():
     torch.manual_seed(0)  # small weights, 4096 samples: the activations make the peak
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 10))
     x, y = torch.randn(4096, 64), torch.randint(0, 10, (4096,))
-    _, one = track_memory(_step(model, x, y), model, None)
-    _, towers = track_memory(_step(CPUTowers(model, 2, 0, threads=2), x, y), model, None)
+    _, one = track_memory(_step(model, x, y), model, [])
+    _, towers = track_memory(_step(CPUTowers(model, 2, 0, threads=2), x, y), model, [])
     assert one["activations"] > 20 * one["params"]
     assert abs(towers["peak"] - one["peak"]) <= 0.1 * one["peak"], (towers, one)
 

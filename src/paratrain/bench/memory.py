@@ -13,7 +13,7 @@ and DDP's ``_get_ddp_logging_data()`` for the bucket sizes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -66,12 +66,13 @@ def _tracker(per_module: bool):
     return Totals()
 
 
-def track_memory(fn: Callable[[], Any], module: torch.nn.Module, optimizer: Any, untracked: float = 0.0,
+def track_memory(fn: Callable[[], Any], module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 untracked: float = 0.0,
                  per_module: bool = False) -> tuple[Any, dict[str, float]]:
     """(fn(), {"peak": bytes, kind: bytes at that peak}) of this process' tensors during the call:
     ``torch.distributed._tools.mem_tracker.MemTracker`` with ``module``'s parameters, buffers,
-    gradients and ``optimizer``'s state (an optimizer or a list of them: the strategy's
-    ``state_optimizers()``, e.g. zero1's sharded one, whose state the user's optimizer does not hold)
+    gradients and the state of ``optimizers`` (the strategy's ``state_optimizers()``, e.g. zero1's
+    sharded one, whose state the user's optimizer does not hold; [] for none)
     tracked from before the call and every tensor allocated during it (the CPU allocator keeps no
     peak of its own); kinds: params, buffers, grads,
     optimizer, activations, temporaries, other; ``untracked``: bytes allocated outside the tracker's
@@ -80,8 +81,7 @@ def track_memory(fn: Callable[[], Any], module: torch.nn.Module, optimizer: Any,
     result is kept either way)."""
     try:
         tracker = _tracker(per_module)
-        optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-        tracker.track_external(module, *(o for o in optimizers if isinstance(o, torch.optim.Optimizer)))
+        tracker.track_external(module, *optimizers)
         tracker.__enter__()
     except Exception:  # noqa: BLE001 - tracking is optional
         return fn(), {}

@@ -145,15 +145,21 @@ def sync_batchnorm_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool)
     VM, digits_cnn paid 29 ms a step at 2 processes and 85 ms at 4 (version 43; 14.1 and 53.9 ms at
     version 44, on the Xeon VM), where the ring's latency beyond 2 adds 10 ms. 0 without BatchNorm,
     without the key or at n = 1."""
+    return _sync_batchnorm(prof, cfg, n, link, on_this_machine)[0]
+
+
+def _sync_batchnorm(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> tuple[float, bool]:
+    """:func:`sync_batchnorm_s`'s seconds, and whether a measurement of this machine priced them
+    (False: the rings' formula alone, or no term)."""
     if n < 2 or not prof.get("batchnorm_inputs") or not cfg.model_value("sync_batchnorm", False):
-        return 0.0
+        return 0.0, False
     measured = _measured_sync_batchnorm(prof, on_this_machine)
     if measured is None:
-        return batchnorm_rings_s(prof, cfg, n, link)
+        return batchnorm_rings_s(prof, cfg, n, link), False
     over = prof.get("loop_sync_batchnorm_oversubscribed")
     if over and above_the_cores(prof, n) and over["processes"] > 2:
-        return max(0.0, _through_two(measured, over["seconds"], over["processes"], n))
-    return measured + batchnorm_rings_s(prof, cfg, n, link) - batchnorm_rings_s(prof, cfg, 2, link)
+        return max(0.0, _through_two(measured, over["seconds"], over["processes"], n)), True
+    return measured + batchnorm_rings_s(prof, cfg, n, link) - batchnorm_rings_s(prof, cfg, 2, link), True
 
 
 def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link, on_this_machine: bool) -> float:
@@ -168,8 +174,8 @@ def sync_batchnorm_recompute_s(prof: dict, cfg, n: int, link: Link, on_this_mach
     (zero1), 11.5 (ps-sync) and 11.9 ms (fsdp) more a step, where the recompute measured 2.9 ms and
     half the term 9.8 ms; the ring's latency alone, without the waits, priced 0.5 ms. 0 where
     :func:`sync_batchnorm_s` is."""
-    term = sync_batchnorm_s(prof, cfg, n, link, on_this_machine)
-    if term == 0.0 or _measured_sync_batchnorm(prof, on_this_machine) is not None:
+    term, measured = _sync_batchnorm(prof, cfg, n, link, on_this_machine)
+    if term == 0.0 or measured:
         return FORWARD_MEETINGS / MEETINGS * term
     return batchnorm_rings_s(prof, cfg, n, link, forward_only=True)
 

@@ -87,11 +87,11 @@ def _timed_steps(model, optimizer, loss_fn: Callable[[], torch.Tensor], draw: Ca
 
 
 def _memory_peak(model, optimizer, step: Callable[[], None]) -> dict[str, float]:
-    """One step under MemTracker (:func:`~.mfu.track_memory`): the peak bytes (``peak_bytes``) and
+    """One step under MemTracker (:func:`~.memory.track_memory`): the peak bytes (``peak_bytes``) and
     their split by kind at that moment."""
     from .memory import track_memory
 
-    _, kinds = track_memory(step, model, optimizer, per_module=True)
+    _, kinds = track_memory(step, model, [optimizer], per_module=True)
     return {("peak_bytes" if k == "peak" else k): v for k, v in kinds.items()}
 
 
