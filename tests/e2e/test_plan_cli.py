@@ -249,6 +249,11 @@ def test_replanning_reads_the_cached_profile(planned, tiny_data):
     fewest = min(row["n"] for row in tied)
     assert best["n"] == fewest
     assert best["memory"]["total"] == min(row["memory"]["total"] for row in tied if row["n"] == fewest)
+    # towers are one process: on a cluster, no more devices than one machine's (--devices-per-node, 8)
+    towers = {row["n"]: row for row in plan["rows"] if row["label"] == "replicate (towers)"}
+    assert {2, 4, 8} <= set(towers) and all(towers[n]["feasible"] and not towers[n]["reason"] for n in towers if n <= 8)
+    assert not towers[16]["feasible"] and "N = 16 > --devices-per-node 8" in towers[16]["reason"]
+    assert all(row["feasible"] for row in plan["rows"] if row["n"] == 16 and row["label"] != "replicate (towers)")
     print(f"re-plan from the cache: {time.monotonic() - t0:.1f} s")
 
 
@@ -273,6 +278,7 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--rescore", "--out", "never-validated"), "--rescore: no never-validated/validation.json; run paratrain plan"),
     (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
     (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
+    (("--devices-per-node", "0"), "--devices-per-node 0: give the devices of one machine, >= 1"),
     (("--validate", "--validate-runoff", "-1"), "--validate-runoff -1: give pairs >= 0 (0: no run-off)"),
     (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
     (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),

@@ -6,7 +6,9 @@ picks the step formula (:func:`~.strategy_model.predict_model`, split into parts
 ``dist_keys`` the variants: DDP's bucket (the best predicted) and a bf16 compression hook where
 ``comm_hook`` is a key; ZeRO-3 and ZeRO-2 where
 ``reshard_after_forward`` is; 2 and 4 stages (2 S micro-batches, 1F1B) where the model pipelines;
-K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices). Asynchronous strategies
+K = 1, 2, 4 servers where ``num_ps`` is; towers (one process over N devices; on a preset
+interconnect infeasible beyond ``--devices-per-node``, since one process drives one machine's devices,
+as torch's DataParallel does). Asynchronous strategies
 are listed with their staleness and never recommended in place of a synchronous one (they train a
 different model per step). A layout the recipe refuses (the strategy's own config check) is listed
 with the reason (:func:`~.plan_model.refusal`) and not predicted.
@@ -52,6 +54,7 @@ from .strategy_model import MODELS as STEP_MODELS
 from .strategy_model import PS, RING, SHARDED_OPTIMIZER, STAGES, TOWERS
 
 OBJECTIVES = ("words_per_s", "cost")
+DEVICES_PER_NODE = 8  # an HGX/DGX H100 or H200 node's GPUs (NVIDIA DGX H100 datasheet)
 MODELS = (*STEP_MODELS, PS)  # every Strategy.cost_model the plan predicts
 
 
@@ -69,6 +72,9 @@ def add_plan_parser(sub) -> None:
                    help=f"{' | '.join(PRESETS)} | measured (this machine's gloo, the default)")
     p.add_argument("--device-memory-gb", type=float, help="memory of one device in GB (10^9 bytes); layouts that "
                    "need more are infeasible (default: the GPU's, none on a CPU)")
+    p.add_argument("--devices-per-node", type=int, default=DEVICES_PER_NODE,
+                   help=f"devices of one machine on a preset interconnect (default {DEVICES_PER_NODE}, an HGX or DGX "
+                        f"node's GPUs): towers, one process, are infeasible on more")
     p.add_argument("--global-batch", type=int, help="fixed global batch (strong scaling; default: each replica the "
                    "recipe's train.batch_size)")
     p.add_argument("--objective", default="words_per_s", help="words_per_s (fastest) | cost (most per device)")
@@ -145,6 +151,8 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
         raise UsageError(f"--interconnect {args.interconnect!r} is unknown; use one of {', '.join(PRESETS)}, measured")
     if args.device_memory_gb is not None and not args.device_memory_gb > 0:
         raise UsageError(f"--device-memory-gb {args.device_memory_gb}: give the memory of one device in GB, > 0")
+    if args.devices_per_node < 1:
+        raise UsageError(f"--devices-per-node {args.devices_per_node}: give the devices of one machine, >= 1")
     if args.global_batch is not None:
         bad = [n for n in ns if args.global_batch % n]
         if args.global_batch < 1 or bad:

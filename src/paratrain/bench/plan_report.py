@@ -15,6 +15,7 @@ from . import plan as pl
 from . import plan_profile
 from .costmodel import PRESETS, Link
 from .plan_validate import GPU_LINK, on_gpu
+from .strategy_model import TOWERS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -67,10 +68,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:
                     continue
-                need = row["memory"]["total"]
-                row["feasible"] = limit is None or need <= limit
-                row["reason"] = "" if row["feasible"] else (
-                    f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB")
+                row["reason"] = _infeasible(row, limit, preset is not None, args.devices_per_node)
+                row["feasible"] = not row["reason"]
                 rows.append(row)
     if limit is not None and not any(r["feasible"] for r in rows):
         least = min(rows, key=lambda r: r["memory"]["total"])
@@ -132,6 +131,22 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | None, asked: str | None)
     print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
           f"{' | '.join(PRESETS)} for more GPUs)", flush=True)
     return [1]
+
+
+def _infeasible(row: dict, limit: float | None, cluster: bool, per_node: int) -> str:
+    """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
+    (bytes; None: no limit), or, on a cluster (a preset interconnect), towers (one process) over more
+    devices than one machine holds (``per_node``: a process drives its own machine's devices, as torch's
+    DataParallel does; CPU virtual devices here have no such bound)."""
+    need = row["memory"]["total"]
+    if limit is not None and need > limit:
+        return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
+    from ..strategies import STRATEGIES
+
+    if cluster and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
+        return (f"towers are one process, on one machine's devices: N = {row['n']} > --devices-per-node {per_node}; "
+                f"use a multi-process strategy")
+    return ""
 
 
 def _device_limit(gb: float | None, prof: dict) -> float | None:
