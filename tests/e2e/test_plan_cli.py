@@ -249,12 +249,40 @@ def test_replanning_reads_the_cached_profile(planned, tiny_data):
     fewest = min(row["n"] for row in tied)
     assert best["n"] == fewest
     assert best["memory"]["total"] == min(row["memory"]["total"] for row in tied if row["n"] == fewest)
-    # towers are one process: on a cluster, no more devices than one machine's (--devices-per-node, 8)
-    towers = {row["n"]: row for row in plan["rows"] if row["label"] == "replicate (towers)"}
-    assert {2, 4, 8} <= set(towers) and all(towers[n]["feasible"] and not towers[n]["reason"] for n in towers if n <= 8)
-    assert not towers[16]["feasible"] and "N = 16 > --devices-per-node 8" in towers[16]["reason"]
-    assert all(row["feasible"] for row in plan["rows"] if row["n"] == 16 and row["label"] != "replicate (towers)")
     print(f"re-plan from the cache: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("args, per_node", [((), 8), (("--devices-per-node", "2"), 2)])
+def test_towers_on_a_cluster_are_infeasible_beyond_one_machines_devices(planned, tiny_data, tmp_path, args, per_node):
+    tmp, first = planned
+    assert first.returncode == 0
+    out = tmp_path / "nodes"
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--profile", "p/profile.json", "--interconnect",
+                  "nvlink", "--nproc", "1,2,4,8,16", "--out", str(out), *args, cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["devices_per_node"] == per_node
+    towers = {row["n"]: row for row in plan["rows"] if row["label"] == "replicate (towers)"}
+    assert {2, 4, 8, 16} <= set(towers)
+    for n, row in towers.items():
+        assert row["feasible"] == (n <= per_node), row
+        assert (f"N = {n} > --devices-per-node {per_node}" in row["reason"]) == (n > per_node), row
+    assert plan["recommended"]["label"] != "replicate (towers)" or plan["recommended"]["n"] <= per_node
+    md = (out / "plan.md").read_text()
+    assert f"N = 16 > --devices-per-node {per_node}" in md and "| replicate (towers) | 16 |" in md
+
+
+def test_towers_on_this_machines_virtual_devices_have_no_node_bound(planned, tiny_data, tmp_path):
+    tmp, first = planned
+    assert first.returncode == 0
+    out = tmp_path / "here"
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--profile", "p/profile.json", "--nproc", "1,2,4",
+                  "--devices-per-node", "1", "--out", str(out), cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((out / "plan.json").read_text())
+    towers = [row for row in plan["rows"] if row["label"] == "replicate (towers)"]
+    assert plan["devices_per_node"] is None and {row["n"] for row in towers} >= {2, 4}
+    assert all(row["feasible"] and "devices-per-node" not in row["reason"] for row in towers)
 
 
 def test_the_recommended_command_runs(planned, tiny_data):

@@ -79,6 +79,7 @@ def track_memory(fn: Callable[[], Any], module: torch.nn.Module, optimizers: Seq
     sight (DDP's buckets), added to the peak (as ``grad_buckets``) less the gradients it counted
     then; ``per_module``: see :func:`_tracker`. {} where the tracker cannot follow the call (the
     result is kept either way)."""
+    optimizers = list(optimizers)  # a bad argument raises here, not in the try that means "no tracker"
     try:
         tracker = _tracker(per_module)
         tracker.track_external(module, *optimizers)

@@ -123,7 +123,7 @@ def add_plan_parser(sub) -> None:
 
 
 def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
-    """Checked --nproc, --objective, --interconnect (None: measured), --device-memory-gb."""
+    """Checked --nproc, --objective, --interconnect (None: measured), --device-memory-gb, --devices-per-node."""
     from .commands import _ints
 
     default = "1,2,4" if args.interconnect == "measured" else "1,2,4,8,16,32,64"

@@ -71,7 +71,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 row["reason"] = _infeasible(row, limit, preset is not None, args.devices_per_node)
                 row["feasible"] = not row["reason"]
                 rows.append(row)
-    if limit is not None and not any(r["feasible"] for r in rows):
+    if limit is not None and not any(r["memory"]["total"] <= limit for r in rows):
         least = min(rows, key=lambda r: r["memory"]["total"])
         raise UsageError(f"no layout fits --device-memory-gb {args.device_memory_gb:g}: the smallest, {least['label']} "
                          f"at N = {least['n']}, needs {least['memory']['total'] / 1e9:.2f} GB per device; give more "
@@ -95,7 +95,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
               "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
                        "gamma_s_per_byte": link.gamma_s_per_byte},
-              "device_memory_bytes": limit, "objective": args.objective, "global_batch": args.global_batch,
+              "device_memory_bytes": limit, "devices_per_node": args.devices_per_node if preset is not None else None,
+              "objective": args.objective, "global_batch": args.global_batch,
               "profile_file": str(args.profile or out / "profile.json"),
               "profiled_on": ({k: prof.get(k) for k in ("host", "device", "device_name", "date", "version")}
                               if args.profile is not None else None),  # --profile: measured elsewhere
@@ -249,7 +250,8 @@ def _bw(link: dict) -> str:
 
 
 def plots(result: dict, out: Path) -> list[Path]:
-    """throughput.png and memory.png (one line per layout label, best over checkpointing)."""
+    """throughput.png and memory.png (one line per layout label, best over checkpointing; an
+    infeasible row's point hollow)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,8 +268,12 @@ def plots(result: dict, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(9, 5))
         for label, rs in sorted(series.items()):
             rs = sorted(rs, key=lambda r: r["n"])
-            ax.plot([r["n"] for r in rs], [value(r) for r in rs], marker="o", label=label,
-                    linestyle="-" if rs[0]["synchronous"] else "--")
+            line, = ax.plot([r["n"] for r in rs], [value(r) for r in rs], marker="o", label=label,
+                            linestyle="-" if rs[0]["synchronous"] else "--")
+            bad = [r for r in rs if not r["feasible"]]
+            if bad:  # infeasible (memory, or towers beyond one machine): hollow
+                ax.plot([r["n"] for r in bad], [value(r) for r in bad], linestyle="none", marker="o",
+                        markerfacecolor="white", markeredgecolor=line.get_color())
         if limit is not None:
             ax.axhline(limit / 1e9, color="red", linestyle=":", label="device memory")
         ax.set_xscale("log", base=2)
