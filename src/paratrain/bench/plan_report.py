@@ -51,6 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     counts = validation_counts(prof, args.validate_nproc) if args.validate else None  # bad input: before any file
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
+    per_node = args.devices_per_node if preset is not None else None  # CPU virtual devices here: no bound
     rows, refused = [], {}
     for n in ns:
         for layout in pl.layouts(n, prof, cfg):
@@ -68,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:
                     continue
-                row["reason"] = _infeasible(row, limit, preset is not None, args.devices_per_node)
+                row["reason"] = _infeasible(row, limit, per_node)
                 row["feasible"] = not row["reason"]
                 rows.append(row)
     if limit is not None and not any(r["memory"]["total"] <= limit for r in rows):
@@ -95,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
               "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
                        "gamma_s_per_byte": link.gamma_s_per_byte},
-              "device_memory_bytes": limit, "devices_per_node": args.devices_per_node if preset is not None else None,
+              "device_memory_bytes": limit, "devices_per_node": per_node,
               "objective": args.objective, "global_batch": args.global_batch,
               "profile_file": str(args.profile or out / "profile.json"),
               "profiled_on": ({k: prof.get(k) for k in ("host", "device", "device_name", "date", "version")}
@@ -134,17 +135,17 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | None, asked: str | None)
     return [1]
 
 
-def _infeasible(row: dict, limit: float | None, cluster: bool, per_node: int) -> str:
+def _infeasible(row: dict, limit: float | None, per_node: int | None) -> str:
     """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
-    (bytes; None: no limit), or, on a cluster (a preset interconnect), towers (one process) over more
-    devices than one machine holds (``per_node``: a process drives its own machine's devices, as torch's
-    DataParallel does; CPU virtual devices here have no such bound)."""
+    (bytes; None: no limit), or towers (one process) over more devices than one machine holds
+    (``per_node``, on a cluster's preset interconnect: a process drives its own machine's devices, as
+    torch's DataParallel does; None: no bound, CPU virtual devices here)."""
     need = row["memory"]["total"]
     if limit is not None and need > limit:
         return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
     from ..strategies import STRATEGIES
 
-    if cluster and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
+    if per_node is not None and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
         return (f"towers are one process, on one machine's devices: N = {row['n']} > --devices-per-node {per_node}; "
                 f"use a multi-process strategy")
     return ""

@@ -78,6 +78,12 @@ class TowerReducer:
         return current_tower() == 0  # DataParallel's rule: tower 0's buffers are the model's
 
 
+def _layout(x: torch.Tensor) -> tuple[list[int], list[int]]:
+    """For x (N, C, *): the dimensions a channel's statistics sum over (N, *), and the shape that
+    broadcasts a (C,) tensor against x."""
+    return [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
+
+
 class GroupBatchNorm(torch.autograd.Function):
     """Training BatchNorm with the statistics of every rank of ``group`` (module docstring): forward
     ``(x (N, C, *), weight (C,) or None, bias (C,) or None, eps, group) -> (y like x, mean (C,), var (C,),
@@ -94,7 +100,7 @@ class GroupBatchNorm(torch.autograd.Function):
         import torch.distributed as dist
 
         with torch.autocast(x.device.type, enabled=False):  # the dtypes below are explicit
-            dims, shape = [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2)
+            dims, shape = _layout(x)
             acc = torch.promote_types(x.dtype, torch.float32)
             rows = torch.full((1,), x.numel() // x.size(1), dtype=acc, device=x.device)
             stats = torch.cat([rows, x.sum(dims, dtype=acc)])
@@ -169,8 +175,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             if self.training and self.track_running_stats and self.reducer.updates_buffers():
                 self._update_running(mean, var, count)
             return y
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, -1] + [1] * (x.dim() - 2)
+        dims, shape = _layout(x)
         local = torch.cat([x.new_full((1,), x.numel() // x.size(1)), x.sum(dims)])
         stats = self.reducer(local)  # (1 + C,)
         count, mean = stats[0], stats[1:] / stats[0]
