@@ -285,6 +285,44 @@ def test_towers_on_this_machines_virtual_devices_have_no_node_bound(planned, tin
     assert all(row["feasible"] and "devices-per-node" not in row["reason"] for row in towers)
 
 
+def _plan(tmp, tiny_data, out, *args):
+    r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--profile", "p/profile.json", "--nproc", "1,2,4,8",
+                  "--devices-per-node", "2", "--out", str(out), *args, cwd=tmp, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {(row["label"], row["n"]): row for row in json.loads((out / "plan.json").read_text())["rows"]}, r
+
+
+def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_network(planned, tiny_data, tmp_path):
+    """Machines of 2 devices: N <= 2 on NVLink, N = 4, 8 across machines. With one NIC a machine the
+    network's all-reduce is the flat ib400's (max(NVLink's beta, ib400's / 1), ib400's alpha), so every
+    row but a pipeline's (its stage groups share the NIC) predicts exactly the flat plans'; with a NIC
+    a device, 2 rings share the bytes: faster than ib400 alone, and never faster than NVLink alone."""
+    tmp, first = planned
+    assert first.returncode == 0
+    nvlink, _ = _plan(tmp, tiny_data, tmp_path / "nvlink", "--interconnect", "nvlink")
+    ib400, _ = _plan(tmp, tiny_data, tmp_path / "ib400", "--interconnect", "ib400")
+    one_nic, r = _plan(tmp, tiny_data, tmp_path / "one", "--interconnect", "nvlink+ib400", "--nics-per-node", "1")
+    per_device, _ = _plan(tmp, tiny_data, tmp_path / "rail", "--interconnect", "nvlink+ib400")
+    assert set(one_nic) == set(nvlink) == set(per_device)
+    across = 0
+    for key, row in one_nic.items():
+        label, n = key
+        flat = nvlink[key] if n <= 2 else ib400[key]
+        assert row["link"] == ("nvlink" if n <= 2 else f"nvlink+ib400 ({n // 2} nodes)"), row
+        if n <= 2 or not label.startswith("pipeline"):
+            assert row["step_s"] == pytest.approx(flat["step_s"], rel=1e-12), key
+            assert row["memory"] == flat["memory"], key
+        if n > 2 and row["comm_s"] > 0 and not label.startswith("ps"):  # (a PS's is the hosts' RPC)
+            rail = per_device[key]["step_s"]
+            assert nvlink[key]["step_s"] * (1 - 1e-12) <= rail < row["step_s"], key
+            across += 1
+    assert across >= 4  # allreduce, zero1, fsdp, ... at N = 4 and 8
+    plan = json.loads((tmp_path / "rail" / "plan.json").read_text())
+    assert plan["interconnect"] == "nvlink+ib400" and plan["network"]["nics_per_node"] == 2
+    assert plan["network"]["link"]["beta_s_per_byte"] == pytest.approx(1 / 50e9)
+    assert "nvlink inside a machine of 2 devices" in r.stdout and "1 NIC a machine" in r.stdout
+
+
 def test_the_recommended_command_runs(planned, tiny_data):
     tmp, _ = planned
     r = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2", "--out", "p", cwd=tmp, timeout=300)
@@ -307,6 +345,8 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--rescore", "--validate"), "--rescore scores the kept measurements again: give one"),
     (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
     (("--devices-per-node", "0"), "--devices-per-node 0: give the devices of one machine, >= 1"),
+    (("--interconnect", "nvlink+pigeon"), "--interconnect 'nvlink+pigeon': 'pigeon' unknown; use one of nvlink"),
+    (("--nics-per-node", "2"), "--nics-per-node 2: NICs price a cluster's network; give a two-level --interconnect"),
     (("--validate", "--validate-runoff", "-1"), "--validate-runoff -1: give pairs >= 0 (0: no run-off)"),
     (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
     (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),

@@ -26,7 +26,8 @@ from .costmodel import Link, Prediction, Workload, _check_n, prediction, ring_al
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
                      activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0,
                      stage_fractions: Sequence[float] | None = None, stage_param_bytes: Sequence[float] | None = None,
-                     microbatch_factor: float = 1.0, p2p_link: Link | None = None) -> Prediction:
+                     microbatch_factor: float = 1.0, p2p_link: Link | None = None,
+                     stage_link: Link | None = None) -> Prediction:
     """One ``pipeline`` step of ``replicas`` x ``stages`` processes with ``microbatches`` per replica.
     ``activation_bytes``: what one stage sends the next for a replica's whole batch (forward; the
     backward sends as many); ``shared_bytes``: parameters used by several stages (a tied embedding),
@@ -40,7 +41,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     paces the rest): (M+S-1) t for S equal stages, the bubble (S-1)/(M+S-1). With ``compute_scale``
     above 1 (more processes than cores, taking turns), a stage waiting in the bubble leaves its core
     to the others: :func:`pipeline_schedule_s`. ``p2p_link``: a point-to-point send's own measured
-    link for the activations (default ``link``)."""
+    link for the activations (default ``link``); ``stage_link``: the link of the tied parameters'
+    all-reduce over the stages (default ``link``; ``link`` is the replicas' all-reduce's)."""
     _check_n(replicas, "replicas")
     _check_n(stages, "stages")
     _check_n(microbatches, "microbatches")
@@ -58,7 +60,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     optimizer = w.optimizer_s * min(1.0, largest / total) if total else w.optimizer_s / S
     # the bubble is idle compute (above the cores, other processes' turn)
     compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
-    shared = ring_allreduce_s(shared_bytes, S, link) if shared_bytes else 0.0  # no tied parameters: no message
+    # no tied parameters: no message
+    shared = ring_allreduce_s(shared_bytes, S, stage_link or link) if shared_bytes else 0.0
     step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
     return prediction(w, replicas * S, step, compute, "stages", optimizer_s=optimizer * s, replicas=replicas)
 

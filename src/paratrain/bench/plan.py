@@ -25,7 +25,9 @@ with ``model.sync_batchnorm`` each layer's two meetings of the forward again, wa
 :func:`~.plan_profile.read_profile`) instead of measuring here.
 Predictions for this machine (``--interconnect measured``) give N processes their share of the
 cores (:func:`~.validate.layout_cpu_share`: parameter servers take threads, not compute time); presets put
-each device on its own like the profiled one.
+each device on its own like the profiled one. ``--interconnect INTRA+INTER`` (``nvlink+ib400``) is a
+cluster of machines of ``--devices-per-node`` devices and ``--nics-per-node`` NICs: each layout's
+collectives are priced on the link its ranks span (:class:`~.costmodel.Cluster`, :func:`cluster_links`).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .costmodel import PRESETS, Link
+from .costmodel import PRESETS, Cluster, Link, cluster
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
                           stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
@@ -69,12 +71,17 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--nproc", help="device counts N, comma-separated (default 1,2,4,...,64 for a preset "
                                    "interconnect; 1,2,4 for this machine, where N > cores is oversubscribed)")
     p.add_argument("--interconnect", default="measured",
-                   help=f"{' | '.join(PRESETS)} | measured (this machine's gloo, the default)")
+                   help=f"{' | '.join(PRESETS)} (every device on that link) | INTRA+INTER, e.g. nvlink+ib400 (INTRA "
+                        f"inside a machine of --devices-per-node devices, INTER between machines) | measured (this "
+                        f"machine's gloo, the default)")
     p.add_argument("--device-memory-gb", type=float, help="memory of one device in GB (10^9 bytes); layouts that "
                    "need more are infeasible (default: the GPU's, none on a CPU)")
     p.add_argument("--devices-per-node", type=int, default=DEVICES_PER_NODE,
                    help=f"devices of one machine on a preset interconnect (default {DEVICES_PER_NODE}, an HGX or DGX "
-                        f"node's GPUs): towers, one process, are infeasible on more")
+                        f"node's GPUs): towers, one process, are infeasible on more; INTRA+INTER prices N above it "
+                        f"on the network")
+    p.add_argument("--nics-per-node", type=int, help="network ports (NICs) of one machine, for --interconnect "
+                   "INTRA+INTER (default: one per device, as an HGX or DGX H100's eight)")
     p.add_argument("--global-batch", type=int, help="fixed global batch (strong scaling; default: each replica the "
                    "recipe's train.batch_size)")
     p.add_argument("--objective", default="words_per_s", help="words_per_s (fastest) | cost (most per device)")
@@ -122,8 +129,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
 
 
-def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
-    """Checked --nproc, --objective, --interconnect (None: measured), --device-memory-gb, --devices-per-node."""
+def _args(args: argparse.Namespace) -> tuple[list[int], Link | Cluster | None]:
+    """Checked --nproc, --objective, --interconnect (None: measured; a flat preset's Link, or a
+    two-level Cluster), --device-memory-gb, --devices-per-node, --nics-per-node."""
     from .commands import _ints
 
     default = "1,2,4" if args.interconnect == "measured" else "1,2,4,8,16,32,64"
@@ -147,18 +155,21 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | None]:
         raise UsageError("--validate measures and scores; --rescore scores the kept measurements again: give one")
     if args.objective not in OBJECTIVES:
         raise UsageError(f"--objective {args.objective!r}: use {' or '.join(OBJECTIVES)}")
-    if args.interconnect != "measured" and args.interconnect not in PRESETS:
-        raise UsageError(f"--interconnect {args.interconnect!r} is unknown; use one of {', '.join(PRESETS)}, measured")
     if args.device_memory_gb is not None and not args.device_memory_gb > 0:
         raise UsageError(f"--device-memory-gb {args.device_memory_gb}: give the memory of one device in GB, > 0")
     if args.devices_per_node < 1:
         raise UsageError(f"--devices-per-node {args.devices_per_node}: give the devices of one machine, >= 1")
+    if args.interconnect == "measured" and args.nics_per_node is not None:
+        raise UsageError(f"--nics-per-node {args.nics_per_node}: NICs price a cluster's network; give a two-level "
+                         f"--interconnect INTRA+INTER (e.g. nvlink+ib400) or leave it out")
+    preset = None if args.interconnect == "measured" else cluster(args.interconnect, args.devices_per_node,
+                                                                   args.nics_per_node)
     if args.global_batch is not None:
         bad = [n for n in ns if args.global_batch % n]
         if args.global_batch < 1 or bad:
             raise UsageError(f"--global-batch {args.global_batch} does not divide among N = {bad or ns}; give a "
                              f"global batch that is a multiple of every N (e.g. {math.lcm(*ns)}) or other --nproc")
-    return ns, (None if args.interconnect == "measured" else PRESETS[args.interconnect])
+    return ns, preset
 
 
 def layouts(n: int, prof: dict, cfg) -> list[Layout]:
@@ -198,11 +209,13 @@ CHECKPOINTING_KEY = "model.activation_checkpointing=true"
 """The ``--set`` a checkpointed row's run and its recipe's refusal check add."""
 
 
-def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machine: bool, global_batch: int | None,
-                   checkpointing: bool = False) -> dict[str, Any] | None:
+def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_this_machine: bool,
+                   global_batch: int | None, checkpointing: bool = False) -> dict[str, Any] | None:
     """One plan row: the layout's predicted step parts, throughput, speedup and efficiency (against
     one device with the same global batch under --global-batch, else the same per-replica batch) and
-    memory per device; None where the layout does not exist."""
+    memory per device; None where the layout does not exist. ``link``: the interconnect; a two-level
+    :class:`~.costmodel.Cluster` prices the layout's collectives on the link its ranks span
+    (:func:`cluster_links`)."""
     from ..strategies import STRATEGIES
     from .validate import layout_cpu_share
 
@@ -221,10 +234,11 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     recompute = recompute_fraction(prof) * w.forward_s if checkpointing else 0.0
     w = dataclasses.replace(w, backward_s=w.backward_s + recompute)
     overrides = dict(layout.overrides)
+    link, placed = cluster_links(link, n, stages) if isinstance(link, Cluster) else (link, {})
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
     measured = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()}
-    links = dict(measured) if on_this_machine else {}
+    links = dict(measured) if on_this_machine else placed
     if "rpc" in measured and prof.get("ps_round_trip_s") and (prof.get("ps_update_s") or {}).get("async") is not None:
         exchange = ps_message_link(measured["rpc"], prof["ps_round_trip_s"], prof["ps_update_s"]["async"],
                                    sum(w.param_bytes))
@@ -288,7 +302,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
                             server_share=ps_busiest_share(w.param_bytes, servers) if servers else None)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (CHECKPOINTED if checkpointing else ""),
-           "n": n, "overrides": overrides, "synchronous": cls.synchronous, "checkpointing": checkpointing,
+           "n": n, "link": link.name, "overrides": overrides, "synchronous": cls.synchronous,
+           "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,
            "staleness": (n - 1) if not cls.synchronous else 0,
@@ -297,6 +312,24 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link, *, on_this_machi
     flops = prof.get("flops_per_unit", math.nan) * parts["units_per_s"]
     row["mfu"] = flops / (n * prof["peak_flops"]) if prof.get("peak_flops") else math.nan
     return row
+
+
+def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, Link]]:
+    """A layout's links on a two-level cluster, its ``n`` ranks placed in order (a pipeline's replica
+    r on ranks r S .. r S + S - 1, as :class:`~paratrain.strategies.pipeline.Pipeline` numbers them):
+    the link of its collectives over all ranks (a pipeline's: its stage groups' all-reduces over the
+    replicas, side by side on the machines' NICs, as many as a machine holds stages, min(S, g);
+    :meth:`~.costmodel.Cluster.collective_link`), and
+    for a pipeline whose replica's stages straddle two machines (``"p2p"``, ``"stages"``: the sends
+    between stages and the tied parameters' ring over them) one NIC (the ring's slowest hop); stages on
+    one machine: the intra-node link."""
+    g = c.devices_per_node
+    link = c.collective_link(n, groups=min(stages, g))
+    if stages == 1:
+        return link, {}
+    straddles = any(r * stages // g != (r * stages + stages - 1) // g for r in range(n // stages))
+    hop = c.p2p_link(straddles)
+    return link, {"p2p": hop, "stages": hop}
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import UsageError
 from . import plan as pl
 from . import plan_profile
-from .costmodel import PRESETS, Link
+from .costmodel import PRESETS, Cluster, Link
 from .plan_validate import GPU_LINK, on_gpu
 from .strategy_model import TOWERS
 
@@ -94,8 +94,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     unit = prof["unit"]
     result = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(), "config": args.config,
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
-              "link": {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
-                       "gamma_s_per_byte": link.gamma_s_per_byte},
+              # a two-level cluster: "link" inside a machine, "network" between machines
+              "link": _link_dict(link.intra if isinstance(link, Cluster) else link),
+              "network": ({"link": _link_dict(link.inter), "nics_per_node": link.nics_per_node}
+                          if isinstance(link, Cluster) else None),
               "device_memory_bytes": limit, "devices_per_node": per_node,
               "objective": args.objective, "global_batch": args.global_batch,
               "profile_file": str(args.profile or out / "profile.json"),
@@ -120,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return rescored or 0
 
 
-def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | None, asked: str | None) -> list[int]:
+def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | Cluster | None, asked: str | None) -> list[int]:
     """The N to plan: ``ns``, but for a GPU (``gpu``: the profile's device, or the recipe's before it is
     profiled) with the measured interconnect (the profile's links are gloo between CPU processes, not
     NCCL between GPUs) N = 1 alone: the default --nproc is cut to 1 with a line; an --nproc with N > 1
@@ -183,8 +185,7 @@ def markdown(result: dict) -> str:
     p = result["profile"]
     limit = result["device_memory_bytes"]
     lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
-             f"Interconnect {result['interconnect']} (alpha {result['link']['alpha_s'] * 1e6:.1f} us, "
-             f"{_bw(result['link'])}); device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}; "
+             f"{_interconnect(result)}; device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}; "
              f"profiled on {p['device']} ({p['cores']} cores{_elsewhere(result)}): {p['tokens_per_step']:g} {unit} "
              f"per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
@@ -244,6 +245,26 @@ def markdown(result: dict) -> str:
     else:
         lines += ["No synchronous layout fits; see the table.", ""]
     return "\n".join(lines)
+
+
+def _link_dict(link: Link) -> dict[str, float]:
+    return {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte, "gamma_s_per_byte": link.gamma_s_per_byte}
+
+
+def _interconnect(result: dict) -> str:
+    """The header's words for the interconnect: one link, or a two-level cluster's two and the
+    bandwidth a job over several machines all-reduces at (:class:`~.costmodel.Cluster`)."""
+    one = result["link"]
+    net = result.get("network")
+    if not net:
+        return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)})"
+    intra, inter = result["interconnect"].split("+")
+    k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
+    ring = {"beta_s_per_byte": max(one["beta_s_per_byte"], wire["beta_s_per_byte"] / k)}
+    return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
+            f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
+            f"{wire['alpha_s'] * 1e6:.1f} us, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
+            f"all-reduce at {_bw(ring)} a device (rings one per NIC), a pipeline's sends across machines on one NIC")
 
 
 def _bw(link: dict) -> str:

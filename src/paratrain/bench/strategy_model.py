@@ -289,7 +289,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     communication). ``synchronous``: the strategy's (``Strategy.synchronous``; an asynchronous PS's
     workers never meet).
     ``overlap``: whether collectives may overlap compute (False on a CPU whose cores all compute);
-    ``links``: collectives measured apart (``all_gather``, ``reduce_scatter``, ``p2p``; ``rpc``: the
+    ``links``: collectives measured or placed apart (``all_gather``, ``reduce_scatter``, ``p2p``, a
+    pipeline's ``stages``: its tied parameters' ring, :func:`~.plan.cluster_links`; ``rpc``: the
     parameter server's messages, :func:`~.plan_ps.ps_message_link`), else ``link``'s ring algorithms.
     ``inputs["hook_bucket_s"]``: a compression hook's measured seconds per bucket of gradient bytes
     (:func:`~.costmodel_hooks.compress_hook_bucket_s`), in place of ``link``'s all-reduce of its payload.
@@ -373,7 +374,8 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
                                 activation_bytes=inputs["activation_bytes"], shared_bytes=inputs["shared_bytes"],
                                 compute_scale=compute_scale, stage_fractions=inputs.get("stage_fractions"),
                                 stage_param_bytes=inputs.get("stage_param_bytes"),
-                                microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"))
+                                microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"),
+                                stage_link=links.get("stages"))
     if model == TOWERS:
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
                               shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
