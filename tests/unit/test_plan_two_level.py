@@ -51,25 +51,46 @@ def test_a_collective_across_machines_runs_one_ring_per_nic_by_hand(nics, groups
     assert ring_allreduce_s(8, 8, link) == 14 * 2.0 + 14 * beta + 7 * 0.25
 
 
-def test_a_send_between_machines_goes_through_one_nic():
+def test_a_send_between_machines_goes_through_one_nic():  # (the link of a pair's send)
     c = _cluster(nics=8)
     assert c.p2p_link(True) == WIRE and c.p2p_link(False) == FAST
 
 
-@pytest.mark.parametrize("n, stages, straddles", [
-    (16, 2, False),  # pipelines of 2 on machines of 4: ranks 0-1, 2-3 | 4-5, 6-7 ...
-    (8, 4, False),   # one pipeline a machine
-    (12, 3, True),   # ranks 3-5 straddle machines 0 and 1
-    (16, 8, True),   # a pipeline of 8 spans two machines of 4
-    (4, 2, False),   # one machine
+@pytest.mark.parametrize("n, stages, crossing", [
+    (16, 2, 0),   # pipelines of 2 on machines of 4: ranks 0-1, 2-3 | 4-5, 6-7 ...
+    (8, 4, 0),    # one pipeline a machine
+    (12, 3, 1),   # ranks 3-5: the send 3 -> 4 crosses machines 0 and 1, the send 4 -> 5 does not
+    (16, 8, 1),   # a pipeline of 8 on two machines of 4: 1 of its 7 sends crosses
+    (16, 16, 3),  # one pipeline over four machines: 3 of 15
+    (4, 2, 0),    # one machine
 ])
-def test_a_pipelines_sends_cross_a_nic_only_where_its_stages_straddle_machines(n, stages, straddles):
+def test_a_pipelines_sends_cross_a_nic_only_where_its_stages_straddle_machines(n, stages, crossing):
     c = _cluster()
     link, links = cluster_links(c, n, stages)
     # its stage groups all-reduce side by side, as many on a machine's NICs as it holds stages
     assert link == c.collective_link(n, groups=min(stages, 4))
-    assert links == {"p2p": WIRE if straddles else FAST, "stages": WIRE if straddles else FAST}
-    assert cluster_links(c, n) == (c.collective_link(n), {})
+    hops = stages - 1
+    p2p = links["p2p"]
+    # the mean hop: its S - 1 sends of m bytes cost c on the wire and the rest on the machine's link, exactly
+    m = 8.0
+    assert hops * (p2p.alpha_s + m * p2p.beta_s_per_byte) == pytest.approx(
+        crossing * (2.0 + m * 1.0) + (hops - crossing) * (1.0 + m * 0.125), rel=1e-12)
+    assert links["stages"] == (WIRE if crossing else FAST)  # a ring over the stages: its slowest hop
+    assert links["rpc"] == links["broadcast"] == (WIRE if n > 4 else FAST)
+
+
+def test_a_send_between_two_ranks_on_a_cluster_goes_over_one_nic_or_the_machines_link():
+    c = _cluster()
+    assert cluster_links(c, 8) == (c.collective_link(8), {"rpc": WIRE, "broadcast": WIRE})
+    assert cluster_links(c, 4) == (FAST, {"rpc": FAST, "broadcast": FAST})
+
+
+@pytest.mark.parametrize("k, n, nics", [(4, 5, 1), (4, 6, 2), (4, 7, 3), (4, 8, 4), (4, 12, 4), (4, 9, 1),
+                                         (8, 6, 4), (2, 5, 1), (1, 7, 1)])
+def test_a_machine_the_job_fills_in_part_drives_its_devices_share_of_the_nics(k, n, nics):
+    c = _cluster(per_node=4, nics=k)  # the last machine holds n - 4 (or n - 8) of its 4 devices
+    assert c.nics(n) == nics
+    assert c.collective_link(n).beta_s_per_byte == max(0.125, 1.0 / nics)
 
 
 def test_a_pipelines_stage_groups_share_a_machines_nics_by_hand():
@@ -103,6 +124,8 @@ def test_the_interconnect_names_a_preset_or_two_of_them():
     ("nvlink+pigeon", None, "--interconnect 'nvlink+pigeon': 'pigeon' unknown"),
     ("nvlink+ib400+eth25", None, "give at most two links"),
     ("measured+ib400", None, "measured is this machine's links, alone"),
+    ("+", None, "--interconnect '+': INTRA+INTER needs two link names"),
+    ("nvlink+", None, "INTRA+INTER needs two link names"),
     ("ib400", 2, "--nics-per-node 2: NICs price the network between machines; give a two-level"),
     ("nvlink+ib400", 0, "--nics-per-node 0: give the network ports of one machine, >= 1"),
 ])
@@ -150,3 +173,53 @@ def test_a_clusters_step_lies_between_its_intra_node_links_and_its_networks(n, p
         assert step <= _step(inter, {}, cls, overrides, n) * (1 + 1e-12)
     if n <= per_node:  # one machine: the intra-node link's step exactly
         assert step == _step(intra, {}, cls, overrides, n)
+
+
+def test_a_pipelines_sends_and_tied_ring_reach_its_formula_on_their_own_links():
+    """step_parts (strategy_model) hands the formula ``links["p2p"]`` for the sends and
+    ``links["stages"]`` for the tied parameters' ring, each apart from the replicas' link."""
+    from .test_plan_model import _Cls
+    from paratrain.bench.strategy_model import STAGES
+
+    tied = {**INPUTS, "stage_profiles": {"2": {**INPUTS["stage_profiles"]["2"], "shared_bytes": 4e6}}}
+    layout = Layout("x", 8, {"pipeline_stages": 2, "microbatches": 4})
+
+    def step(links):
+        return step_parts(_Cls(STAGES), layout, W, FAST, Config(), tied, links=links)["step_s"]
+
+    base = step({})
+    # 2 (S-1) = 2 sends of the activations' 1e6 bytes / 4 micro-batches each
+    assert step({"p2p": WIRE}) - base == pytest.approx(2 * ((2.0 - 1.0) + 1e6 / 4 * (1.0 - 0.125)), rel=1e-9)
+    assert step({"stages": WIRE}) - base == pytest.approx(
+        ring_allreduce_s(4e6, 2, WIRE) - ring_allreduce_s(4e6, 2, FAST), rel=1e-9)
+
+
+def test_the_plan_prices_each_layout_on_the_links_its_ranks_span(monkeypatch):
+    """plan.predict_layout with a Cluster: the layout's collectives' link and its placed links go to
+    step_parts; the row names the link; a parameter server's messages are one NIC's, no faster than
+    the host's measured exchange."""
+    from paratrain.bench import plan
+
+    from .test_plan_gpu import _gpu_profile
+
+    seen = []
+
+    def step_parts(cls, layout, w, link, cfg, inputs, **kw):
+        seen.append((layout.label, link, kw["links"]))
+        return None
+
+    monkeypatch.setattr(plan, "step_parts", step_parts)
+    c = Cluster(intra=PRESETS["nvlink"], inter=PRESETS["ib400"], devices_per_node=2, nics_per_node=2)
+    prof = _gpu_profile()
+    for n in (2, 4):
+        plan.predict_layout(plan.Layout("allreduce", n, {}, "allreduce"), prof, Config(), c, on_this_machine=False,
+                            global_batch=None)
+    assert seen[0] == ("allreduce", PRESETS["nvlink"], {"rpc": PRESETS["nvlink"], "broadcast": PRESETS["nvlink"]})
+    assert seen[1][1] == c.collective_link(4) and seen[1][2] == {"rpc": PRESETS["ib400"], "broadcast": PRESETS["ib400"]}
+    prof.update(links={"rpc": {"alpha_s": 5e-4, "beta_s_per_byte": 2e-12, "gamma_s_per_byte": 0.0}},
+                ps_round_trip_s=0.09, ps_update_s={"async": 0.01})
+    plan.predict_layout(plan.Layout("ps-sync", 4, {"num_ps": 1}, "ps-sync"), prof, Config(), c, on_this_machine=False,
+                        global_batch=None)
+    rpc = seen[-1][2]["rpc"]
+    assert rpc.beta_s_per_byte == max(PRESETS["ib400"].beta_s_per_byte, 0.079 / 80e6)  # one NIC or the host's
+    assert rpc.alpha_s == 5e-4

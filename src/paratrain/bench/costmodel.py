@@ -84,9 +84,13 @@ class Cluster:
     (``inter.beta``) or its share of the device's link (``intra.beta`` x K), so the whole costs
     2 (n-1)/n m max(beta_intra, beta_inter / K), the bus bandwidth of nccl-tests' PERFORMANCE.md
     bounded by the machine's K NICs, and each of its 2 (n-1) steps waits for the network's latency.
-    ``groups`` such collectives at once (a pipeline's S stage groups, each all-reducing its replicas)
-    share the machine's NICs: K / groups each. A point-to-point send between machines goes through one
-    NIC: ``inter`` itself."""
+    ``groups`` such collectives at once (a pipeline's stage groups, each all-reducing its replicas)
+    share the machine's NICs: K / groups each. A machine the job fills in part (n not a multiple of g)
+    has d < g of its devices in the ring, which drive their share of its NICs (each device its own
+    rail): K d / g of the least-filled machine, at least one. A point-to-point send between machines
+    (a pipeline's activations, a parameter server's messages, a tree broadcast's hop) goes through one
+    NIC: ``inter`` itself.
+    Not modelled: NCCL's trees and SHARP (latency across many machines)."""
 
     intra: Link
     inter: Link
@@ -106,17 +110,23 @@ class Cluster:
         _check_n(n)
         return -(-n // self.devices_per_node)
 
+    def nics(self, n: int) -> float:
+        """NICs a ring over ``n`` ranks uses on each machine: the least-filled machine's share of its
+        nics_per_node, K d / g with d = n - (nodes - 1) g its devices in the job, at least 1."""
+        d = n - (self.nodes(n) - 1) * self.devices_per_node
+        return max(1.0, self.nics_per_node * d / self.devices_per_node)
+
     def collective_link(self, n: int, groups: int = 1) -> Link:
         """The link a ring collective over a job of ``n`` ranks is priced on: ``intra`` where the job
         is on one machine (n <= devices_per_node); else alpha = the slower hop's, beta = max(beta_intra,
-        beta_inter x groups / nics_per_node) (the class doc), gamma = the devices' (``intra``'s).
+        beta_inter x groups / :meth:`nics`) (the class doc), gamma = the devices' (``intra``'s).
         ``groups``: collectives running side by side on the same machines' NICs (>= 1)."""
         _check_n(groups, "groups")
         if self.nodes(n) == 1:
             return self.intra
         return Link(name=f"{self.name} ({self.nodes(n)} nodes)", alpha_s=max(self.intra.alpha_s, self.inter.alpha_s),
                     beta_s_per_byte=max(self.intra.beta_s_per_byte,
-                                        self.inter.beta_s_per_byte * groups / self.nics_per_node),
+                                        self.inter.beta_s_per_byte * groups / self.nics(n)),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte)
 
     def p2p_link(self, across_nodes: bool) -> Link:
@@ -127,14 +137,15 @@ class Cluster:
 def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) -> Link | Cluster:
     """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it), or
     ``"INTRA+INTER"`` (``"nvlink+ib400"``) a :class:`Cluster` of ``devices_per_node`` devices and
-    ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight).
-    Raises UsageError naming the presets for an unknown name, or ``nics_per_node`` on a flat link."""
+    ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight). The
+    presets are taken as given (an INTER faster than INTRA too). Raises UsageError naming the presets
+    for an unknown name, ``nics_per_node`` on a flat link, or ``nics_per_node`` < 1."""
     parts = name.split("+")
     unknown = [p for p in parts if p not in PRESETS]
     if len(parts) > 2 or unknown:
         what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
-                if "measured" in parts else f": {', '.join(map(repr, unknown))} unknown" if unknown
-                else ": give at most two links")
+                if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
+                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links")
         raise UsageError(f"--interconnect {name!r}{what}; use one of {', '.join(PRESETS)}, measured, or "
                          f"INTRA+INTER of them (e.g. nvlink+ib400)")
     if len(parts) == 1:

@@ -244,7 +244,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
                                    sum(w.param_bytes))
         # a parameter server's messages go through the hosts' RPC (CPU tensors over TensorPipe) on any
         # cluster, not the devices' interconnect: the exchange measured on the profiled host bounds them
-        links["rpc"] = exchange if on_this_machine else slower(link, exchange)
+        links["rpc"] = exchange if on_this_machine else slower(links.get("rpc", link), exchange)
     # (a cluster's server link carries its messages in turn: streams 1, and the fraction moves nothing)
     copies = ps_copy_fraction(measured["rpc"], links["rpc"]) if shared_cores and "rpc" in links else 1.0
     hook_cost = measured_hook(prof, on_this_machine)  # the casts and gloo's bf16 reduction
@@ -257,7 +257,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) + (
                   sync_batchnorm_recompute_s(prof, cfg, n, link, on_this_machine) if checkpointing else 0.0),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
-              "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine),
+              "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, links.get("broadcast", link),
+                                                       on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
               # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
               "ps_loaded": loaded_exchange(prof, n) if shared_cores else None,
@@ -317,19 +318,30 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
 def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, Link]]:
     """A layout's links on a two-level cluster, its ``n`` ranks placed in order (a pipeline's replica
     r on ranks r S .. r S + S - 1, as :class:`~paratrain.strategies.pipeline.Pipeline` numbers them):
-    the link of its collectives over all ranks (a pipeline's: its stage groups' all-reduces over the
-    replicas, side by side on the machines' NICs, as many as a machine holds stages, min(S, g);
-    :meth:`~.costmodel.Cluster.collective_link`), and
-    for a pipeline whose replica's stages straddle two machines (``"p2p"``, ``"stages"``: the sends
-    between stages and the tied parameters' ring over them) one NIC (the ring's slowest hop); stages on
-    one machine: the intra-node link."""
+
+    * the link of its ring collectives over all ranks (a pipeline's: its stage groups' all-reduces over
+      the replicas, side by side on the machines' NICs, as many as a machine holds stages, min(S, g);
+      :meth:`~.costmodel.Cluster.collective_link`);
+    * ``"rpc"``, ``"broadcast"``: a parameter server's messages and a tree broadcast's hops, sends
+      between two ranks: one NIC where the job spans machines, else the intra-node link;
+    * a pipeline's ``"p2p"``: the 2 (S-1) sends of its schedule, c of each S - 1 across machines in its
+      replica with the most (c = 0 for stages on one machine), as one link whose alpha and beta are the
+      hops' mean, so that its S - 1 sends cost the sum of theirs exactly; ``"stages"``: the tied
+      parameters' ring over the stages, paced by its slowest hop (one NIC where c > 0)."""
     g = c.devices_per_node
     link = c.collective_link(n, groups=min(stages, g))
+    one = c.p2p_link(c.nodes(n) > 1)
+    links = {"rpc": one, "broadcast": one}
     if stages == 1:
-        return link, {}
-    straddles = any(r * stages // g != (r * stages + stages - 1) // g for r in range(n // stages))
-    hop = c.p2p_link(straddles)
-    return link, {"p2p": hop, "stages": hop}
+        return link, links
+    crossing = max(sum((r * stages + s) // g != (r * stages + s + 1) // g for s in range(stages - 1))
+                   for r in range(n // stages))
+    hops = stages - 1
+    mean = Link(name=f"{crossing} of {hops} sends across machines",
+                alpha_s=(crossing * c.inter.alpha_s + (hops - crossing) * c.intra.alpha_s) / hops,
+                beta_s_per_byte=(crossing * c.inter.beta_s_per_byte + (hops - crossing) * c.intra.beta_s_per_byte)
+                / hops, gamma_s_per_byte=0.0)
+    return link, {**links, "p2p": mean if crossing else c.intra, "stages": c.p2p_link(crossing > 0)}
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:

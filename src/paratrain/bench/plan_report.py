@@ -131,9 +131,9 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | Cluster | None, asked: s
         return ns
     if asked:
         raise UsageError(f"--nproc {asked} with --interconnect measured: the profile is of a GPU, and {GPU_LINK}; "
-                         f"plan N > 1 with --interconnect {' | '.join(PRESETS)}")
+                         f"plan N > 1 with --interconnect {' | '.join(PRESETS)} or INTRA+INTER of them")
     print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
-          f"{' | '.join(PRESETS)} for more GPUs)", flush=True)
+          f"{' | '.join(PRESETS)} or INTRA+INTER of them, e.g. nvlink+ib400, for more GPUs)", flush=True)
     return [1]
 
 
@@ -264,7 +264,8 @@ def _interconnect(result: dict) -> str:
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
             f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
             f"{wire['alpha_s'] * 1e6:.1f} us, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
-            f"all-reduce at {_bw(ring)} a device (rings one per NIC), a pipeline's sends across machines on one NIC")
+            f"all-reduce at {_bw(ring)} a device (rings one per NIC, on full machines), sends between two machines "
+            f"on one NIC")
 
 
 def _bw(link: dict) -> str:
