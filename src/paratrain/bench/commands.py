@@ -60,7 +60,8 @@ def add_predict_parser(sub) -> None:
     p.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
     p.add_argument("--nproc", type=int, default=1024, help="largest N (default 1024)")
     p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
-                   help="link preset, or 'measured' (fit a gloo all-reduce micro-benchmark here)")
+                   help="link preset (every device on it), or 'measured' (fit a gloo all-reduce micro-benchmark "
+                        "here); for machines of several devices on a network, INTRA+INTER, use paratrain plan")
     p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")
     p.add_argument("--strategy", default=DEFAULT, choices=predicted(),
                    help=f"a strategy the cost model covers (default {DEFAULT}, with --algorithm); the recipe's "
