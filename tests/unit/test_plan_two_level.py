@@ -37,14 +37,14 @@ def test_a_collective_on_one_machine_is_priced_on_the_intra_node_link(n):
     assert ring_allreduce_s(8, n, _cluster().collective_link(n)) == ring_allreduce_s(8, n, FAST)
 
 
-@pytest.mark.parametrize("nics, groups, beta", [
+@pytest.mark.parametrize("nics, stages, beta", [
     (4, 1, 0.25),    # 4 rings, one per NIC: each NIC carries a quarter of the bytes, max(0.125, 1 / 4)
     (1, 1, 1.0),     # one NIC carries everything: the network's own beta
     (16, 1, 0.125),  # more NICs than the device's link can feed: the device's link paces the ring
-    (4, 2, 0.5),     # two collectives side by side share the 4 NICs: 2 each, 1 / 2
+    (4, 2, 0.5),     # a pipeline's two stage groups side by side share the 4 NICs: 2 each, 1 / 2
 ])
-def test_a_collective_across_machines_runs_one_ring_per_nic_by_hand(nics, groups, beta):
-    link = _cluster(nics=nics).collective_link(8, groups=groups)
+def test_a_collective_across_machines_runs_one_ring_per_nic_by_hand(nics, stages, beta):
+    link = _cluster(nics=nics).collective_link(8, stages=stages)
     assert (link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte) == (2.0, beta, 0.25)
     assert link.name == "fast+wire (2 nodes)"
     # 8 ranks, 8 bytes: 2 (n-1) alpha + 2 (n-1)/n m beta + (n-1)/n m gamma
@@ -68,7 +68,7 @@ def test_a_pipelines_sends_cross_a_nic_only_where_its_stages_straddle_machines(n
     c = _cluster()
     link, links = cluster_links(c, n, stages)
     # its stage groups all-reduce side by side, as many on a machine's NICs as it holds stages
-    assert link == c.collective_link(n, groups=min(stages, 4))
+    assert link == c.collective_link(n, stages=stages)
     hops = stages - 1
     p2p = links["p2p"]
     # the mean hop: its S - 1 sends of m bytes cost c on the wire and the rest on the machine's link, exactly
@@ -99,6 +99,11 @@ def test_a_pipelines_stage_groups_share_a_machines_nics_by_hand():
     assert cluster_links(c, 8, 2)[0].beta_s_per_byte == 1.0 * 2 / 4
     # 8 stages on 2 machines of 4, 2 replicas: a machine holds 4 stages, 4 groups on its 4 NICs, one each
     assert cluster_links(c, 16, 8)[0].beta_s_per_byte == 1.0 * 4 / 4
+    # machines of 6 (6 NICs), 4 stages, 8 ranks: the full machine holds 4 groups on 6 NICs, 2 / 3 a NIC;
+    # the second holds 2 devices, 2 groups on its devices' 2 NICs: 1 a NIC, the busier
+    c6 = Cluster(intra=FAST, inter=WIRE, devices_per_node=6, nics_per_node=6)
+    assert cluster_links(c6, 8, 4)[0].beta_s_per_byte == 1.0
+    assert cluster_links(c6, 12, 4)[0].beta_s_per_byte == pytest.approx(4 / 6, rel=1e-12)  # two full machines
 
 
 def test_a_pipelines_tied_parameters_ring_over_its_stages_on_the_stages_link():
@@ -139,7 +144,7 @@ def test_a_cluster_needs_a_device_and_a_nic_a_machine():
     with pytest.raises(UsageError):
         Cluster(intra=FAST, inter=WIRE, devices_per_node=0, nics_per_node=1)
     with pytest.raises(UsageError):
-        _cluster().collective_link(8, groups=0)
+        _cluster().collective_link(8, stages=0)
 
 
 def _step(link, links, cls, overrides, n):
@@ -196,30 +201,45 @@ def test_a_pipelines_sends_and_tied_ring_reach_its_formula_on_their_own_links():
 
 def test_the_plan_prices_each_layout_on_the_links_its_ranks_span(monkeypatch):
     """plan.predict_layout with a Cluster: the layout's collectives' link and its placed links go to
-    step_parts; the row names the link; a parameter server's messages are one NIC's, no faster than
-    the host's measured exchange."""
+    step_parts, and DDP's buffer broadcast gets one NIC's link across machines; a parameter server's
+    messages are one NIC's, no faster than the host's measured exchange."""
     from paratrain.bench import plan
 
     from .test_plan_gpu import _gpu_profile
 
-    seen = []
+    seen, broadcast = [], []
 
     def step_parts(cls, layout, w, link, cfg, inputs, **kw):
         seen.append((layout.label, link, kw["links"]))
         return None
 
+    def buffer_broadcast_s(prof, cfg, cls, n, link, on_this_machine):
+        broadcast.append(link)
+        return 0.0
+
     monkeypatch.setattr(plan, "step_parts", step_parts)
-    c = Cluster(intra=PRESETS["nvlink"], inter=PRESETS["ib400"], devices_per_node=2, nics_per_node=2)
+    monkeypatch.setattr(plan, "buffer_broadcast_s", buffer_broadcast_s)
+    ib400, nvlink = PRESETS["ib400"], PRESETS["nvlink"]
+    c = Cluster(intra=nvlink, inter=ib400, devices_per_node=2, nics_per_node=2)
     prof = _gpu_profile()
     for n in (2, 4):
         plan.predict_layout(plan.Layout("allreduce", n, {}, "allreduce"), prof, Config(), c, on_this_machine=False,
                             global_batch=None)
-    assert seen[0] == ("allreduce", PRESETS["nvlink"], {"rpc": PRESETS["nvlink"], "broadcast": PRESETS["nvlink"]})
-    assert seen[1][1] == c.collective_link(4) and seen[1][2] == {"rpc": PRESETS["ib400"], "broadcast": PRESETS["ib400"]}
+    assert seen[0] == ("allreduce", nvlink, {"rpc": nvlink, "broadcast": nvlink})
+    assert seen[1][1] == c.collective_link(4) and seen[1][2] == {"rpc": ib400, "broadcast": ib400}
+    assert broadcast == [nvlink, ib400]  # a tree's sends: one NIC across machines, not the rings' 2
+    assert c.collective_link(4).beta_s_per_byte == ib400.beta_s_per_byte / 2
+    # the host's exchange faster than a NIC (its round trip all update): the NIC paces the messages
+    prof.update(links={"rpc": {"alpha_s": 1e-6, "beta_s_per_byte": 1e-15, "gamma_s_per_byte": 0.0}},
+                ps_round_trip_s=0.01, ps_update_s={"async": 0.01})
+    plan.predict_layout(plan.Layout("ps-sync", 4, {"num_ps": 1}, "ps-sync"), prof, Config(), c, on_this_machine=False,
+                        global_batch=None)
+    rpc = seen[-1][2]["rpc"]
+    assert (rpc.alpha_s, rpc.beta_s_per_byte) == (ib400.alpha_s, ib400.beta_s_per_byte)
+    # a slower exchange (40 MB each way in 0.09 s less the update 0.01 s and 2 x 0.5 ms) is their floor
     prof.update(links={"rpc": {"alpha_s": 5e-4, "beta_s_per_byte": 2e-12, "gamma_s_per_byte": 0.0}},
                 ps_round_trip_s=0.09, ps_update_s={"async": 0.01})
     plan.predict_layout(plan.Layout("ps-sync", 4, {"num_ps": 1}, "ps-sync"), prof, Config(), c, on_this_machine=False,
                         global_batch=None)
     rpc = seen[-1][2]["rpc"]
-    assert rpc.beta_s_per_byte == max(PRESETS["ib400"].beta_s_per_byte, 0.079 / 80e6)  # one NIC or the host's
-    assert rpc.alpha_s == 5e-4
+    assert (rpc.alpha_s, rpc.beta_s_per_byte) == pytest.approx((5e-4, 0.079 / 80e6), rel=1e-9)

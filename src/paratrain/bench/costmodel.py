@@ -84,12 +84,12 @@ class Cluster:
     (``inter.beta``) or its share of the device's link (``intra.beta`` x K), so the whole costs
     2 (n-1)/n m max(beta_intra, beta_inter / K), the bus bandwidth of nccl-tests' PERFORMANCE.md
     bounded by the machine's K NICs, and each of its 2 (n-1) steps waits for the network's latency.
-    ``groups`` such collectives at once (a pipeline's stage groups, each all-reducing its replicas)
-    share the machine's NICs: K / groups each. A machine the job fills in part (n not a multiple of g)
-    has d < g of its devices in the ring, which drive their share of its NICs (each device its own
-    rail): K d / g of the least-filled machine, at least one. A point-to-point send between machines
-    (a pipeline's activations, a parameter server's messages, a tree broadcast's hop) goes through one
-    NIC: ``inter`` itself.
+    A machine the job fills in part (n not a multiple of g) has d < g of its devices in the ring,
+    which drive their share of its NICs (each device its own rail): K d / g of the least-filled
+    machine, at least one. A pipeline of S stages all-reduces its S stage groups' replicas side by
+    side: a machine holding min(S, its devices in the job) of the groups shares its NICs among them.
+    A point-to-point send between machines (a pipeline's activations, a parameter server's messages,
+    a tree broadcast's hop) goes through one NIC: ``inter`` itself.
     Not modelled: NCCL's trees and SHARP (latency across many machines)."""
 
     intra: Link
@@ -116,17 +116,21 @@ class Cluster:
         d = n - (self.nodes(n) - 1) * self.devices_per_node
         return max(1.0, self.nics_per_node * d / self.devices_per_node)
 
-    def collective_link(self, n: int, groups: int = 1) -> Link:
+    def collective_link(self, n: int, stages: int = 1) -> Link:
         """The link a ring collective over a job of ``n`` ranks is priced on: ``intra`` where the job
         is on one machine (n <= devices_per_node); else alpha = the slower hop's, beta = max(beta_intra,
-        beta_inter x groups / :meth:`nics`) (the class doc), gamma = the devices' (``intra``'s).
-        ``groups``: collectives running side by side on the same machines' NICs (>= 1)."""
-        _check_n(groups, "groups")
+        beta_inter x the busiest machine's groups per NIC) (the class doc), gamma = the devices'
+        (``intra``'s). ``stages``: a pipeline's S stage groups, each a collective over its replicas, side
+        by side: a full machine holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on
+        :meth:`nics` (1 for any other layout: 1 / nics(n))."""
+        _check_n(stages, "stages")
         if self.nodes(n) == 1:
             return self.intra
+        d = n - (self.nodes(n) - 1) * self.devices_per_node
+        load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, d) / self.nics(n))
         return Link(name=f"{self.name} ({self.nodes(n)} nodes)", alpha_s=max(self.intra.alpha_s, self.inter.alpha_s),
                     beta_s_per_byte=max(self.intra.beta_s_per_byte,
-                                        self.inter.beta_s_per_byte * groups / self.nics(n)),
+                                        self.inter.beta_s_per_byte * load),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte)
 
     def p2p_link(self, across_nodes: bool) -> Link:

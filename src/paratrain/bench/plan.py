@@ -320,16 +320,17 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
     r on ranks r S .. r S + S - 1, as :class:`~paratrain.strategies.pipeline.Pipeline` numbers them):
 
     * the link of its ring collectives over all ranks (a pipeline's: its stage groups' all-reduces over
-      the replicas, side by side on the machines' NICs, as many as a machine holds stages, min(S, g);
+      the replicas, side by side on the machines' NICs, as many as a machine holds stages;
       :meth:`~.costmodel.Cluster.collective_link`);
     * ``"rpc"``, ``"broadcast"``: a parameter server's messages and a tree broadcast's hops, sends
-      between two ranks: one NIC where the job spans machines, else the intra-node link;
+      between two ranks: one NIC where the job spans machines (every round of the tree, also those
+      inside a machine: an upper bound, of DDP's few buffers), else the intra-node link;
     * a pipeline's ``"p2p"``: the 2 (S-1) sends of its schedule, c of each S - 1 across machines in its
       replica with the most (c = 0 for stages on one machine), as one link whose alpha and beta are the
       hops' mean, so that its S - 1 sends cost the sum of theirs exactly; ``"stages"``: the tied
       parameters' ring over the stages, paced by its slowest hop (one NIC where c > 0)."""
     g = c.devices_per_node
-    link = c.collective_link(n, groups=min(stages, g))
+    link = c.collective_link(n, stages=stages)
     one = c.p2p_link(c.nodes(n) > 1)
     links = {"rpc": one, "broadcast": one}
     if stages == 1:
