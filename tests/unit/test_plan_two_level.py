@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paratrain.bench.costmodel import PRESETS, Cluster, Link, cluster, ring_allreduce_s
+from paratrain.bench.costmodel import PRESETS, Link, ring_allreduce_s
+from paratrain.bench.costmodel_cluster import Cluster, cluster
 from paratrain.bench.costmodel_pipeline import predict_pipeline
 from paratrain.bench.plan import cluster_links
 from paratrain.bench.plan_model import Layout, step_parts

@@ -51,6 +51,11 @@ class Link:
             if not (value >= 0 and math.isfinite(value)):
                 raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
 
+    def terms(self) -> dict[str, float]:
+        """{alpha_s, beta_s_per_byte, gamma_s_per_byte}, as profiles and plans store a link."""
+        return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
+                "gamma_s_per_byte": self.gamma_s_per_byte}
+
 
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
 # SXM's 3.35 TB/s HBM3 bandwidth (NVIDIA H100 datasheet) that is 3 / 3.35e12 s per byte.
@@ -68,99 +73,6 @@ PRESETS: dict[str, Link] = {
     # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack.
     "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA),
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cluster:
-    """Two levels of link: ``intra`` between the devices of one machine (node; NVLink, PCIe), ``inter``
-    one network port (NIC) between machines (InfiniBand, Ethernet); ``devices_per_node`` devices and
-    ``nics_per_node`` NICs to a machine. A job's ranks fill machines in order (torchrun's and Slurm's
-    placement: ranks 0..g-1 on the first machine), so ``n`` ranks span ceil(n / g) machines.
-
-    A collective over ranks on one machine uses ``intra``. Across machines, a ring all-reduce (and its
-    halves, reduce-scatter and all-gather) runs as channels, one ring per NIC (NCCL's rail-aligned
-    rings; Patarasuk & Yuan 2009 for one ring): each ring enters and leaves every machine once, through
-    its own NIC, and takes 1 / K of the bytes. A ring's step is paced by its slowest hop, the NIC
-    (``inter.beta``) or its share of the device's link (``intra.beta`` x K), so the whole costs
-    2 (n-1)/n m max(beta_intra, beta_inter / K), the bus bandwidth of nccl-tests' PERFORMANCE.md
-    bounded by the machine's K NICs, and each of its 2 (n-1) steps waits for the network's latency.
-    A machine the job fills in part (n not a multiple of g) has d < g of its devices in the ring,
-    which drive their share of its NICs (each device its own rail): K d / g of the least-filled
-    machine, at least one. A pipeline of S stages all-reduces its S stage groups' replicas side by
-    side: a machine holding min(S, its devices in the job) of the groups shares its NICs among them.
-    A point-to-point send between machines (a pipeline's activations, a parameter server's messages,
-    a tree broadcast's hop) goes through one NIC: ``inter`` itself.
-    Not modelled: NCCL's trees and SHARP (latency across many machines)."""
-
-    intra: Link
-    inter: Link
-    devices_per_node: int
-    nics_per_node: int
-
-    def __post_init__(self) -> None:
-        for key in ("devices_per_node", "nics_per_node"):
-            _check_n(getattr(self, key), key)
-
-    @property
-    def name(self) -> str:
-        return f"{self.intra.name}+{self.inter.name}"
-
-    def nodes(self, n: int) -> int:
-        """Machines that ``n`` ranks, placed in order, span: ceil(n / devices_per_node)."""
-        _check_n(n)
-        return -(-n // self.devices_per_node)
-
-    def nics(self, n: int) -> float:
-        """NICs a ring over ``n`` ranks uses on each machine: the least-filled machine's share of its
-        nics_per_node, K d / g with d = n - (nodes - 1) g its devices in the job, at least 1."""
-        d = n - (self.nodes(n) - 1) * self.devices_per_node
-        return max(1.0, self.nics_per_node * d / self.devices_per_node)
-
-    def collective_link(self, n: int, stages: int = 1) -> Link:
-        """The link a ring collective over a job of ``n`` ranks is priced on: ``intra`` where the job
-        is on one machine (n <= devices_per_node); else alpha = the slower hop's, beta = max(beta_intra,
-        beta_inter x the busiest machine's groups per NIC) (the class doc), gamma = the devices'
-        (``intra``'s). ``stages``: a pipeline's S stage groups, each a collective over its replicas, side
-        by side: a full machine holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on
-        :meth:`nics` (1 for any other layout: 1 / nics(n))."""
-        _check_n(stages, "stages")
-        if self.nodes(n) == 1:
-            return self.intra
-        d = n - (self.nodes(n) - 1) * self.devices_per_node
-        load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, d) / self.nics(n))
-        return Link(name=f"{self.name} ({self.nodes(n)} nodes)", alpha_s=max(self.intra.alpha_s, self.inter.alpha_s),
-                    beta_s_per_byte=max(self.intra.beta_s_per_byte,
-                                        self.inter.beta_s_per_byte * load),
-                    gamma_s_per_byte=self.intra.gamma_s_per_byte)
-
-    def p2p_link(self, across_nodes: bool) -> Link:
-        """A point-to-point send's link: ``intra`` on one machine, else one NIC, ``inter``."""
-        return self.inter if across_nodes else self.intra
-
-
-def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) -> Link | Cluster:
-    """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it), or
-    ``"INTRA+INTER"`` (``"nvlink+ib400"``) a :class:`Cluster` of ``devices_per_node`` devices and
-    ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight). The
-    presets are taken as given (an INTER faster than INTRA too). Raises UsageError naming the presets
-    for an unknown name, ``nics_per_node`` on a flat link, or ``nics_per_node`` < 1."""
-    parts = name.split("+")
-    unknown = [p for p in parts if p not in PRESETS]
-    if len(parts) > 2 or unknown:
-        what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
-                if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
-                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links")
-        raise UsageError(f"--interconnect {name!r}{what}; use one of {', '.join(PRESETS)}, measured, or "
-                         f"INTRA+INTER of them (e.g. nvlink+ib400)")
-    if len(parts) == 1:
-        if nics_per_node is not None:
-            raise UsageError(f"--nics-per-node {nics_per_node}: NICs price the network between machines; give a "
-                             f"two-level --interconnect INTRA+INTER (e.g. nvlink+{name}) or leave it out")
-        return PRESETS[name]
-    if nics_per_node is not None and nics_per_node < 1:
-        raise UsageError(f"--nics-per-node {nics_per_node}: give the network ports of one machine, >= 1")
-    return Cluster(intra=PRESETS[parts[0]], inter=PRESETS[parts[1]], devices_per_node=devices_per_node,
-                   nics_per_node=devices_per_node if nics_per_node is None else nics_per_node)
 
 
 def _check_n(n: int, what: str = "n") -> None:

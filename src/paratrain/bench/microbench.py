@@ -368,5 +368,4 @@ def measured_links() -> dict[str, dict[str, float]]:
 
     found = {"all_reduce": measured_link(2), "all_gather": measured_collective("all_gather"),
              "reduce_scatter": measured_collective("reduce_scatter"), "p2p": measured_p2p(), "rpc": measured_rpc()}
-    return {k: {"alpha_s": v.alpha_s, "beta_s_per_byte": v.beta_s_per_byte, "gamma_s_per_byte": v.gamma_s_per_byte}
-            for k, v in found.items()}
+    return {k: v.terms() for k, v in found.items()}

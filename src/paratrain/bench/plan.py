@@ -27,7 +27,7 @@ Predictions for this machine (``--interconnect measured``) give N processes thei
 cores (:func:`~.validate.layout_cpu_share`: parameter servers take threads, not compute time); presets put
 each device on its own like the profiled one. ``--interconnect INTRA+INTER`` (``nvlink+ib400``) is a
 cluster of machines of ``--devices-per-node`` devices and ``--nics-per-node`` NICs: each layout's
-collectives are priced on the link its ranks span (:class:`~.costmodel.Cluster`, :func:`cluster_links`).
+collectives are priced on the link its ranks span (:class:`~.costmodel_cluster.Cluster`, :func:`cluster_links`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .costmodel import PRESETS, Cluster, Link, cluster
+from .costmodel import PRESETS, Link
+from .costmodel_cluster import Cluster, cluster
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
                           stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
@@ -214,7 +215,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     """One plan row: the layout's predicted step parts, throughput, speedup and efficiency (against
     one device with the same global batch under --global-batch, else the same per-replica batch) and
     memory per device; None where the layout does not exist. ``link``: the interconnect; a two-level
-    :class:`~.costmodel.Cluster` prices the layout's collectives on the link its ranks span
+    :class:`~.costmodel_cluster.Cluster` prices the layout's collectives on the link its ranks span
     (:func:`cluster_links`)."""
     from ..strategies import STRATEGIES
     from .validate import layout_cpu_share
@@ -321,7 +322,7 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
 
     * the link of its ring collectives over all ranks (a pipeline's: its stage groups' all-reduces over
       the replicas, side by side on the machines' NICs, as many as a machine holds stages;
-      :meth:`~.costmodel.Cluster.collective_link`);
+      :meth:`~.costmodel_cluster.Cluster.collective_link`);
     * ``"rpc"``, ``"broadcast"``: a parameter server's messages and a tree broadcast's hops, sends
       between two ranks: one NIC where the job spans machines (every round of the tree, also those
       inside a machine: an upper bound, of DDP's few buffers), else the intra-node link;

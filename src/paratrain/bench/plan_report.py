@@ -13,7 +13,8 @@ from typing import Any
 from ..errors import UsageError
 from . import plan as pl
 from . import plan_profile
-from .costmodel import PRESETS, Cluster, Link
+from .costmodel import PRESETS, Link
+from .costmodel_cluster import Cluster
 from .plan_validate import GPU_LINK, on_gpu
 from .strategy_model import TOWERS
 
@@ -95,8 +96,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(), "config": args.config,
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
               # a two-level cluster: "link" inside a machine, "network" between machines
-              "link": _link_dict(link.intra if isinstance(link, Cluster) else link),
-              "network": ({"link": _link_dict(link.inter), "nics_per_node": link.nics_per_node}
+              "link": (link.intra if isinstance(link, Cluster) else link).terms(),
+              # (all_reduce: a ring's link across full machines, Cluster.collective_link)
+              "network": ({"link": link.inter.terms(), "nics_per_node": link.nics_per_node,
+                           "all_reduce": link.collective_link(2 * link.devices_per_node).terms()}
                           if isinstance(link, Cluster) else None),
               "device_memory_bytes": limit, "devices_per_node": per_node,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -247,25 +250,20 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _link_dict(link: Link) -> dict[str, float]:
-    return {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte, "gamma_s_per_byte": link.gamma_s_per_byte}
-
-
 def _interconnect(result: dict) -> str:
     """The header's words for the interconnect: one link, or a two-level cluster's two and the
-    bandwidth a job over several machines all-reduces at (:class:`~.costmodel.Cluster`)."""
+    bandwidth a job over several machines all-reduces at (:class:`~.costmodel_cluster.Cluster`)."""
     one = result["link"]
     net = result.get("network")
     if not net:
         return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)})"
     intra, inter = result["interconnect"].split("+")
     k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
-    ring = {"beta_s_per_byte": max(one["beta_s_per_byte"], wire["beta_s_per_byte"] / k)}
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
             f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
             f"{wire['alpha_s'] * 1e6:.1f} us, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
-            f"all-reduce at {_bw(ring)} a device (rings one per NIC, on full machines), sends between two machines "
-            f"on one NIC")
+            f"all-reduce at {_bw(net['all_reduce'])} a device (rings one per NIC, on full machines), sends between "
+            f"two machines on one NIC")
 
 
 def _bw(link: dict) -> str:
