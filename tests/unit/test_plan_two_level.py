@@ -46,10 +46,59 @@ def test_a_collective_on_one_machine_is_priced_on_the_intra_node_link(n):
 ])
 def test_a_collective_across_machines_runs_one_ring_per_nic_by_hand(nics, stages, beta):
     link = _cluster(nics=nics).collective_link(8, stages=stages)
-    assert (link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte) == (2.0, beta, 0.25)
+    assert (link.beta_s_per_byte, link.gamma_s_per_byte) == (beta, 0.25)
     assert link.name == "fast+wire (2 nodes)"
-    # 8 ranks, 8 bytes: 2 (n-1) alpha + 2 (n-1)/n m beta + (n-1)/n m gamma
-    assert ring_allreduce_s(8, 8, link) == 14 * 2.0 + 14 * beta + 7 * 0.25
+    # R = 8 / S ranks, 8 bytes: 2 (R-1) steps, 2 of them across the 2 machines at the wire's alpha 2, the rest
+    # at the machine's 1; + 2 (R-1)/R m beta + (R-1)/R m gamma
+    r = 8 // stages
+    assert ring_allreduce_s(8, r, link) == pytest.approx(
+        2 * ((r - 2) * 1.0 + 1 * 2.0) + 2 * (r - 1) / r * 8 * beta + (r - 1) / r * 8 * 0.25, rel=1e-12)
+
+
+@pytest.mark.parametrize("n, stages, machines, ring, tree", [
+    (8, 1, 2, 2 * (6 * 1.0 + 1 * 2.0), 2 * (3 * 1.0 + 1 * 2.0)),      # 2 machines of 4
+    (12, 1, 3, 2 * (9 * 1.0 + 2 * 2.0), 2 * (3 * 1.0 + 1 * 2.0)),     # 3 machines: floor(log2 3) = 1 level
+    (32, 1, 8, 2 * (24 * 1.0 + 7 * 2.0), 2 * (3 * 1.0 + 3 * 2.0)),    # 8 machines: 3 levels
+    (16, 2, 4, 2 * (4 * 1.0 + 3 * 2.0), 2 * (1 * 1.0 + 2 * 2.0)),     # stage 0: ranks 0, 2, .., 14 on 4 machines
+    (12, 3, 3, 2 * (1 * 1.0 + 2 * 2.0), 2 * (0 * 1.0 + 1 * 2.0)),     # stage 0: ranks 0, 3, 6, 9 on 3 machines
+    (16, 8, 2, 2 * (0 * 1.0 + 1 * 2.0), 2 * (0 * 1.0 + 1 * 2.0)),     # stage s: ranks s, 8 + s, one a machine
+])
+def test_a_collectives_latency_crosses_the_network_only_between_machines_by_hand(n, stages, machines, ring, tree):
+    """NCCL's tuning model (src/graph/tuning.cc): a ring all-reduce over R ranks on M machines waits
+    2 (M-1) times for the network and 2 (R-M) times for the machine's link; a reduce-scatter or
+    all-gather half that; a double binary tree 2 ((R/M - 1) alpha_intra + floor(log2 M) alpha_inter)."""
+    from paratrain.bench.costmodel_sharded import ring_allgather_s, ring_reduce_scatter_s
+
+    c = _cluster()  # machines of 4; FAST alpha 1, WIRE alpha 2
+    link = c.collective_link(n, stages=stages)
+    r = n // stages
+    assert c.spanned(n, stages) == machines
+    assert ring_allreduce_s(0, r, link) == pytest.approx(ring, rel=1e-12)
+    assert ring_reduce_scatter_s(0, r, link) == ring_allgather_s(0, r, link) == pytest.approx(ring / 2, rel=1e-12)
+    assert link.tree_latency_s == tree
+
+
+def test_nccl_runs_the_tree_where_it_is_faster_and_the_ring_where_it_is():
+    from paratrain.bench.costmodel import allreduce_s
+
+    link = _cluster().collective_link(16)  # 4 machines of 4, 4 NICs: beta max(0.125, 1 / 4)
+    assert link.beta_s_per_byte == 0.25
+    # a small message: the tree's latency 2 (3 x 1 + 2 x 2) = 14 against the ring's 2 (12 x 1 + 3 x 2) = 36
+    assert ring_allreduce_s(0, 16, link) == pytest.approx(36.0, rel=1e-12)
+    assert allreduce_s(0, 16, link) == 14.0
+    # 64 bytes: the tree 14 + 64 x 0.25 / 0.45 + 64 x 0.25 against the ring 36 + 30 + 15
+    assert allreduce_s(64, 16, link) == pytest.approx(14 + 64 * 0.25 / 0.45 + 64 * 0.25, rel=1e-12)
+    # 4096 bytes: the ring 36 + 2 x 15/16 x 4096 x 0.25 + 15/16 x 4096 x 0.25 = 2916, below the tree's 3313.6
+    assert allreduce_s(4096, 16, link) == ring_allreduce_s(4096, 16, link) == pytest.approx(2916.0, rel=1e-12)
+    # a flat link has no trees; one machine's collective is its link's ring; one rank has nothing to reduce
+    assert allreduce_s(0, 16, WIRE) == ring_allreduce_s(0, 16, WIRE) == 30 * 2.0
+    assert allreduce_s(0, 4, c4 := _cluster().collective_link(4)) == ring_allreduce_s(0, 4, c4)
+    assert allreduce_s(64, 1, link) == 0.0
+
+
+def test_a_links_tree_latency_is_finite_and_not_negative():
+    with pytest.raises(UsageError, match="tree_latency_s = -1.0 must be finite and >= 0"):
+        Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=-1.0)
 
 
 def test_a_send_between_machines_goes_through_one_nic():  # (the link of a pair's send)
@@ -170,11 +219,15 @@ def test_more_nics_never_predict_a_slower_step(n, per_node, nics, more, which):
        which=st.integers(0, len(LAYOUTS) - 1), pair=st.sampled_from([("nvlink", "ib400"), ("pcie5", "eth25"),
                                                                      ("nvlink", "eth25")]))
 def test_a_clusters_step_lies_between_its_intra_node_links_and_its_networks(n, per_node, nics, which, pair):
+    """Below: the same cluster with a network as fast as its machines' link (a flat intra-node link
+    has no trees between machines, which can beat its 2 (n-1) ring steps). Above: the network alone."""
     cls, overrides = LAYOUTS[which]
     intra, inter = PRESETS[pair[0]], PRESETS[pair[1]]
     c = Cluster(intra=intra, inter=inter, devices_per_node=per_node, nics_per_node=nics)
-    step = _step(*cluster_links(c, n, overrides.get("pipeline_stages", 1)), cls, overrides, n)
-    assert _step(intra, {}, cls, overrides, n) <= step * (1 + 1e-12)
+    stages = overrides.get("pipeline_stages", 1)
+    step = _step(*cluster_links(c, n, stages), cls, overrides, n)
+    fast = Cluster(intra=intra, inter=intra, devices_per_node=per_node, nics_per_node=nics)
+    assert _step(*cluster_links(fast, n, stages), cls, overrides, n) <= step * (1 + 1e-12)
     if overrides.get("pipeline_stages", 1) == 1:  # (a pipeline's stage groups share the NICs: below one each)
         assert step <= _step(inter, {}, cls, overrides, n) * (1 + 1e-12)
     if n <= per_node:  # one machine: the intra-node link's step exactly
@@ -244,3 +297,33 @@ def test_the_plan_prices_each_layout_on_the_links_its_ranks_span(monkeypatch):
                         global_batch=None)
     rpc = seen[-1][2]["rpc"]
     assert (rpc.alpha_s, rpc.beta_s_per_byte) == pytest.approx((5e-4, 0.079 / 80e6), rel=1e-9)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 4])  # allreduce, zero1, fsdp (the norm's all-reduce), a pipeline
+def test_the_plans_all_reduces_take_a_clusters_tree_where_it_is_faster(which):
+    """Each all-reduce a layout's formula prices goes through allreduce_s: on a link with trees of no
+    latency and rings of 1 ms a step, every layout that all-reduces predicts a faster step."""
+    import dataclasses
+
+    cls, overrides = LAYOUTS[which]
+    rings = Link(name="rings", alpha_s=1e-3, beta_s_per_byte=1e-12, gamma_s_per_byte=0.0)
+    trees = dataclasses.replace(rings, tree_latency_s=0.0)
+    assert _step(trees, {}, cls, overrides, 8) < _step(rings, {}, cls, overrides, 8)
+
+
+def test_synchronised_batchnorms_all_reduces_take_a_clusters_tree_where_it_is_faster():
+    import dataclasses
+
+    from paratrain.bench.costmodel import allreduce_s
+    from paratrain.bench.plan_inputs import batchnorm_rings_s
+
+    rings = Link(name="rings", alpha_s=1e-3, beta_s_per_byte=1e-12, gamma_s_per_byte=0.0)
+    trees = dataclasses.replace(rings, tree_latency_s=1e-4)
+    prof = {"batchnorm_inputs": [[32, 16, 8, 8]]}  # one layer of C = 16 channels
+    # its forward's C + 1 and C numbers and its backward's 2 C, 4 bytes each: three trees of 0.1 ms and their bytes
+    assert batchnorm_rings_s(prof, Config(), 8, trees) == pytest.approx(
+        sum(allreduce_s(b * 4, 8, trees) for b in (17, 16, 32)), rel=1e-12)
+    assert batchnorm_rings_s(prof, Config(), 8, trees) == pytest.approx(
+        3e-4 + (17 + 16 + 32) * 4 * 1e-12 / 0.45, rel=1e-12)
+    assert batchnorm_rings_s(prof, Config(), 8, rings) == pytest.approx(
+        3 * 14e-3 + (17 + 16 + 32) * 4 * 2 * 7 / 8 * 1e-12, rel=1e-12)

@@ -38,23 +38,31 @@ class Link:
 
     alpha_s: latency per message (s); beta_s_per_byte: inverse bandwidth per
     direction (s/byte); gamma_s_per_byte: local reduction of one byte (s/byte).
+    tree_latency_s: where the link also runs NCCL's double binary trees between machines (a two-level
+    cluster's collective link, :meth:`~.costmodel_cluster.Cluster.collective_link`), a tree
+    all-reduce's latency (s), for :func:`allreduce_s`; None (a flat link): rings only.
     """
 
     name: str
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float
+    tree_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"):
+        for key in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "tree_latency_s"):
             value = getattr(self, key)
+            if value is None and key == "tree_latency_s":
+                continue
             if not (value >= 0 and math.isfinite(value)):
                 raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
 
     def terms(self) -> dict[str, float]:
-        """{alpha_s, beta_s_per_byte, gamma_s_per_byte}, as profiles and plans store a link."""
-        return {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
-                "gamma_s_per_byte": self.gamma_s_per_byte}
+        """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s where set), as profiles and
+        plans store a link: ``Link(name=..., **terms)`` is the link again."""
+        terms = {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
+                 "gamma_s_per_byte": self.gamma_s_per_byte}
+        return terms if self.tree_latency_s is None else {**terms, "tree_latency_s": self.tree_latency_s}
 
 
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
@@ -94,6 +102,26 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
         return 0.0
     return (2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
             + (n - 1) / n * nbytes * link.gamma_s_per_byte)
+
+
+# NCCL's tuning model (src/graph/tuning.cc, ncclTopoTuneModel): a tree all-reduce moves its bytes at
+# half its bus bandwidth (each tree of the two carries half, up and then down), and the bus bandwidth
+# a tree reaches is 0.9 of the ring's
+TREE_ALGORITHM_BANDWIDTH = 0.5 * 0.9
+
+
+def allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of the all-reduce NCCL runs on ``link``: the ring (:func:`ring_allreduce_s`); where
+    the link also runs NCCL's double binary trees between machines (``link.tree_latency_s`` set, a
+    two-level cluster's collective link), the faster of the ring and the tree, as NCCL's tuner picks
+    per message (NCCL src/graph/tuning.cc; Sanders, Speck & Traeff 2009, two trees): the tree costs
+    tree_latency_s + nbytes beta / (0.5 x 0.9) + nbytes gamma (each rank reduces its two children's
+    halves). 0 for n == 1. Not modelled: NCCL's protocols (LL, LL128) and its per-size corrections."""
+    ring = ring_allreduce_s(nbytes, n, link)
+    if link.tree_latency_s is None or n == 1:
+        return ring
+    return min(ring, link.tree_latency_s + nbytes * link.beta_s_per_byte / TREE_ALGORITHM_BANDWIDTH
+               + nbytes * link.gamma_s_per_byte)
 
 
 def tree_broadcast_s(nbytes: float, n: int, link: Link) -> float:
@@ -233,8 +261,8 @@ def prediction(w: Workload, n: int, step_s: float, compute_s: float, algorithm: 
 
 
 def _collective(algorithm: str) -> Callable[[float, int, Link], float]:
-    if algorithm == "ring":
-        return ring_allreduce_s
+    if algorithm == "ring":  # on a two-level cluster's link, NCCL's pick of its rings and trees
+        return allreduce_s
     if algorithm == "tree":
         return tree_allreduce_s
     raise UsageError(f"algorithm = {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
@@ -246,7 +274,8 @@ def predict(w: Workload, n: int, link: Link, *, algorithm: str = "ring", bucket_
     """Predict one step of ``n`` replicas over ``link``.
 
     "ring"/"tree": bucketed all-reduce overlapped with backward (:func:`overlapped_step_s`; data
-    and optimizer are not overlapped); ``bucket_mb`` None picks one with :func:`pick_bucket`.
+    and optimizer are not overlapped; "ring" on a two-level cluster's link: :func:`allreduce_s`, NCCL's
+    pick of its rings and trees); ``bucket_mb`` None picks one with :func:`pick_bucket`.
     "ps": ``num_ps`` server shards, no overlap: step = local + :func:`~.costmodel_ps.ps_step_s` (its busiest
     server's shard: :func:`~.costmodel_ps.ps_largest_shard_bytes`). n == 1 is one
     device: no communication for any algorithm. ``compute_scale`` multiplies the four measured

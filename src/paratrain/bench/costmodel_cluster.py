@@ -24,14 +24,19 @@ class Cluster:
     its own NIC, and takes 1 / K of the bytes. A ring's step is paced by its slowest hop, the NIC
     (``inter.beta``) or its share of the device's link (``intra.beta`` x K), so the whole costs
     2 (n-1)/n m max(beta_intra, beta_inter / K), the bus bandwidth of nccl-tests' PERFORMANCE.md
-    bounded by the machine's K NICs, and each of its 2 (n-1) steps waits for the network's latency.
+    bounded by the machine's K NICs. Its latency is NCCL's (src/graph/tuning.cc): of a ring's 2 (n-1)
+    steps over M machines, 2 (M-1) cross the network at inter's alpha, the rest stay inside a
+    machine at intra's. NCCL also runs double binary trees between machines (Sanders, Speck &
+    Traeff 2009), whose all-reduce latency is 2 ((n/M - 1) alpha_intra + floor(log2 M) alpha_inter),
+    at 0.45 of the bus bandwidth; it picks the faster per message (:func:`~.costmodel.allreduce_s`).
     A machine the job fills in part (n not a multiple of g) has d < g of its devices in the ring,
     which drive their share of its NICs (each device its own rail): K d / g of the least-filled
     machine, at least one. A pipeline of S stages all-reduces its S stage groups' replicas side by
     side: a machine holding min(S, its devices in the job) of the groups shares its NICs among them.
     A point-to-point send between machines (a pipeline's activations, a parameter server's messages,
     a tree broadcast's hop) goes through one NIC: ``inter`` itself.
-    Not modelled: NCCL's trees and SHARP (latency across many machines)."""
+    Not modelled: SHARP (in-network reduction), NCCL's protocols (LL, LL128) and its per-size
+    corrections."""
 
     intra: Link
     inter: Link
@@ -60,21 +65,36 @@ class Cluster:
         nics_per_node, K d / g with d = :meth:`last`, at least 1."""
         return max(1.0, self.nics_per_node * self.last(n) / self.devices_per_node)
 
+    def spanned(self, n: int, stages: int = 1) -> int:
+        """Machines a collective group of the job spans, the most of its groups: all ``n`` ranks' nodes(n);
+        a pipeline's stage group s, ranks r S + s for its n / S replicas r (``stages`` = S)."""
+        _check_n(stages, "stages")
+        g = self.devices_per_node
+        return max(len({(r * stages + s) // g for r in range(n // stages)}) for s in range(stages))
+
     def collective_link(self, n: int, stages: int = 1) -> Link:
-        """The link a ring collective over a job of ``n`` ranks is priced on: ``intra`` where the job
-        is on one machine (n <= devices_per_node); else alpha = the slower hop's, beta = max(beta_intra,
-        beta_inter x the busiest machine's groups per NIC) (the class doc), gamma = the devices'
-        (``intra``'s). ``stages``: a pipeline's S stage groups, each a collective over its replicas, side
-        by side: a full machine holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on
-        :meth:`nics` (1 for any other layout: 1 / nics(n))."""
+        """The link a collective over a job of ``n`` ranks is priced on: ``intra`` where the job is on
+        one machine (n <= devices_per_node); else (the class doc), for a group of R = n / S ranks on
+        M = :meth:`spanned` machines, alpha = NCCL's ring latency per step, ((R - M) alpha_intra +
+        (M - 1) alpha_inter) / (R - 1), so that a ring all-reduce's 2 (R-1) steps (a reduce-scatter's or
+        all-gather's R - 1) cost NCCL's sum exactly; beta = max(beta_intra, beta_inter x the busiest
+        machine's groups per NIC); gamma = the devices' (``intra``'s); tree_latency_s = a double binary
+        tree all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter). ``stages``: a
+        pipeline's S stage groups, each a collective over its replicas, side by side: a full machine
+        holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on :meth:`nics` (1 for any
+        other layout: 1 / nics(n))."""
         _check_n(stages, "stages")
         nodes = self.nodes(n)
         if nodes == 1:
             return self.intra
         load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, self.last(n)) / self.nics(n))
-        return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=max(self.intra.alpha_s, self.inter.alpha_s),
+        ranks, machines = n // stages, self.spanned(n, stages)
+        a_in, a_out = self.intra.alpha_s, self.inter.alpha_s
+        alpha = ((ranks - machines) * a_in + (machines - 1) * a_out) / (ranks - 1) if ranks > 1 else a_out
+        return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=alpha,
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
-                    gamma_s_per_byte=self.intra.gamma_s_per_byte)
+                    gamma_s_per_byte=self.intra.gamma_s_per_byte,
+                    tree_latency_s=2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out))
 
     def p2p_link(self, across_nodes: bool) -> Link:
         """A point-to-point send's link: ``intra`` on one machine, else one NIC, ``inter``."""

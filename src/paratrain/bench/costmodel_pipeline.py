@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import UsageError
-from .costmodel import Link, Prediction, Workload, _check_n, prediction, ring_allreduce_s
+from .costmodel import Link, Prediction, Workload, _check_n, allreduce_s, prediction
 
 
 def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int, link: Link, *,
@@ -61,8 +61,8 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     # the bubble is idle compute (above the cores, other processes' turn)
     compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
     # no tied parameters: no message
-    shared = ring_allreduce_s(shared_bytes, S, stage_link or link) if shared_bytes else 0.0
-    step = compute + 2 * (S - 1) * p2p + shared + ring_allreduce_s(min(largest, total), replicas, link)
+    shared = allreduce_s(shared_bytes, S, stage_link or link) if shared_bytes else 0.0
+    step = compute + 2 * (S - 1) * p2p + shared + allreduce_s(min(largest, total), replicas, link)
     return prediction(w, replicas * S, step, compute, "stages", optimizer_s=optimizer * s, replicas=replicas)
 
 

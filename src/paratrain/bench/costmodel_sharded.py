@@ -38,8 +38,8 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..errors import UsageError
-from .costmodel import (FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, predict, prediction,
-                        ring_allreduce_s)
+from .costmodel import (FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, allreduce_s, predict,
+                        prediction)
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -284,7 +284,7 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         after_backward = fsdp_step_path_s(w, n, link, step_path_s, meeting_s, path_meeting_s)
         optimizer += after_backward
     else:  # the guard's all-reduce of the norm: a blocking collective a moment after the last reduce-scatter
-        after_backward = ring_allreduce_s(FLOAT32_BYTES, n, link)
+        after_backward = allreduce_s(FLOAT32_BYTES, n, link)
         if meeting_s is not None:
             after_backward = max(after_backward, meeting_s(0.0))
     glink, slink = gather_link or link, scatter_link or link
@@ -326,7 +326,7 @@ def fsdp_step_path_s(w: Workload, n: int, link: Link, step_path_s: float,
     :func:`predict_fsdp`'s step and :func:`~.plan_model.step_parts`' optimizer part."""
     _check_n(n)
     extra = max(0.0, step_path_s + w.optimizer_s / 2)
-    extra += max(0.0, ring_allreduce_s(FLOAT32_BYTES, n, link) - ring_allreduce_s(FLOAT32_BYTES, 2, link))
+    extra += max(0.0, allreduce_s(FLOAT32_BYTES, n, link) - allreduce_s(FLOAT32_BYTES, 2, link))
     if meeting_s is not None and path_meeting_s is not None:
         extra += max(0.0, meeting_s(0.0) - path_meeting_s(0.0))
     return extra

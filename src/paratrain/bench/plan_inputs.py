@@ -105,15 +105,15 @@ FORWARD_MEETINGS, MEETINGS = 2, 3  # a synchronised BatchNorm layer's all-reduce
 
 def batchnorm_rings_s(prof: dict, cfg, k: int, link: Link, forward_only: bool = False) -> float:
     """Seconds of a step's synchronised BatchNorm all-reduces, by the ring's formula at k processes
-    (:func:`~.costmodel.ring_allreduce_s`), for every BatchNorm layer of ``prof["batchnorm_inputs"]``
-    (C channels): the forward's count and sums (C + 1 numbers) and variance (C), and unless
+    (:func:`~.costmodel.allreduce_s`: a cluster's trees where faster), for every BatchNorm layer of
+    ``prof["batchnorm_inputs"]`` (C channels): the forward's count and sums (C + 1 numbers) and variance (C), and unless
     ``forward_only`` the backward's two sums (2 C); numbers of 8 bytes for a float64 recipe, else 4
     (:class:`~paratrain.strategies.sync_batchnorm.GroupBatchNorm`'s statistics: float32 at least)."""
-    from .costmodel import ring_allreduce_s
+    from .costmodel import allreduce_s
 
     size = 8 if cfg.train.dtype == "float64" else 4
-    return sum(ring_allreduce_s((shape[1] + 1) * size, k, link) + ring_allreduce_s(shape[1] * size, k, link)
-               + (0.0 if forward_only else ring_allreduce_s(2 * shape[1] * size, k, link))
+    return sum(allreduce_s((shape[1] + 1) * size, k, link) + allreduce_s(shape[1] * size, k, link)
+               + (0.0 if forward_only else allreduce_s(2 * shape[1] * size, k, link))
                for shape in prof.get("batchnorm_inputs") or [])
 
 

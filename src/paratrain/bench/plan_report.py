@@ -262,7 +262,8 @@ def _interconnect(result: dict) -> str:
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
             f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
             f"{wire['alpha_s'] * 1e6:.1f} us, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
-            f"all-reduce at {_bw(net['all_reduce'])} a device (rings one per NIC, on full machines), sends between "
+            f"all-reduce at {_bw(net['all_reduce'])} a device (rings one per NIC, on full machines; NCCL's trees "
+            f"where faster: {net['all_reduce']['tree_latency_s'] * 1e6:.0f} us on two machines), sends between "
             f"two machines on one NIC")
 
 
