@@ -327,6 +327,7 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert across >= 4  # allreduce, zero1, fsdp, ... at N = 4 and 8
     plan = json.loads((tmp_path / "rail" / "plan.json").read_text())
     assert plan["interconnect"] == "nvlink+ib400" and plan["network"]["nics_per_node"] == 2
+    assert (plan["network"]["intra"], plan["network"]["inter"]) == ("nvlink", "ib400")
     assert plan["network"]["link"]["beta_s_per_byte"] == pytest.approx(1 / 50e9)
     # a tree over 2 machines of 2: 2 ((2 - 1) x NVLink's 5 us + log2 2 x ib400's 10 us)
     assert plan["network"]["all_reduce"]["tree_latency_s"] == pytest.approx(30e-6)
@@ -357,7 +358,7 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--timed-seconds", "-1"), "--timed-seconds -1.0: give seconds >= 0"),
     (("--devices-per-node", "0"), "--devices-per-node 0: give the devices of one machine, >= 1"),
     (("--interconnect", "nvlink+pigeon"), "--interconnect 'nvlink+pigeon': 'pigeon' unknown; use one of nvlink"),
-    (("--nics-per-node", "2"), "--nics-per-node 2: NICs price a cluster's network; give a two-level --interconnect"),
+    (("--nics-per-node", "2"), "--nics-per-node 2: NICs price the network between machines; give a two-level"),
     (("--validate", "--validate-runoff", "-1"), "--validate-runoff -1: give pairs >= 0 (0: no run-off)"),
     (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
     (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),

@@ -101,14 +101,15 @@ class Cluster:
         return self.inter if across_nodes else self.intra
 
 
-def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) -> Link | Cluster:
-    """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it), or
+def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) -> Link | Cluster | None:
+    """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it),
     ``"INTRA+INTER"`` (``"nvlink+ib400"``) a :class:`Cluster` of ``devices_per_node`` devices and
-    ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight). The
-    presets are taken as given (an INTER faster than INTRA too). Raises UsageError naming the presets
-    for an unknown name, ``nics_per_node`` on a flat link, or ``nics_per_node`` < 1."""
+    ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight), or None
+    for ``"measured"`` (this machine's links, from the profile). The presets are taken as given (an
+    INTER faster than INTRA too). Raises UsageError naming the presets for an unknown name,
+    ``nics_per_node`` on a flat or measured link, or ``nics_per_node`` < 1."""
     parts = name.split("+")
-    unknown = [p for p in parts if p not in PRESETS]
+    unknown = [p for p in parts if p not in PRESETS and name != "measured"]
     if len(parts) > 2 or unknown:
         what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
                 if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
@@ -118,8 +119,8 @@ def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) 
     if len(parts) == 1:
         if nics_per_node is not None:
             raise UsageError(f"--nics-per-node {nics_per_node}: NICs price the network between machines; give a "
-                             f"two-level --interconnect INTRA+INTER (e.g. nvlink+{name}) or leave it out")
-        return PRESETS[name]
+                             f"two-level --interconnect INTRA+INTER (e.g. nvlink+ib400) or leave it out")
+        return None if name == "measured" else PRESETS[name]
     if nics_per_node is not None and nics_per_node < 1:
         raise UsageError(f"--nics-per-node {nics_per_node}: give the network ports of one machine, >= 1")
     return Cluster(intra=PRESETS[parts[0]], inter=PRESETS[parts[1]], devices_per_node=devices_per_node,

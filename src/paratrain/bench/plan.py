@@ -160,11 +160,7 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | Cluster | None]:
         raise UsageError(f"--device-memory-gb {args.device_memory_gb}: give the memory of one device in GB, > 0")
     if args.devices_per_node < 1:
         raise UsageError(f"--devices-per-node {args.devices_per_node}: give the devices of one machine, >= 1")
-    if args.interconnect == "measured" and args.nics_per_node is not None:
-        raise UsageError(f"--nics-per-node {args.nics_per_node}: NICs price a cluster's network; give a two-level "
-                         f"--interconnect INTRA+INTER (e.g. nvlink+ib400) or leave it out")
-    preset = None if args.interconnect == "measured" else cluster(args.interconnect, args.devices_per_node,
-                                                                   args.nics_per_node)
+    preset = cluster(args.interconnect, args.devices_per_node, args.nics_per_node)  # None: measured
     if args.global_batch is not None:
         bad = [n for n in ns if args.global_batch % n]
         if args.global_batch < 1 or bad:
@@ -240,6 +236,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     overlap = not (on_this_machine and prof["device"] == "cpu")
     measured = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()}
     links = dict(measured) if on_this_machine else placed
+    broadcast = links.pop("broadcast", link)  # DDP's buffers (buffer_broadcast_s), not the step's formula's
     if "rpc" in measured and prof.get("ps_round_trip_s") and (prof.get("ps_update_s") or {}).get("async") is not None:
         exchange = ps_message_link(measured["rpc"], prof["ps_round_trip_s"], prof["ps_update_s"]["async"],
                                    sum(w.param_bytes))
@@ -258,8 +255,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
               "sync_batchnorm_s": sync_batchnorm_s(prof, cfg, n, link, on_this_machine) + (
                   sync_batchnorm_recompute_s(prof, cfg, n, link, on_this_machine) if checkpointing else 0.0),
               "tower_sync_batchnorm_s": tower_sync_batchnorm_s(prof, cfg, n, on_this_machine),
-              "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, links.get("broadcast", link),
-                                                       on_this_machine),
+              "buffer_broadcast_s": buffer_broadcast_s(prof, cfg, cls, n, broadcast, on_this_machine),
               "ps_update_s": prof.get("ps_update_s"),
               # an async worker's exchange while the others compute on the same cores (plan_ps.ps_exchange_wait_s)
               "ps_loaded": loaded_exchange(prof, n) if shared_cores else None,

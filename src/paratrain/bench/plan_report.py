@@ -97,8 +97,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
               # a two-level cluster: "link" inside a machine, "network" between machines
               "link": (link.intra if isinstance(link, Cluster) else link).terms(),
-              # (all_reduce: a ring's link across full machines, Cluster.collective_link)
-              "network": ({"link": link.inter.terms(), "nics_per_node": link.nics_per_node,
+              # (all_reduce: a collective's link over two full machines, its trees' too: Cluster.collective_link)
+              "network": ({"intra": link.intra.name, "inter": link.inter.name, "link": link.inter.terms(),
+                           "nics_per_node": link.nics_per_node,
                            "all_reduce": link.collective_link(2 * link.devices_per_node).terms()}
                           if isinstance(link, Cluster) else None),
               "device_memory_bytes": limit, "devices_per_node": per_node,
@@ -257,7 +258,7 @@ def _interconnect(result: dict) -> str:
     net = result.get("network")
     if not net:
         return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)})"
-    intra, inter = result["interconnect"].split("+")
+    intra, inter = net["intra"], net["inter"]
     k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
             f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
