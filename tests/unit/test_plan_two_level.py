@@ -78,6 +78,18 @@ def test_a_collectives_latency_crosses_the_network_only_between_machines_by_hand
     assert link.tree_latency_s == tree
 
 
+def test_a_pipelines_stage_groups_are_priced_on_the_group_that_spans_the_most_machines():
+    # machines of 6, 4 stages, 2 replicas (ranks 0-3 and 4-7): stages 0 and 1 (ranks 0, 4 and 1, 5) stay on
+    # machine 0, stages 2 and 3 (ranks 2, 6 and 3, 7) span machines 0 and 1
+    c = Cluster(intra=FAST, inter=WIRE, devices_per_node=6, nics_per_node=6)
+    link = c.collective_link(8, stages=4)
+    assert c.spanned(8, 4) == 2
+    assert ring_allreduce_s(0, 2, link) == 2 * (0 * 1.0 + 1 * 2.0)  # both steps on the network
+    assert link.tree_latency_s == 2 * (0 * 1.0 + 1 * 2.0)
+    with pytest.raises(UsageError, match="8 ranks do not make whole pipelines of 3 stages"):
+        c.spanned(8, 3)
+
+
 def test_nccl_runs_the_tree_where_it_is_faster_and_the_ring_where_it_is():
     from paratrain.bench.costmodel import allreduce_s
 

@@ -41,6 +41,9 @@ class Link:
     tree_latency_s: where the link also runs NCCL's double binary trees between machines (a two-level
     cluster's collective link, :meth:`~.costmodel_cluster.Cluster.collective_link`), a tree
     all-reduce's latency (s), for :func:`allreduce_s`; None (a flat link): rings only.
+    A cluster's collective link holds for the group it was made for (R ranks on M machines): its
+    alpha_s is a ring step's mean latency there, its tree_latency_s that group's tree's; price
+    collectives of R ranks on it, and not one message as alpha_s.
     """
 
     name: str
@@ -104,9 +107,9 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
             + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
-# NCCL's tuning model (src/graph/tuning.cc, ncclTopoTuneModel): a tree all-reduce moves its bytes at
-# half its bus bandwidth (each tree of the two carries half, up and then down), and the bus bandwidth
-# a tree reaches is 0.9 of the ring's
+# NCCL's tuning model (src/graph/tuning.cc, ncclTopoTuneModel): a tree all-reduce's algorithm bandwidth
+# is half its bus bandwidth (every byte goes up the tree and back down), and the bus bandwidth a tree
+# reaches is 0.9 of the ring's
 TREE_ALGORITHM_BANDWIDTH = 0.5 * 0.9
 
 
@@ -116,7 +119,9 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
     two-level cluster's collective link), the faster of the ring and the tree, as NCCL's tuner picks
     per message (NCCL src/graph/tuning.cc; Sanders, Speck & Traeff 2009, two trees): the tree costs
     tree_latency_s + nbytes beta / (0.5 x 0.9) + nbytes gamma (each rank reduces its two children's
-    halves). 0 for n == 1. Not modelled: NCCL's protocols (LL, LL128) and its per-size corrections."""
+    halves). 0 for n == 1. Not modelled: NCCL's protocols (LL, LL128, Simple) and its corrections by
+    message size (the tree's bandwidth x 0.5-0.9 between 64 B and 128 MB, the ring's latency x 1.9 for
+    large messages across machines), so the tree is priced optimistically at medium sizes."""
     ring = ring_allreduce_s(nbytes, n, link)
     if link.tree_latency_s is None or n == 1:
         return ring

@@ -27,7 +27,7 @@ class Cluster:
     bounded by the machine's K NICs. Its latency is NCCL's (src/graph/tuning.cc): of a ring's 2 (n-1)
     steps over M machines, 2 (M-1) cross the network at inter's alpha, the rest stay inside a
     machine at intra's. NCCL also runs double binary trees between machines (Sanders, Speck &
-    Traeff 2009), whose all-reduce latency is 2 ((n/M - 1) alpha_intra + floor(log2 M) alpha_inter),
+    Traeff 2009), whose all-reduce latency over R ranks is 2 ((R/M - 1) alpha_intra + floor(log2 M) alpha_inter),
     at 0.45 of the bus bandwidth; it picks the faster per message (:func:`~.costmodel.allreduce_s`).
     A machine the job fills in part (n not a multiple of g) has d < g of its devices in the ring,
     which drive their share of its NICs (each device its own rail): K d / g of the least-filled
@@ -67,8 +67,11 @@ class Cluster:
 
     def spanned(self, n: int, stages: int = 1) -> int:
         """Machines a collective group of the job spans, the most of its groups: all ``n`` ranks' nodes(n);
-        a pipeline's stage group s, ranks r S + s for its n / S replicas r (``stages`` = S)."""
+        a pipeline's stage group s, ranks r S + s for its n / S replicas r (``stages`` = S). Raises
+        UsageError where S does not divide n."""
         _check_n(stages, "stages")
+        if n % stages:
+            raise UsageError(f"{n} ranks do not make whole pipelines of {stages} stages; give N a multiple of S")
         g = self.devices_per_node
         return max(len({(r * stages + s) // g for r in range(n // stages)}) for s in range(stages))
 
