@@ -67,7 +67,8 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
     ptb) plan_validate ptb_small ptb_small ;;
     gpt) plan_validate gpt_wt2 gpt_wt2 ;;
     gpt_bf16) plan_validate gpt_wt2_bf16 gpt_wt2 --set train.precision=bf16 ;;
-    nvlink)  # the GPU profiles planned for an 8-GPU NVLink node (no runs: from the cache)
+    nvlink)  # the GPU profiles planned for an 8-GPU NVLink node, and for a cluster of such nodes on 8 NDR
+      # NICs each (nvlink+ib400, N up to 1024: rings one per NIC, NCCL's trees); no runs, from the cache
       for name in digits_cnn ptb_small gpt_wt2 gpt_wt2_bf16; do
         [ -f "$WORK/$name/profile.json" ] || continue
         cfg=${name%_bf16}
@@ -75,6 +76,9 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
         [ "$name" = gpt_wt2_bf16 ] && extra=(--set train.precision=bf16)
         TAIL=40 run "$name-nvlink" 60 $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name-nvlink" \
           --profile "$WORK/$name/profile.json" --interconnect nvlink --nproc 1,2,4,8 ${extra[@]+"${extra[@]}"}
+        TAIL=40 run "$name-cluster" 60 $PY -m paratrain.cli plan "configs/$cfg.toml" --out "$WORK/$name-cluster" \
+          --profile "$WORK/$name/profile.json" --interconnect nvlink+ib400 --nproc 1,8,16,64,1024 \
+          ${extra[@]+"${extra[@]}"}
       done ;;
     nccl)  # every data-parallel strategy through NCCL at world_size 1, a few steps each
       for strategy in allreduce fsdp zero1; do
