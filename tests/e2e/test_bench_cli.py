@@ -61,6 +61,18 @@ def test_predict_from_a_measured_step(tmp_path, tiny_data):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("interconnect, said", [
+    ("nvlink+ib400", "--interconnect 'nvlink+ib400': a cluster of machines (INTRA+INTER) is priced by paratrain "
+                     "plan CONFIG --interconnect nvlink+ib400; paratrain predict takes one link: use one of nvlink"),
+    ("carrier-pigeon", "--interconnect 'carrier-pigeon' is unknown: use one of nvlink, pcie5, ib400, eth25, measured"),
+])
+def test_predict_refuses_an_interconnect_it_does_not_price_in_one_line(tmp_path, interconnect, said):
+    (tmp_path / "tiny.toml").write_text(TINY)
+    bad = paratrain("predict", "tiny.toml", "--interconnect", interconnect, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and list(tmp_path.iterdir()) == [tmp_path / "tiny.toml"]
+
+
 def test_predict_learns_the_compressed_payload_of_a_comm_hook(tmp_path, tiny_data):
     """``--comm-hook fp16`` measures the hook's payload in a 2-process run: the float64 tiny model's
     gradients travel as 2-byte values, a ratio of exactly 0.25, and the table adds the uncompressed

@@ -59,7 +59,7 @@ def add_predict_parser(sub) -> None:
     p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"TOML recipe (default {DEFAULT_CONFIG})")
     p.add_argument("--task", help="task entry (default: the recipe's [task] entry)")
     p.add_argument("--nproc", type=int, default=1024, help="largest N (default 1024)")
-    p.add_argument("--interconnect", default="measured", choices=[*PRESETS, "measured"],
+    p.add_argument("--interconnect", default="measured", metavar="{" + ",".join([*PRESETS, "measured"]) + "}",
                    help="link preset (every device on it), or 'measured' (fit a gloo all-reduce micro-benchmark "
                         "here); for machines of several devices on a network, INTRA+INTER, use paratrain plan")
     p.add_argument("--algorithm", default="ring", choices=ALGORITHMS, help="ring / tree all-reduce, or ps")

@@ -22,6 +22,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from .costmodel import PRESETS
     from .validate import model_gradient_bytes, workload_from_record
 
+    if args.interconnect not in (*PRESETS, "measured"):
+        two = "+" in args.interconnect
+        raise UsageError(f"--interconnect {args.interconnect!r}" + (
+            ": a cluster of machines (INTRA+INTER) is priced by paratrain plan CONFIG --interconnect "
+            f"{args.interconnect}; paratrain predict takes one link" if two else " is unknown")
+            + f": use one of {', '.join(PRESETS)}, measured")
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: use 1 or more")
     if args.num_ps < 1:
