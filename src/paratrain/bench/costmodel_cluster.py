@@ -24,9 +24,9 @@ class Cluster:
     its own NIC, and takes 1 / K of the bytes. A ring's step is paced by its slowest hop, the NIC
     (``inter.beta``) or its share of the device's link (``intra.beta`` x K), so the whole costs
     2 (n-1)/n m max(beta_intra, beta_inter / K), the bus bandwidth of nccl-tests' PERFORMANCE.md
-    bounded by the machine's K NICs. Its latency is NCCL's (src/graph/tuning.cc): of a ring's 2 (n-1)
-    steps over M machines, 2 (M-1) cross the network at inter's alpha, the rest stay inside a
-    machine at intra's. NCCL also runs double binary trees between machines (Sanders, Speck &
+    bounded by the machine's K NICs. Its latency is NCCL's (src/graph/tuning.cc): of a ring's 2 (R-1)
+    steps over R ranks on M machines, 2 (M-1) cross the network at inter's alpha, the rest stay
+    inside a machine at intra's. NCCL also runs double binary trees between machines (Sanders, Speck &
     Traeff 2009), whose all-reduce latency over R ranks is 2 ((R/M - 1) alpha_intra + floor(log2 M) alpha_inter),
     at 0.45 of the bus bandwidth; it picks the faster per message (:func:`~.costmodel.allreduce_s`).
     A machine the job fills in part (n not a multiple of g) has d < g of its devices in the ring,
@@ -35,8 +35,8 @@ class Cluster:
     side: a machine holding min(S, its devices in the job) of the groups shares its NICs among them.
     A point-to-point send between machines (a pipeline's activations, a parameter server's messages,
     a tree broadcast's hop) goes through one NIC: ``inter`` itself.
-    Not modelled: SHARP (in-network reduction), NCCL's protocols (LL, LL128) and its per-size
-    corrections."""
+    Not modelled: SHARP (in-network reduction), NCCL's protocols (LL, LL128, Simple) and its
+    corrections by message size (:func:`~.costmodel.allreduce_s`)."""
 
     intra: Link
     inter: Link
