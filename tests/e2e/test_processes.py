@@ -39,6 +39,25 @@ def wait_for_checkpoints(run_dir: Path, n: int, proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
+def process_states(run_dir: Path, launcher: int) -> str:
+    """The launcher's and the run's live processes: pid, state, kernel wait channel and threads, for a
+    test whose run did not end in time (seen once in a full suite: the launcher still up 30 s after
+    Ctrl-C), so that a next time says where each process waited."""
+    import psutil
+
+    lines = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status", "num_threads"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] == launcher or str(run_dir) in cmd:
+            try:
+                wchan = Path(f"/proc/{proc.info['pid']}/wchan").read_text()
+            except OSError:
+                wchan = "?"
+            lines.append(f"pid {proc.info['pid']} {proc.info['status']} wchan {wchan} threads "
+                         f"{proc.info['num_threads']}: {cmd[:160]}")
+    return "\n".join(lines) or "none"
+
+
 def workers_of(run_dir: Path) -> list[str]:
     return [c for c in survivors(str(run_dir)) if "paratrain.worker" in c and "paratrain.cli" not in c]
 
@@ -75,7 +94,11 @@ def test_interrupt_ends_every_process_with_one_line(tmp_path, tiny_data, sig, co
             os.killpg(p.pid, sig)  # Ctrl-C in a terminal reaches the whole foreground process group
         else:
             os.kill(p.pid, sig)  # a scheduler or `kill` signals the launcher
-        out, err = p.communicate(timeout=30)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the run did not end within 30 s of {sig.name}; its processes:\n"
+                        f"{process_states(run_dir, p.pid)}\nits stderr's tail: {(e.stderr or b'')[-600:]!r}")
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
