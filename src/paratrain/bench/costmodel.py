@@ -53,10 +53,7 @@ class Link:
     tree_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "tree_latency_s"):
-            value = getattr(self, key)
-            if value is None and key == "tree_latency_s":
-                continue
+        for key, value in self.terms().items():  # (tree_latency_s where set)
             if not (value >= 0 and math.isfinite(value)):
                 raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
 

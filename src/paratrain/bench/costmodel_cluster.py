@@ -112,8 +112,8 @@ def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) 
     INTER faster than INTRA too). Raises UsageError naming the presets for an unknown name,
     ``nics_per_node`` on a flat or measured link, or ``nics_per_node`` < 1."""
     parts = name.split("+")
-    unknown = [p for p in parts if p not in PRESETS and name != "measured"]
-    if len(parts) > 2 or unknown:
+    unknown = [p for p in parts if p not in PRESETS]
+    if name != "measured" and (len(parts) > 2 or unknown):
         what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
                 if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
                 else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links")
