@@ -64,7 +64,7 @@ def test_predict_from_a_measured_step(tmp_path, tiny_data):
 @pytest.mark.parametrize("interconnect, said", [
     ("nvlink+ib400", "--interconnect 'nvlink+ib400': a cluster of machines (INTRA+INTER) is priced by paratrain "
                      "plan CONFIG --interconnect nvlink+ib400; paratrain predict takes one link: use one of nvlink"),
-    ("carrier-pigeon", "--interconnect 'carrier-pigeon' is unknown: use one of nvlink, pcie5, ib400, eth25, measured"),
+    ("carrier-pigeon", "--interconnect 'carrier-pigeon' is unknown; use one of nvlink, pcie5, ib400, eth25, measured"),
 ])
 def test_predict_refuses_an_interconnect_it_does_not_price_in_one_line(tmp_path, interconnect, said):
     (tmp_path / "tiny.toml").write_text(TINY)

@@ -78,6 +78,15 @@ def test_a_collectives_latency_crosses_the_network_only_between_machines_by_hand
     assert link.tree_latency_s == tree
 
 
+@given(n=st.integers(1, 200), g=st.integers(1, 16), stages=st.sampled_from([1, 2, 4]))
+def test_the_machines_a_group_spans_are_those_its_ranks_sit_on(n, g, stages):
+    """:meth:`Cluster.spanned` against the placement itself: rank i on machine i // g, stage group s the
+    ranks r S + s (at S = 1 every rank, answered without the walk)."""
+    c = Cluster(intra=FAST, inter=WIRE, devices_per_node=g, nics_per_node=1)
+    n *= stages
+    assert c.spanned(n, stages) == max(len({i // g for i in range(s, n, stages)}) for s in range(stages))
+
+
 def test_a_pipelines_stage_groups_are_priced_on_the_group_that_spans_the_most_machines():
     # machines of 6, 4 stages, 2 replicas (ranks 0-3 and 4-7): stages 0 and 1 (ranks 0, 4 and 1, 5) stay on
     # machine 0, stages 2 and 3 (ranks 2, 6 and 3, 7) span machines 0 and 1
@@ -201,6 +210,24 @@ def test_a_bad_interconnect_says_what_to_give(name, nics, said):
     with pytest.raises(UsageError) as e:
         cluster(name, 8, nics)
     assert said in str(e.value)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("nvlink+ib400", "--interconnect 'nvlink+ib400': a cluster of machines (INTRA+INTER) is priced by paratrain "
+                     "plan CONFIG --interconnect nvlink+ib400; paratrain predict takes one link: use one of "
+                     "nvlink, pcie5, ib400, eth25, measured"),
+    ("carrier-pigeon", "--interconnect 'carrier-pigeon' is unknown; use one of nvlink, pcie5, ib400, eth25, measured"),
+    ("nvlink+pigeon", "--interconnect 'nvlink+pigeon': 'pigeon' unknown; use one of nvlink, pcie5, ib400, eth25, "
+                      "measured"),
+])
+def test_one_link_is_a_flat_preset_or_measured(name, said):
+    """``machines=False`` (paratrain predict): the flat presets and measured pass as with machines, a
+    well-formed INTRA+INTER is refused naming paratrain plan, and no message offers INTRA+INTER."""
+    assert cluster("ib400", 1, machines=False) is PRESETS["ib400"]
+    assert cluster("measured", 1, machines=False) is None
+    with pytest.raises(UsageError) as e:
+        cluster(name, 1, machines=False)
+    assert str(e.value) == said
 
 
 def test_a_cluster_needs_a_device_and_a_nic_a_machine():

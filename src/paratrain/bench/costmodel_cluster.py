@@ -72,6 +72,8 @@ class Cluster:
         _check_n(stages, "stages")
         if n % stages:
             raise UsageError(f"{n} ranks do not make whole pipelines of {stages} stages; give N a multiple of S")
+        if stages == 1:  # every rank in one group
+            return self.nodes(n)
         g = self.devices_per_node
         return max(len({(r * stages + s) // g for r in range(n // stages)}) for s in range(stages))
 
@@ -104,21 +106,29 @@ class Cluster:
         return self.inter if across_nodes else self.intra
 
 
-def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None) -> Link | Cluster | None:
+def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None, *,
+            machines: bool = True) -> Link | Cluster | None:
     """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it),
     ``"INTRA+INTER"`` (``"nvlink+ib400"``) a :class:`Cluster` of ``devices_per_node`` devices and
     ``nics_per_node`` NICs per machine (None: one per device, as an HGX or DGX H100's eight), or None
     for ``"measured"`` (this machine's links, from the profile). The presets are taken as given (an
-    INTER faster than INTRA too). Raises UsageError naming the presets for an unknown name,
-    ``nics_per_node`` on a flat or measured link, or ``nics_per_node`` < 1."""
+    INTER faster than INTRA too). ``machines=False`` (``paratrain predict``, which prices one link)
+    takes a flat preset or ``"measured"`` only, and refuses an ``INTRA+INTER`` naming ``paratrain plan``.
+    Raises UsageError naming the presets for an unknown name, ``nics_per_node`` on a flat or measured
+    link, or ``nics_per_node`` < 1."""
     parts = name.split("+")
     unknown = [p for p in parts if p not in PRESETS]
-    if name != "measured" and (len(parts) > 2 or unknown):
+    forms = f"{', '.join(PRESETS)}, measured" + (", or INTRA+INTER of them (e.g. nvlink+ib400)" if machines else "")
+    if name != "measured" and (len(parts) > 2 or unknown or not machines):
         what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
                 if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
-                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links")
-        raise UsageError(f"--interconnect {name!r}{what}; use one of {', '.join(PRESETS)}, measured, or "
-                         f"INTRA+INTER of them (e.g. nvlink+ib400)")
+                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links"
+                if len(parts) > 2 else None)
+        if what is not None:
+            raise UsageError(f"--interconnect {name!r}{what}; use one of {forms}")
+        if len(parts) == 2:  # a well-formed INTRA+INTER where one link is priced
+            raise UsageError(f"--interconnect {name!r}: a cluster of machines (INTRA+INTER) is priced by paratrain "
+                             f"plan CONFIG --interconnect {name}; paratrain predict takes one link: use one of {forms}")
     if len(parts) == 1:
         if nics_per_node is not None:
             raise UsageError(f"--nics-per-node {nics_per_node}: NICs price the network between machines; give a "

@@ -19,15 +19,10 @@ from .sweep import MODELLED, BenchSpec, plan_runs, run_sweep
 def cmd_predict(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .costmodel import PRESETS
+    from .costmodel_cluster import cluster
     from .validate import model_gradient_bytes, workload_from_record
 
-    if args.interconnect not in (*PRESETS, "measured"):
-        two = "+" in args.interconnect
-        raise UsageError(f"--interconnect {args.interconnect!r}" + (
-            ": a cluster of machines (INTRA+INTER) is priced by paratrain plan CONFIG --interconnect "
-            f"{args.interconnect}; paratrain predict takes one link" if two else " is unknown")
-            + f": use one of {', '.join(PRESETS)}, measured")
+    preset = cluster(args.interconnect, 1, machines=False)  # a flat Link, or None: measured
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc}: use 1 or more")
     if args.num_ps < 1:
@@ -54,7 +49,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print("[predict] fitting the link: gloo all-reduce micro-benchmark (2 processes)", flush=True)
         link = measured_link(2)
     else:
-        link = PRESETS[args.interconnect]
+        link = preset
     ns = [2 ** k for k in range(int(math.log2(args.nproc)) + 1)]
     if ns[-1] != args.nproc:
         ns.append(args.nproc)
