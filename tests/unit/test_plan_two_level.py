@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import PRESETS, Link, ring_allreduce_s
-from paratrain.bench.costmodel_cluster import Cluster, cluster
+from paratrain.bench.costmodel_cluster import Cluster, cluster, flat_collective_link
 from paratrain.bench.costmodel_pipeline import predict_pipeline
 from paratrain.bench.plan import cluster_links
 from paratrain.bench.plan_model import Layout, step_parts
@@ -102,24 +102,111 @@ def test_a_pipelines_stage_groups_are_priced_on_the_group_that_spans_the_most_ma
 def test_nccl_runs_the_tree_where_it_is_faster_and_the_ring_where_it_is():
     from paratrain.bench.costmodel import allreduce_s
 
-    link = _cluster().collective_link(16)  # 4 machines of 4, 4 NICs: beta max(0.125, 1 / 4)
-    assert link.beta_s_per_byte == 0.25
+    link = _cluster().collective_link(16)  # 4 machines of 4, 4 NICs: beta max(0.125, 1 / 4), 8 channels
+    assert (link.beta_s_per_byte, link.channels) == (0.25, 8)
     # a small message: the tree's latency 2 (3 x 1 + 2 x 2) = 14 against the ring's 2 (12 x 1 + 3 x 2) = 36
     assert ring_allreduce_s(0, 16, link) == pytest.approx(36.0, rel=1e-12)
     assert allreduce_s(0, 16, link) == 14.0
-    # 64 bytes: the tree 14 + 64 x 0.25 / 0.45 + 64 x 0.25 against the ring 36 + 30 + 15
-    assert allreduce_s(64, 16, link) == pytest.approx(14 + 64 * 0.25 / 0.45 + 64 * 0.25, rel=1e-12)
-    # 4096 bytes: the ring 36 + 2 x 15/16 x 4096 x 0.25 + 15/16 x 4096 x 0.25 = 2916, below the tree's 3313.6
+    # 64 bytes: the tree 14 + 64 x 0.25 / (0.45 x 0.9) + 64 x 0.25 = 69.5 (NCCL's 0.9 at 64 B) against the
+    # ring 36 + 30 + 15 = 81
+    assert allreduce_s(64, 16, link) == pytest.approx(14 + 64 * 0.25 / (0.45 * 0.9) + 64 * 0.25, rel=1e-12)
+    # 4096 bytes: the ring 36 + 2 x 15/16 x 4096 x 0.25 + 15/16 x 4096 x 0.25 = 2916, below the tree's
+    # 14 + 4096 x 0.25 / (0.45 x 0.9) + 1024 = 3566.3; 4096 < 64 B x 8 channels x 16 ranks: no plateau
     assert allreduce_s(4096, 16, link) == ring_allreduce_s(4096, 16, link) == pytest.approx(2916.0, rel=1e-12)
+    # from 8192 bytes (64 a channel a rank) the ring waits 1.4 x its latency: 50.4 + 3840 + 1920, below
+    # the tree's 14 + 8192 x 0.25 / (0.45 x 0.8) + 2048 = 7750.9 (NCCL's 0.8 from 8 KiB)
+    assert allreduce_s(8191, 16, link) == ring_allreduce_s(8191, 16, link)
+    assert allreduce_s(8192, 16, link) == pytest.approx(1.4 * 36 + 3840 + 1920, rel=1e-12)
     # a flat link has no trees; one machine's collective is its link's ring; one rank has nothing to reduce
+    assert allreduce_s(1 << 20, 16, WIRE) == ring_allreduce_s(1 << 20, 16, WIRE)
     assert allreduce_s(0, 16, WIRE) == ring_allreduce_s(0, 16, WIRE) == 30 * 2.0
     assert allreduce_s(0, 4, c4 := _cluster().collective_link(4)) == ring_allreduce_s(0, 4, c4)
     assert allreduce_s(64, 1, link) == 0.0
 
 
+def test_the_plateau_of_the_ring_hands_a_message_to_the_tree():
+    """Two machines of one rank (R = M = 2): ring and tree wait alike (2 alpha_inter), the ring moves
+    half the bytes the tree does; so the ring wins below NCCL's 64 bytes a channel a rank, and above it
+    the tree wins until its bytes outweigh the ring's 1.4 x latency."""
+    from paratrain.bench.costmodel import allreduce_s
+
+    wire = Link(name="wire", alpha_s=100.0, beta_s_per_byte=0.01, gamma_s_per_byte=0.0)
+    link = Cluster(intra=wire, inter=wire, devices_per_node=1, nics_per_node=1).collective_link(2)
+    assert (link.tree_latency_s, link.channels, link.alpha_s) == (200.0, 2, 100.0)
+    assert allreduce_s(255, 2, link) == ring_allreduce_s(255, 2, link) == pytest.approx(200 + 2.55, rel=1e-12)
+    # 256 B: the ring 1.4 x 200 + 2.56 = 282.56, the tree 200 + 256 x 0.01 / (0.45 x 0.9) = 206.3
+    assert allreduce_s(256, 2, link) == pytest.approx(200 + 2.56 / 0.405, rel=1e-12)
+    # 1 MiB: the tree's 200 + 10485.76 / (0.45 x 0.7) against the ring's 280 + 10485.76
+    assert allreduce_s(1 << 20, 2, link) == pytest.approx(280 + 10485.76, rel=1e-12)
+
+
+@pytest.mark.parametrize("nbytes, factor", [
+    (0, 1.0), (63, 1.0), (64, 0.9), (127, 0.9), (8191, 0.9), (8192, 0.8), (16384, 0.7), (32768, 0.6),
+    (128 << 10, 0.5), (1 << 20, 0.5), (2 << 20, 0.6), (4 << 20, 0.7), (8 << 20, 0.8), (16 << 20, 0.7),
+    (25 << 20, 0.7), (64 << 20, 0.8), (128 << 20, 0.9), (256 << 20, 0.9), ((512 << 20) - 1, 0.9),
+    (512 << 20, 1.0), (4 << 30, 1.0),
+])
+def test_the_trees_bandwidth_takes_nccls_correction_for_its_size(nbytes, factor):
+    """NCCL 2.30's treeCorrectionFactor, Simple protocol, indexed by log2i(nBytes >> 6)."""
+    from paratrain.bench.costmodel import tree_correction
+
+    assert tree_correction(nbytes) == factor
+
+
+@pytest.mark.parametrize("name, n, stages, tree", [
+    ("ib400", 2, 1, 2 * 1 * 10e-6), ("ib400", 1024, 1, 2 * 10 * 10e-6), ("ib400", 1000, 1, 2 * 9 * 10e-6),
+    ("eth25", 16, 1, 2 * 4 * 40e-6), ("ib400", 16, 2, 2 * 3 * 10e-6), ("ib400", 8, 8, 0.0),
+])
+def test_a_flat_network_preset_is_machines_of_one_device(name, n, stages, tree):
+    """A flat ib400 or eth25 (every device on the network): NCCL's double binary trees over R = n / S
+    ranks, one a machine, 2 floor(log2 R) alpha, and two channels of its one NIC; its alpha, beta and
+    gamma are the preset's exactly. A flat nvlink or pcie5 is one machine: no trees."""
+    preset = PRESETS[name]
+    link = flat_collective_link(preset, n, stages)
+    assert link.tree_latency_s == pytest.approx(tree, rel=1e-12, abs=1e-18) and link.channels == 2
+    assert (link.name, link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte) == (
+        preset.name, preset.alpha_s, preset.beta_s_per_byte, preset.gamma_s_per_byte)
+    assert flat_collective_link(preset, 1) is preset
+    assert flat_collective_link(PRESETS["nvlink"], n, stages) is PRESETS["nvlink"]
+    assert flat_collective_link(PRESETS["pcie5"], n, stages) is PRESETS["pcie5"]
+
+
+def test_a_flat_network_at_a_thousand_devices_all_reduces_a_small_message_on_its_tree():
+    from paratrain.bench.costmodel import allreduce_s
+
+    ib = PRESETS["ib400"]
+    # 0.2 ms (2 x 10 levels x 10 us), where its ring would wait 2 x 1023 x 10 us = 20.5 ms
+    assert allreduce_s(0, 1024, flat_collective_link(ib, 1024)) == pytest.approx(200e-6, rel=1e-12)
+    assert ring_allreduce_s(0, 1024, ib) == pytest.approx(20.46e-3, rel=1e-12)
+
+
+def test_a_machines_chain_in_nccls_tree_can_wait_longer_than_a_flat_networks_levels():
+    """NCCL's tree runs a chain of R/M - 1 hops inside each machine. On nvlink+ib400 with 8 devices a
+    machine that is 7 x 5 us, against the 3 x 10 us of the levels a flat ib400's tree has in their place:
+    a small all-reduce on two machines waits 2 x (35 + 10) us = 90 us, 10 us more than a flat ib400's
+    2 x 4 x 10 us (the presets' alphas: NCCL's own constants keep a hop of NVLink at under a third of
+    a network's)."""
+    from paratrain.bench.costmodel import allreduce_s
+
+    c = cluster("nvlink+ib400", 8)
+    assert allreduce_s(0, 16, c.collective_link(16)) == pytest.approx(90e-6, rel=1e-12)
+    assert allreduce_s(0, 16, flat_collective_link(PRESETS["ib400"], 16)) == pytest.approx(80e-6, rel=1e-12)
+    # a bucket of 25 MiB: the cluster's tree on 8 NICs, 400 GB/s a device at NCCL's 0.45 x 0.7 (322 us),
+    # against a flat ib400's ring at 50 GB/s that waits 1.4 x its 30 steps' latency (1425 us)
+    big, gamma = 25 << 20, PRESETS["ib400"].gamma_s_per_byte
+    assert allreduce_s(big, 16, c.collective_link(16)) == pytest.approx(
+        90e-6 + big / 400e9 / (0.45 * 0.7) + big * gamma, rel=1e-12)
+    assert allreduce_s(big, 16, flat_collective_link(PRESETS["ib400"], 16)) == pytest.approx(
+        1.4 * 30 * 10e-6 + 2 * 15 / 16 * big / 50e9 + 15 / 16 * big * gamma, rel=1e-12)
+
+
 def test_a_links_tree_latency_is_finite_and_not_negative():
     with pytest.raises(UsageError, match="tree_latency_s = -1.0 must be finite and >= 0"):
-        Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=-1.0)
+        Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=-1.0, channels=1)
+    for tree, channels in ((1.0, None), (None, 2), (1.0, 0), (1.0, 1.5)):
+        with pytest.raises(UsageError, match="gives tree_latency_s and channels"):
+            Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=tree,
+                 channels=channels)
 
 
 def test_a_send_between_machines_goes_through_one_nic():  # (the link of a pair's send)
@@ -260,7 +347,11 @@ def test_more_nics_never_predict_a_slower_step(n, per_node, nics, more, which):
                                                                      ("nvlink", "eth25")]))
 def test_a_clusters_step_lies_between_its_intra_node_links_and_its_networks(n, per_node, nics, which, pair):
     """Below: the same cluster with a network as fast as its machines' link (a flat intra-node link
-    has no trees between machines, which can beat its 2 (n-1) ring steps). Above: the network alone."""
+    has no trees between machines, which can beat its 2 (n-1) ring steps). Above: the network alone, as
+    the plan prices a flat network preset (machines of one device, :func:`flat_collective_link`), where
+    a machine's chain in NCCL's tree, k - 1 hops of INTRA for its k ranks, waits no longer than the
+    floor(log2 k) levels of the flat network's tree that it replaces (every pair here but nvlink and
+    ib400 at 8 devices a machine: test_a_machines_chain_in_nccls_tree_can_wait_longer_than_a_flat_networks_levels)."""
     cls, overrides = LAYOUTS[which]
     intra, inter = PRESETS[pair[0]], PRESETS[pair[1]]
     c = Cluster(intra=intra, inter=inter, devices_per_node=per_node, nics_per_node=nics)
@@ -268,8 +359,9 @@ def test_a_clusters_step_lies_between_its_intra_node_links_and_its_networks(n, p
     step = _step(*cluster_links(c, n, stages), cls, overrides, n)
     fast = Cluster(intra=intra, inter=intra, devices_per_node=per_node, nics_per_node=nics)
     assert _step(*cluster_links(fast, n, stages), cls, overrides, n) <= step * (1 + 1e-12)
-    if overrides.get("pipeline_stages", 1) == 1:  # (a pipeline's stage groups share the NICs: below one each)
-        assert step <= _step(inter, {}, cls, overrides, n) * (1 + 1e-12)
+    chain = all((k - 1) * intra.alpha_s <= (k.bit_length() - 1) * inter.alpha_s for k in range(1, per_node + 1))
+    if stages == 1 and chain:  # (a pipeline's stage groups share the NICs: below one each)
+        assert step <= _step(flat_collective_link(inter, n), {}, cls, overrides, n) * (1 + 1e-12)
     if n <= per_node:  # one machine: the intra-node link's step exactly
         assert step == _step(intra, {}, cls, overrides, n)
 
@@ -348,7 +440,7 @@ def test_the_plans_all_reduces_take_a_clusters_tree_where_it_is_faster(which):
 
     cls, overrides = LAYOUTS[which]
     rings = Link(name="rings", alpha_s=1e-3, beta_s_per_byte=1e-12, gamma_s_per_byte=0.0)
-    trees = dataclasses.replace(rings, tree_latency_s=0.0)
+    trees = dataclasses.replace(rings, tree_latency_s=0.0, channels=1)
     assert _step(trees, {}, cls, overrides, 8) < _step(rings, {}, cls, overrides, 8)
 
 
@@ -359,12 +451,12 @@ def test_synchronised_batchnorms_all_reduces_take_a_clusters_tree_where_it_is_fa
     from paratrain.bench.plan_inputs import batchnorm_rings_s
 
     rings = Link(name="rings", alpha_s=1e-3, beta_s_per_byte=1e-12, gamma_s_per_byte=0.0)
-    trees = dataclasses.replace(rings, tree_latency_s=1e-4)
+    trees = dataclasses.replace(rings, tree_latency_s=1e-4, channels=1)
     prof = {"batchnorm_inputs": [[32, 16, 8, 8]]}  # one layer of C = 16 channels
     # its forward's C + 1 and C numbers and its backward's 2 C, 4 bytes each: three trees of 0.1 ms and their bytes
     assert batchnorm_rings_s(prof, Config(), 8, trees) == pytest.approx(
         sum(allreduce_s(b * 4, 8, trees) for b in (17, 16, 32)), rel=1e-12)
-    assert batchnorm_rings_s(prof, Config(), 8, trees) == pytest.approx(
-        3e-4 + (17 + 16 + 32) * 4 * 1e-12 / 0.45, rel=1e-12)
+    assert batchnorm_rings_s(prof, Config(), 8, trees) == pytest.approx(  # (68, 64 and 128 B: NCCL's 0.9)
+        3e-4 + (17 + 16 + 32) * 4 * 1e-12 / (0.45 * 0.9), rel=1e-12)
     assert batchnorm_rings_s(prof, Config(), 8, rings) == pytest.approx(
         3 * 14e-3 + (17 + 16 + 32) * 4 * 2 * 7 / 8 * 1e-12, rel=1e-12)

@@ -38,9 +38,11 @@ class Link:
 
     alpha_s: latency per message (s); beta_s_per_byte: inverse bandwidth per
     direction (s/byte); gamma_s_per_byte: local reduction of one byte (s/byte).
-    tree_latency_s: where the link also runs NCCL's double binary trees between machines (a two-level
-    cluster's collective link, :meth:`~.costmodel_cluster.Cluster.collective_link`), a tree
-    all-reduce's latency (s), for :func:`allreduce_s`; None (a flat link): rings only.
+    tree_latency_s: where the collective spans machines and NCCL also runs its double binary trees
+    between them (:meth:`~.costmodel_cluster.Cluster.collective_link`), a tree all-reduce's latency
+    (s), for :func:`allreduce_s`; None (one machine, or a link with no machines): rings only, and none
+    of NCCL's corrections across machines. ``channels``: with it, NCCL's rings (channels) the
+    collective runs on, for the ring's latency plateau in :func:`allreduce_s` (an integer >= 1).
     A cluster's collective link holds for the group it was made for (R ranks on M machines): its
     alpha_s is a ring step's mean latency there, its tree_latency_s that group's tree's; price
     collectives of R ranks on it, and not one message as alpha_s.
@@ -51,18 +53,24 @@ class Link:
     beta_s_per_byte: float
     gamma_s_per_byte: float
     tree_latency_s: float | None = None
+    channels: int | None = None
 
     def __post_init__(self) -> None:
-        for key, value in self.terms().items():  # (tree_latency_s where set)
+        if (self.tree_latency_s is None) != (self.channels is None) or (self.channels is not None and not (
+                isinstance(self.channels, (int, np.integer)) and self.channels >= 1)):
+            raise UsageError(f"Link {self.name!r}: a link across machines gives tree_latency_s and channels (an "
+                             f"integer >= 1) together, got {self.tree_latency_s} and {self.channels}")
+        for key, value in self.terms().items():  # (tree_latency_s and channels where set)
             if not (value >= 0 and math.isfinite(value)):
                 raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
 
     def terms(self) -> dict[str, float]:
-        """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s where set), as profiles and
-        plans store a link: ``Link(name=..., **terms)`` is the link again."""
+        """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s, channels where set), as
+        profiles and plans store a link: ``Link(name=..., **terms)`` is the link again."""
         terms = {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                  "gamma_s_per_byte": self.gamma_s_per_byte}
-        return terms if self.tree_latency_s is None else {**terms, "tree_latency_s": self.tree_latency_s}
+        return terms if self.tree_latency_s is None else {**terms, "tree_latency_s": self.tree_latency_s,
+                                                          "channels": self.channels}
 
 
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
@@ -109,20 +117,45 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
 # reaches is 0.9 of the ring's
 TREE_ALGORITHM_BANDWIDTH = 0.5 * 0.9
 
+# NCCL's corrections by message size (src/graph/tuning.cc, ncclTopoGetAlgoTime; NCCL 2.30), for its
+# Simple protocol, the one that carries large messages: "trees are not perfectly sticking to the model
+# for medium sizes", so a tree all-reduce's bandwidth is scaled by the factor of floor(log2(nbytes / 64)),
+# 64 B to 512 MiB (1 outside) ...
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)
+# ... and a ring all-reduce across machines of at least 64 bytes a channel a rank waits this many times
+# its latency ("plateau effect of ring": 1.4 on compute capability 8.0 and above, the presets' A100/H100
+# era; 1.9 before)
+RING_PLATEAU = 1.4
+
+
+def tree_correction(nbytes: float) -> float:
+    """NCCL's factor on a tree all-reduce's bandwidth for ``nbytes`` (:data:`TREE_CORRECTION`; 1 below
+    64 bytes and from 512 MiB)."""
+    index = (int(nbytes) >> 6).bit_length() - 1  # NCCL's log2i(nBytes >> 6); -1 below 64 bytes
+    return TREE_CORRECTION[index] if 0 <= index < len(TREE_CORRECTION) else 1.0
+
 
 def allreduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Seconds of the all-reduce NCCL runs on ``link``: the ring (:func:`ring_allreduce_s`); where
-    the link also runs NCCL's double binary trees between machines (``link.tree_latency_s`` set, a
-    two-level cluster's collective link), the faster of the ring and the tree, as NCCL's tuner picks
-    per message (NCCL src/graph/tuning.cc; Sanders, Speck & Traeff 2009, two trees): the tree costs
-    tree_latency_s + nbytes beta / (0.5 x 0.9) + nbytes gamma (each rank reduces its two children's
-    halves). 0 for n == 1. Not modelled: NCCL's protocols (LL, LL128, Simple) and its corrections by
-    message size (the tree's bandwidth x 0.5-0.9 between 64 B and 128 MB, the ring's latency x 1.9 for
-    large messages across machines), so the tree is priced optimistically at medium sizes."""
+    """Seconds of the all-reduce NCCL runs on ``link`` among ``n`` ranks: the ring
+    (:func:`ring_allreduce_s`); where the ranks span machines (``link.tree_latency_s`` set: a cluster's
+    collective link across machines, or a flat network preset's, one device a machine;
+    :meth:`~.costmodel_cluster.Cluster.collective_link`), the faster of the ring and NCCL's double binary
+    trees, as NCCL's tuner picks per message (NCCL src/graph/tuning.cc; Sanders, Speck & Traeff 2009):
+
+    * tree: tree_latency_s + nbytes beta / (0.45 c) + nbytes gamma (each rank reduces its two children's
+      halves), c = :func:`tree_correction` (nbytes);
+    * ring: :func:`ring_allreduce_s` with its latency 2 (n-1) alpha x :data:`RING_PLATEAU` where
+      nbytes >= 64 x channels x n.
+
+    Both corrections are NCCL's for its Simple protocol; its LL and LL128 protocols, which carry small
+    messages at lower latency and bandwidth, are not modelled. 0 for n == 1."""
     ring = ring_allreduce_s(nbytes, n, link)
     if link.tree_latency_s is None or n == 1:
         return ring
-    return min(ring, link.tree_latency_s + nbytes * link.beta_s_per_byte / TREE_ALGORITHM_BANDWIDTH
+    if nbytes >= 64 * link.channels * n:
+        ring += (RING_PLATEAU - 1) * 2 * (n - 1) * link.alpha_s
+    return min(ring, link.tree_latency_s + nbytes * link.beta_s_per_byte / (TREE_ALGORITHM_BANDWIDTH
+                                                                             * tree_correction(nbytes))
                + nbytes * link.gamma_s_per_byte)
 
 

@@ -5,7 +5,8 @@ NIC (rail-aligned), and nccl-tests' PERFORMANCE.md (bus bandwidth).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link, _check_n
@@ -35,8 +36,9 @@ class Cluster:
     side: a machine holding min(S, its devices in the job) of the groups shares its NICs among them.
     A point-to-point send between machines (a pipeline's activations, a parameter server's messages,
     a tree broadcast's hop) goes through one NIC: ``inter`` itself.
-    Not modelled: SHARP (in-network reduction), NCCL's protocols (LL, LL128, Simple) and its
-    corrections by message size (:func:`~.costmodel.allreduce_s`)."""
+    Across machines an all-reduce takes NCCL's corrections by message size of its Simple protocol
+    (:func:`~.costmodel.allreduce_s`). Not modelled: SHARP (in-network reduction), NCCL's LL and LL128
+    protocols."""
 
     intra: Link
     inter: Link
@@ -84,7 +86,9 @@ class Cluster:
         (M - 1) alpha_inter) / (R - 1), so that a ring all-reduce's 2 (R-1) steps (a reduce-scatter's or
         all-gather's R - 1) cost NCCL's sum exactly; beta = max(beta_intra, beta_inter x the busiest
         machine's groups per NIC); gamma = the devices' (``intra``'s); tree_latency_s = a double binary
-        tree all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter). ``stages``: a
+        tree all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter); channels = two a NIC
+        the least-filled machine drives, 2 ceil(:meth:`nics`) (NCCL's search, src/graph/search.cc: a ring
+        a NIC, doubled by ncclTopoDupChannels on fast links, as on an HGX H100). ``stages``: a
         pipeline's S stage groups, each a collective over its replicas, side by side: a full machine
         holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on :meth:`nics` (1 for any
         other layout: 1 / nics(n))."""
@@ -99,11 +103,30 @@ class Cluster:
         return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=alpha,
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte,
-                    tree_latency_s=2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out))
+                    tree_latency_s=2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out),
+                    channels=2 * math.ceil(self.nics(n)))
 
     def p2p_link(self, across_nodes: bool) -> Link:
         """A point-to-point send's link: ``intra`` on one machine, else one NIC, ``inter``."""
         return self.inter if across_nodes else self.intra
+
+
+NETWORK_PRESETS = frozenset({"ib400", "eth25"})
+"""The presets that join machines. A flat one (``--interconnect ib400``) puts every device on it: a
+cluster of machines of one device and one NIC each (:func:`flat_collective_link`); a flat ``nvlink``
+or ``pcie5`` is one machine of any size."""
+
+
+def flat_collective_link(link: Link, n: int, stages: int = 1) -> Link:
+    """The link a collective over a job of ``n`` ranks is priced on for a flat preset ``link``: a
+    network preset (:data:`NETWORK_PRESETS`) the same link with the trees and channels of machines of
+    one device and one NIC (:meth:`Cluster.collective_link` of ``Cluster(link, link, 1, 1)``: a tree
+    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 2 channels), where n > 1; the
+    preset itself otherwise. Its alpha, beta and gamma are the preset's, exactly."""
+    if link.name not in NETWORK_PRESETS or link != PRESETS[link.name] or n == 1:
+        return link
+    across = Cluster(intra=link, inter=link, devices_per_node=1, nics_per_node=1).collective_link(n, stages)
+    return replace(link, tree_latency_s=across.tree_latency_s, channels=across.channels)
 
 
 def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None, *,
