@@ -432,6 +432,29 @@ def test_the_plan_prices_each_layout_on_the_links_its_ranks_span(monkeypatch):
     assert (rpc.alpha_s, rpc.beta_s_per_byte) == pytest.approx((5e-4, 0.079 / 80e6), rel=1e-9)
 
 
+def test_the_plan_prices_a_flat_network_preset_as_machines_of_one_device(monkeypatch):
+    """plan.predict_layout with a flat ib400: step_parts gets its trees over the layout's replicas
+    (:func:`flat_collective_link`) and no placed links; a flat nvlink stays one machine's link."""
+    from paratrain.bench import plan
+
+    from .test_plan_gpu import _gpu_profile
+
+    seen = []
+
+    def step_parts(cls, layout, w, link, cfg, inputs, **kw):
+        seen.append((link, kw["links"]))
+        return None
+
+    monkeypatch.setattr(plan, "step_parts", step_parts)
+    ib400, nvlink = PRESETS["ib400"], PRESETS["nvlink"]
+    for link, n in ((ib400, 1024), (ib400, 1), (nvlink, 1024)):
+        plan.predict_layout(plan.Layout("allreduce", n, {}, "allreduce"), _gpu_profile(), Config(), link,
+                            on_this_machine=False, global_batch=None)
+    assert seen[0] == (flat_collective_link(ib400, 1024), {})
+    assert seen[0][0].tree_latency_s == pytest.approx(2 * 10 * ib400.alpha_s, rel=1e-12)
+    assert seen[1] == (ib400, {}) and seen[2] == (nvlink, {})
+
+
 @pytest.mark.parametrize("which", [0, 1, 2, 4])  # allreduce, zero1, fsdp (the norm's all-reduce), a pipeline
 def test_the_plans_all_reduces_take_a_clusters_tree_where_it_is_faster(which):
     """Each all-reduce a layout's formula prices goes through allreduce_s: on a link with trees of no
