@@ -301,8 +301,11 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     NVLink too."""
     tmp, first = planned
     assert first.returncode == 0
-    nvlink, _ = _plan(tmp, tiny_data, tmp_path / "nvlink", "--interconnect", "nvlink")
-    ib400, _ = _plan(tmp, tiny_data, tmp_path / "ib400", "--interconnect", "ib400")
+    nvlink, on_nvlink = _plan(tmp, tiny_data, tmp_path / "nvlink", "--interconnect", "nvlink")
+    ib400, on_ib400 = _plan(tmp, tiny_data, tmp_path / "ib400", "--interconnect", "ib400")
+    # a flat network preset is machines of one device (NCCL's trees); a flat nvlink one machine
+    assert "every device its own machine and NIC: NCCL's trees where faster" in on_ib400.stdout
+    assert "its own machine" not in on_nvlink.stdout
     one_nic, r = _plan(tmp, tiny_data, tmp_path / "one", "--interconnect", "nvlink+ib400", "--nics-per-node", "1")
     per_device, _ = _plan(tmp, tiny_data, tmp_path / "rail", "--interconnect", "nvlink+ib400")
     all_nvlink, _ = _plan(tmp, tiny_data, tmp_path / "nvnv", "--interconnect", "nvlink+nvlink")

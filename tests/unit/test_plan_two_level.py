@@ -102,8 +102,8 @@ def test_a_pipelines_stage_groups_are_priced_on_the_group_that_spans_the_most_ma
 def test_nccl_runs_the_tree_where_it_is_faster_and_the_ring_where_it_is():
     from paratrain.bench.costmodel import allreduce_s
 
-    link = _cluster().collective_link(16)  # 4 machines of 4, 4 NICs: beta max(0.125, 1 / 4), 8 channels
-    assert (link.beta_s_per_byte, link.channels) == (0.25, 8)
+    link = _cluster().collective_link(16)  # 4 machines of 4, 4 NICs: beta max(0.125, 1 / 4), 16 channels
+    assert (link.beta_s_per_byte, link.channels) == (0.25, 16)
     # a small message: the tree's latency 2 (3 x 1 + 2 x 2) = 14 against the ring's 2 (12 x 1 + 3 x 2) = 36
     assert ring_allreduce_s(0, 16, link) == pytest.approx(36.0, rel=1e-12)
     assert allreduce_s(0, 16, link) == 14.0
@@ -111,12 +111,12 @@ def test_nccl_runs_the_tree_where_it_is_faster_and_the_ring_where_it_is():
     # ring 36 + 30 + 15 = 81
     assert allreduce_s(64, 16, link) == pytest.approx(14 + 64 * 0.25 / (0.45 * 0.9) + 64 * 0.25, rel=1e-12)
     # 4096 bytes: the ring 36 + 2 x 15/16 x 4096 x 0.25 + 15/16 x 4096 x 0.25 = 2916, below the tree's
-    # 14 + 4096 x 0.25 / (0.45 x 0.9) + 1024 = 3566.3; 4096 < 64 B x 8 channels x 16 ranks: no plateau
+    # 14 + 4096 x 0.25 / (0.45 x 0.9) + 1024 = 3566.3; 4096 < 64 B x 16 channels x 16 ranks: no plateau
     assert allreduce_s(4096, 16, link) == ring_allreduce_s(4096, 16, link) == pytest.approx(2916.0, rel=1e-12)
-    # from 8192 bytes (64 a channel a rank) the ring waits 1.4 x its latency: 50.4 + 3840 + 1920, below
-    # the tree's 14 + 8192 x 0.25 / (0.45 x 0.8) + 2048 = 7750.9 (NCCL's 0.8 from 8 KiB)
-    assert allreduce_s(8191, 16, link) == ring_allreduce_s(8191, 16, link)
-    assert allreduce_s(8192, 16, link) == pytest.approx(1.4 * 36 + 3840 + 1920, rel=1e-12)
+    # from 16 KiB (64 bytes a channel a rank) the ring waits 1.4 x its latency: 50.4 + 7680 + 3840, below
+    # the tree's 14 + 16384 x 0.25 / (0.45 x 0.7) + 4096 = 17113.2 (NCCL's 0.7 from 16 KiB)
+    assert allreduce_s(16383, 16, link) == ring_allreduce_s(16383, 16, link)
+    assert allreduce_s(16384, 16, link) == pytest.approx(1.4 * 36 + 7680 + 3840, rel=1e-12)
     # a flat link has no trees; one machine's collective is its link's ring; one rank has nothing to reduce
     assert allreduce_s(1 << 20, 16, WIRE) == ring_allreduce_s(1 << 20, 16, WIRE)
     assert allreduce_s(0, 16, WIRE) == ring_allreduce_s(0, 16, WIRE) == 30 * 2.0
@@ -132,11 +132,12 @@ def test_the_plateau_of_the_ring_hands_a_message_to_the_tree():
 
     wire = Link(name="wire", alpha_s=100.0, beta_s_per_byte=0.01, gamma_s_per_byte=0.0)
     link = Cluster(intra=wire, inter=wire, devices_per_node=1, nics_per_node=1).collective_link(2)
-    assert (link.tree_latency_s, link.channels, link.alpha_s) == (200.0, 2, 100.0)
-    assert allreduce_s(255, 2, link) == ring_allreduce_s(255, 2, link) == pytest.approx(200 + 2.55, rel=1e-12)
-    # 256 B: the ring 1.4 x 200 + 2.56 = 282.56, the tree 200 + 256 x 0.01 / (0.45 x 0.9) = 206.3
-    assert allreduce_s(256, 2, link) == pytest.approx(200 + 2.56 / 0.405, rel=1e-12)
-    # 1 MiB: the tree's 200 + 10485.76 / (0.45 x 0.7) against the ring's 280 + 10485.76
+    assert (link.tree_latency_s, link.channels, link.alpha_s) == (200.0, 4, 100.0)
+    assert allreduce_s(511, 2, link) == ring_allreduce_s(511, 2, link) == pytest.approx(200 + 5.11, rel=1e-12)
+    # 512 B (64 x 4 channels x 2 ranks): the ring 1.4 x 200 + 5.12 = 285.12, the tree 200 + 512 x 0.01 /
+    # (0.45 x 0.9) = 212.6
+    assert allreduce_s(512, 2, link) == pytest.approx(200 + 5.12 / 0.405, rel=1e-12)
+    # 1 MiB: the tree's 200 + 10485.76 / (0.45 x 0.5) against the ring's 280 + 10485.76
     assert allreduce_s(1 << 20, 2, link) == pytest.approx(280 + 10485.76, rel=1e-12)
 
 
@@ -159,11 +160,11 @@ def test_the_trees_bandwidth_takes_nccls_correction_for_its_size(nbytes, factor)
 ])
 def test_a_flat_network_preset_is_machines_of_one_device(name, n, stages, tree):
     """A flat ib400 or eth25 (every device on the network): NCCL's double binary trees over R = n / S
-    ranks, one a machine, 2 floor(log2 R) alpha, and two channels of its one NIC; its alpha, beta and
+    ranks, one a machine, 2 floor(log2 R) alpha, and four channels of its one NIC; its alpha, beta and
     gamma are the preset's exactly. A flat nvlink or pcie5 is one machine: no trees."""
     preset = PRESETS[name]
     link = flat_collective_link(preset, n, stages)
-    assert link.tree_latency_s == pytest.approx(tree, rel=1e-12, abs=1e-18) and link.channels == 2
+    assert link.tree_latency_s == pytest.approx(tree, rel=1e-12, abs=1e-18) and link.channels == 4
     assert (link.name, link.alpha_s, link.beta_s_per_byte, link.gamma_s_per_byte) == (
         preset.name, preset.alpha_s, preset.beta_s_per_byte, preset.gamma_s_per_byte)
     assert flat_collective_link(preset, 1) is preset
@@ -203,7 +204,7 @@ def test_a_machines_chain_in_nccls_tree_can_wait_longer_than_a_flat_networks_lev
 def test_a_links_tree_latency_is_finite_and_not_negative():
     with pytest.raises(UsageError, match="tree_latency_s = -1.0 must be finite and >= 0"):
         Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=-1.0, channels=1)
-    for tree, channels in ((1.0, None), (None, 2), (1.0, 0), (1.0, 1.5)):
+    for tree, channels in ((1.0, None), (None, 2), (1.0, 0), (1.0, 1.5), (1.0, True)):
         with pytest.raises(UsageError, match="gives tree_latency_s and channels"):
             Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=tree,
                  channels=channels)
@@ -453,6 +454,13 @@ def test_the_plan_prices_a_flat_network_preset_as_machines_of_one_device(monkeyp
     assert seen[0] == (flat_collective_link(ib400, 1024), {})
     assert seen[0][0].tree_latency_s == pytest.approx(2 * 10 * ib400.alpha_s, rel=1e-12)
     assert seen[1] == (ib400, {}) and seen[2] == (nvlink, {})
+    # a pipeline of 8 stages, 2 replicas: the replicas' trees over 2 ranks, the tied parameters' over 8
+    for link in (ib400, nvlink):
+        plan.predict_layout(plan.Layout("pipeline", 16, {"pipeline_stages": 8}, "pipeline 2x8"), _gpu_profile(),
+                            Config(), link, on_this_machine=False, global_batch=None)
+    assert seen[3] == (flat_collective_link(ib400, 16, 8), {"stages": flat_collective_link(ib400, 8)})
+    assert (seen[3][0].tree_latency_s, seen[3][1]["stages"].tree_latency_s) == pytest.approx((20e-6, 60e-6))
+    assert seen[4] == (nvlink, {})
 
 
 @pytest.mark.parametrize("which", [0, 1, 2, 4])  # allreduce, zero1, fsdp (the norm's all-reduce), a pipeline

@@ -57,7 +57,8 @@ class Link:
 
     def __post_init__(self) -> None:
         if (self.tree_latency_s is None) != (self.channels is None) or (self.channels is not None and not (
-                isinstance(self.channels, (int, np.integer)) and self.channels >= 1)):
+                isinstance(self.channels, (int, np.integer)) and not isinstance(self.channels, bool)
+                and self.channels >= 1)):
             raise UsageError(f"Link {self.name!r}: a link across machines gives tree_latency_s and channels (an "
                              f"integer >= 1) together, got {self.tree_latency_s} and {self.channels}")
         for key, value in self.terms().items():  # (tree_latency_s and channels where set)

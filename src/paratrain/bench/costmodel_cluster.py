@@ -12,6 +12,13 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link, _check_n
 
 
+CHANNELS_PER_NIC = 4
+"""NCCL's channels (rings) a collective runs on, per NIC its ranks drive across machines: its search
+finds a ring a NIC and doubles them on fast links (src/graph/search.cc, ncclTopoDupChannels), and
+ncclTopoPostset doubles them again (src/graph/connect.cc): 32 on two DGX H100s. It sets where a ring
+all-reduce's latency plateau starts (:func:`~.costmodel.allreduce_s`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Two levels of link: ``intra`` between the devices of one machine (node; NVLink, PCIe), ``inter``
@@ -86,9 +93,8 @@ class Cluster:
         (M - 1) alpha_inter) / (R - 1), so that a ring all-reduce's 2 (R-1) steps (a reduce-scatter's or
         all-gather's R - 1) cost NCCL's sum exactly; beta = max(beta_intra, beta_inter x the busiest
         machine's groups per NIC); gamma = the devices' (``intra``'s); tree_latency_s = a double binary
-        tree all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter); channels = two a NIC
-        the least-filled machine drives, 2 ceil(:meth:`nics`) (NCCL's search, src/graph/search.cc: a ring
-        a NIC, doubled by ncclTopoDupChannels on fast links, as on an HGX H100). ``stages``: a
+        tree all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter); channels = 4 a NIC
+        of those one group drives, 4 max(1, ceil(1 / load)) (:data:`CHANNELS_PER_NIC`). ``stages``: a
         pipeline's S stage groups, each a collective over its replicas, side by side: a full machine
         holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on :meth:`nics` (1 for any
         other layout: 1 / nics(n))."""
@@ -104,7 +110,7 @@ class Cluster:
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte,
                     tree_latency_s=2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out),
-                    channels=2 * math.ceil(self.nics(n)))
+                    channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)))
 
     def p2p_link(self, across_nodes: bool) -> Link:
         """A point-to-point send's link: ``intra`` on one machine, else one NIC, ``inter``."""
@@ -121,7 +127,7 @@ def flat_collective_link(link: Link, n: int, stages: int = 1) -> Link:
     """The link a collective over a job of ``n`` ranks is priced on for a flat preset ``link``: a
     network preset (:data:`NETWORK_PRESETS`) the same link with the trees and channels of machines of
     one device and one NIC (:meth:`Cluster.collective_link` of ``Cluster(link, link, 1, 1)``: a tree
-    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 2 channels), where n > 1; the
+    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 4 channels), where n > 1; the
     preset itself otherwise. Its alpha, beta and gamma are the preset's, exactly."""
     if link.name not in NETWORK_PRESETS or n == 1:
         return link

@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
-from .costmodel_cluster import Cluster, cluster, flat_collective_link
+from .costmodel_cluster import NETWORK_PRESETS, Cluster, cluster, flat_collective_link
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
                           stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
@@ -213,7 +213,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     memory per device; None where the layout does not exist. ``link``: the interconnect; a two-level
     :class:`~.costmodel_cluster.Cluster` prices the layout's collectives on the link its ranks span
     (:func:`cluster_links`), a flat network preset (ib400, eth25) as machines of one device each
-    (:func:`~.costmodel_cluster.flat_collective_link`: NCCL's trees and channels)."""
+    (:func:`~.costmodel_cluster.flat_collective_link`: NCCL's trees and channels, over the replicas, and
+    over the S stages for a pipeline's tied parameters)."""
     from ..strategies import STRATEGIES
     from .validate import layout_cpu_share
 
@@ -232,8 +233,11 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     recompute = recompute_fraction(prof) * w.forward_s if checkpointing else 0.0
     w = dataclasses.replace(w, backward_s=w.backward_s + recompute)
     overrides = dict(layout.overrides)
-    link, placed = (cluster_links(link, n, stages) if isinstance(link, Cluster)
-                    else (flat_collective_link(link, n, stages), {}))  # a flat ib400: machines of one device
+    if isinstance(link, Cluster):
+        link, placed = cluster_links(link, n, stages)
+    else:  # a flat ib400: machines of one device; a pipeline's tied parameters all-reduce over its S stages
+        placed = {"stages": flat_collective_link(link, stages)} if stages > 1 and link.name in NETWORK_PRESETS else {}
+        link = flat_collective_link(link, n, stages)
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
     measured = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()}

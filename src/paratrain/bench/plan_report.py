@@ -14,7 +14,7 @@ from ..errors import UsageError
 from . import plan as pl
 from . import plan_profile
 from .costmodel import PRESETS, Link
-from .costmodel_cluster import Cluster
+from .costmodel_cluster import NETWORK_PRESETS, Cluster
 from .plan_validate import GPU_LINK, on_gpu
 from .strategy_model import TOWERS
 
@@ -257,7 +257,9 @@ def _interconnect(result: dict) -> str:
     one = result["link"]
     net = result.get("network")
     if not net:
-        return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)})"
+        machines = ("; every device its own machine and NIC: NCCL's trees where faster"
+                    if result["interconnect"] in NETWORK_PRESETS else "")
+        return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)}{machines})"
     intra, inter = net["intra"], net["inter"]
     k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
