@@ -234,7 +234,17 @@ def test_a_pipelines_sends_cross_a_nic_only_where_its_stages_straddle_machines(n
     m = 8.0
     assert hops * (p2p.alpha_s + m * p2p.beta_s_per_byte) == pytest.approx(
         crossing * (2.0 + m * 1.0) + (hops - crossing) * (1.0 + m * 0.125), rel=1e-12)
-    assert links["stages"] == (WIRE if crossing else FAST)  # a ring over the stages: its slowest hop
+    # the tied parameters' all-reduce over the replica's S stages on c + 1 machines: NCCL's latencies (a
+    # ring's c + 1 - 1 steps of 2 (S-1) on the wire, a tree's chain of S // (c + 1) - 1 and its levels)
+    # at one NIC's bandwidth
+    tied = links["stages"]
+    if not crossing:
+        assert tied == FAST
+    else:
+        m = crossing + 1
+        assert ring_allreduce_s(0, stages, tied) == pytest.approx(2 * ((stages - m) * 1.0 + (m - 1) * 2.0), rel=1e-12)
+        assert tied.tree_latency_s == 2 * ((stages // m - 1) * 1.0 + (m.bit_length() - 1) * 2.0)
+        assert (tied.beta_s_per_byte, tied.gamma_s_per_byte, tied.channels) == (1.0, 0.25, 4)
     assert links["rpc"] == links["broadcast"] == (WIRE if n > 4 else FAST)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
-from .costmodel_cluster import NETWORK_PRESETS, Cluster, cluster, flat_collective_link
+from .costmodel_cluster import CHANNELS_PER_NIC, NETWORK_PRESETS, Cluster, cluster, flat_collective_link
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
                           stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
@@ -331,7 +331,10 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
     * a pipeline's ``"p2p"``: the 2 (S-1) sends of its schedule, c of each S - 1 across machines in its
       replica with the most (c = 0 for stages on one machine), as one link whose alpha and beta are the
       hops' mean, so that its S - 1 sends cost the sum of theirs exactly; ``"stages"``: the tied
-      parameters' ring over the stages, paced by its slowest hop (one NIC where c > 0)."""
+      parameters' all-reduce over the S stages of that replica, on M = c + 1 machines: ``intra`` where
+      M = 1, else NCCL's latencies (:meth:`~.costmodel_cluster.Cluster.collective_link`'s: a ring
+      step's mean alpha ((S - M) alpha_intra + (M - 1) alpha_inter) / (S - 1), a tree's 2 ((S // M - 1)
+      alpha_intra + floor(log2 M) alpha_inter)) at one NIC's bandwidth, the ring's slowest hop."""
     g = c.devices_per_node
     link = c.collective_link(n, stages=stages)
     one = c.p2p_link(c.nodes(n) > 1)
@@ -345,7 +348,15 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
                 alpha_s=(crossing * c.inter.alpha_s + (hops - crossing) * c.intra.alpha_s) / hops,
                 beta_s_per_byte=(crossing * c.inter.beta_s_per_byte + (hops - crossing) * c.intra.beta_s_per_byte)
                 / hops, gamma_s_per_byte=0.0)
-    return link, {**links, "p2p": mean if crossing else c.intra, "stages": c.p2p_link(crossing > 0)}
+    if not crossing:
+        return link, {**links, "p2p": c.intra, "stages": c.intra}
+    machines, a_in, a_out = crossing + 1, c.intra.alpha_s, c.inter.alpha_s
+    tied = Link(name=f"{stages} stages on {machines} machines",
+                alpha_s=((stages - machines) * a_in + (machines - 1) * a_out) / (stages - 1),
+                beta_s_per_byte=c.inter.beta_s_per_byte, gamma_s_per_byte=c.intra.gamma_s_per_byte,
+                tree_latency_s=2 * ((stages // machines - 1) * a_in + (machines.bit_length() - 1) * a_out),
+                channels=CHANNELS_PER_NIC)
+    return link, {**links, "p2p": mean, "stages": tied}
 
 
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:
