@@ -103,14 +103,20 @@ class Cluster:
         if nodes == 1:
             return self.intra
         load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, self.last(n)) / self.nics(n))
-        ranks, machines = n // stages, self.spanned(n, stages)
-        a_in, a_out = self.intra.alpha_s, self.inter.alpha_s
-        alpha = ((ranks - machines) * a_in + (machines - 1) * a_out) / (ranks - 1) if ranks > 1 else a_out
+        alpha, tree = self.latencies(n // stages, self.spanned(n, stages))
         return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=alpha,
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
-                    gamma_s_per_byte=self.intra.gamma_s_per_byte,
-                    tree_latency_s=2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out),
+                    gamma_s_per_byte=self.intra.gamma_s_per_byte, tree_latency_s=tree,
                     channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)))
+
+    def latencies(self, ranks: int, machines: int) -> tuple[float, float]:
+        """NCCL's latencies (src/graph/tuning.cc) of a collective over ``ranks`` ranks on ``machines``
+        machines (s): a ring step's mean alpha, ((R - M) alpha_intra + (M - 1) alpha_inter) / (R - 1)
+        (alpha_inter for one rank, a guard: it has nothing to reduce), and a double binary tree
+        all-reduce's, 2 ((R // M - 1) alpha_intra + floor(log2 M) alpha_inter)."""
+        a_in, a_out = self.intra.alpha_s, self.inter.alpha_s
+        alpha = ((ranks - machines) * a_in + (machines - 1) * a_out) / (ranks - 1) if ranks > 1 else a_out
+        return alpha, 2 * ((ranks // machines - 1) * a_in + (machines.bit_length() - 1) * a_out)
 
     def p2p_link(self, across_nodes: bool) -> Link:
         """A point-to-point send's link: ``intra`` on one machine, else one NIC, ``inter``."""
@@ -148,16 +154,14 @@ def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None, 
     parts = name.split("+")
     unknown = [p for p in parts if p not in PRESETS]
     forms = f"{', '.join(PRESETS)}, measured" + (", or INTRA+INTER of them (e.g. nvlink+ib400)" if machines else "")
-    if name != "measured" and (len(parts) > 2 or unknown or not machines):
+    if name != "measured" and (len(parts) > 2 or unknown):
         what = (" is unknown" if unknown == [name] else ": measured is this machine's links, alone"
                 if "measured" in parts else ": INTRA+INTER needs two link names" if "" in parts
-                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links"
-                if len(parts) > 2 else None)
-        if what is not None:
-            raise UsageError(f"--interconnect {name!r}{what}; use one of {forms}")
-        if len(parts) == 2:  # a well-formed INTRA+INTER where one link is priced
-            raise UsageError(f"--interconnect {name!r}: a cluster of machines (INTRA+INTER) is priced by paratrain "
-                             f"plan CONFIG --interconnect {name}; paratrain predict takes one link: use one of {forms}")
+                else f": {', '.join(map(repr, unknown))} unknown" if unknown else ": give at most two links")
+        raise UsageError(f"--interconnect {name!r}{what}; use one of {forms}")
+    if len(parts) == 2 and not machines:  # a well-formed INTRA+INTER where one link is priced
+        raise UsageError(f"--interconnect {name!r}: a cluster of machines (INTRA+INTER) is priced by paratrain "
+                         f"plan CONFIG --interconnect {name}; paratrain predict takes one link: use one of {forms}")
     if len(parts) == 1:
         if nics_per_node is not None:
             raise UsageError(f"--nics-per-node {nics_per_node}: NICs price the network between machines; give a "

@@ -332,9 +332,8 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
       replica with the most (c = 0 for stages on one machine), as one link whose alpha and beta are the
       hops' mean, so that its S - 1 sends cost the sum of theirs exactly; ``"stages"``: the tied
       parameters' all-reduce over the S stages of that replica, on M = c + 1 machines: ``intra`` where
-      M = 1, else NCCL's latencies (:meth:`~.costmodel_cluster.Cluster.collective_link`'s: a ring
-      step's mean alpha ((S - M) alpha_intra + (M - 1) alpha_inter) / (S - 1), a tree's 2 ((S // M - 1)
-      alpha_intra + floor(log2 M) alpha_inter)) at one NIC's bandwidth, the ring's slowest hop."""
+      M = 1, else NCCL's latencies over S ranks on M machines
+      (:meth:`~.costmodel_cluster.Cluster.latencies`) at one NIC's bandwidth, the ring's slowest hop."""
     g = c.devices_per_node
     link = c.collective_link(n, stages=stages)
     one = c.p2p_link(c.nodes(n) > 1)
@@ -350,12 +349,10 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
                 / hops, gamma_s_per_byte=0.0)
     if not crossing:
         return link, {**links, "p2p": c.intra, "stages": c.intra}
-    machines, a_in, a_out = crossing + 1, c.intra.alpha_s, c.inter.alpha_s
-    tied = Link(name=f"{stages} stages on {machines} machines",
-                alpha_s=((stages - machines) * a_in + (machines - 1) * a_out) / (stages - 1),
+    alpha, tree = c.latencies(stages, crossing + 1)
+    tied = Link(name=f"{stages} stages on {crossing + 1} machines", alpha_s=alpha,
                 beta_s_per_byte=c.inter.beta_s_per_byte, gamma_s_per_byte=c.intra.gamma_s_per_byte,
-                tree_latency_s=2 * ((stages // machines - 1) * a_in + (machines.bit_length() - 1) * a_out),
-                channels=CHANNELS_PER_NIC)
+                tree_latency_s=tree, channels=CHANNELS_PER_NIC)
     return link, {**links, "p2p": mean, "stages": tied}
 
 
