@@ -56,6 +56,8 @@ def test_predict_from_a_measured_step(tmp_path, tiny_data):
     eff = [float(row[5]) for row in rows]
     assert eff[0] == 1.0 and all(a >= b for a, b in zip(eff, eff[1:]))
     assert "bucket size it would pick" in r.stdout
+    # a flat network preset is priced as paratrain plan prices it (tests/unit/test_plan_two_level.py)
+    assert "every device its own machine and NIC: all-reduce on NCCL's rings and trees" in r.stdout, r.stdout
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     bad = paratrain("predict", "tiny.toml", "--nproc", "0", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1

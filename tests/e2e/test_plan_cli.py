@@ -306,6 +306,18 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     # a flat network preset is machines of one device (NCCL's trees); a flat nvlink one machine
     assert "every device its own machine and NIC: NCCL's trees where faster" in on_ib400.stdout
     assert "its own machine" not in on_nvlink.stdout
+    # each row gives the terms it was priced on: on ib400 the trees over its N (a pipeline's replicas)
+    # one-device machines, 2 floor(log2 R) x 10 us; a flat nvlink's are the preset's, with no trees
+    for (label, n), row in sorted(ib400.items()):
+        replicas = n // row["overrides"].get("pipeline_stages", 1)
+        terms = row["link_terms"]
+        assert terms["alpha_s"] == pytest.approx(10e-6, rel=1e-12) and row["link"] == "ib400", row
+        if replicas > 1:
+            assert terms["tree_latency_s"] == pytest.approx(2 * (replicas.bit_length() - 1) * 10e-6, rel=1e-12), row
+            assert terms["channels"] == 4, row
+        else:  # one device, or one replica's stages: nothing to all-reduce over the replicas
+            assert terms.get("tree_latency_s", 0.0) == 0.0, row
+    assert all(set(row["link_terms"]) == {"alpha_s", "beta_s_per_byte", "gamma_s_per_byte"} for row in nvlink.values())
     one_nic, r = _plan(tmp, tiny_data, tmp_path / "one", "--interconnect", "nvlink+ib400", "--nics-per-node", "1")
     per_device, _ = _plan(tmp, tiny_data, tmp_path / "rail", "--interconnect", "nvlink+ib400")
     all_nvlink, _ = _plan(tmp, tiny_data, tmp_path / "nvnv", "--interconnect", "nvlink+nvlink")

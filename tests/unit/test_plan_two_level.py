@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paratrain.bench.costmodel import PRESETS, Link, ring_allreduce_s
-from paratrain.bench.costmodel_cluster import Cluster, cluster, flat_collective_link
+from paratrain.bench.costmodel_cluster import Cluster, cluster, flat_collective_link, flat_links
 from paratrain.bench.costmodel_pipeline import predict_pipeline
 from paratrain.bench.plan import cluster_links
 from paratrain.bench.plan_model import Layout, step_parts
@@ -501,3 +501,71 @@ def test_synchronised_batchnorms_all_reduces_take_a_clusters_tree_where_it_is_fa
         3e-4 + (17 + 16 + 32) * 4 * 1e-12 / (0.45 * 0.9), rel=1e-12)
     assert batchnorm_rings_s(prof, Config(), 8, rings) == pytest.approx(
         3 * 14e-3 + (17 + 16 + 32) * 4 * 2 * 7 / 8 * 1e-12, rel=1e-12)
+
+
+def test_flat_links_price_a_network_preset_as_machines_of_one_device():
+    """flat_links, by hand (alpha 10 us): a job's collective link with NCCL's trees over its n / S
+    replicas, and a pipeline's tied parameters over its S stages; a flat nvlink, or one device, as it is."""
+    ib400, eth25, nvlink = PRESETS["ib400"], PRESETS["eth25"], PRESETS["nvlink"]
+    assert flat_links(ib400, 1024) == (flat_collective_link(ib400, 1024), {})
+    assert flat_links(ib400, 1024)[0].tree_latency_s == pytest.approx(200e-6, rel=1e-12)  # 2 x 10 levels
+    assert flat_links(eth25, 4)[0].tree_latency_s == pytest.approx(160e-6, rel=1e-12)  # 2 x 2 levels of 40 us
+    assert flat_links(ib400, 1) == (ib400, {}) and flat_links(nvlink, 1024) == (nvlink, {})
+    link, placed = flat_links(ib400, 16, 8)  # 2 replicas of 8 stages
+    assert (link.tree_latency_s, placed["stages"].tree_latency_s) == pytest.approx((20e-6, 60e-6), rel=1e-12)
+    assert link.terms()["alpha_s"] == ib400.alpha_s and set(placed) == {"stages"}
+    assert flat_links(ib400, 8, 8)[1] == {"stages": flat_collective_link(ib400, 8)}
+    assert flat_links(nvlink, 16, 8) == (nvlink, {})
+
+
+def _predict_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"strategy": "allreduce", "algorithm": "ring", "bucket_mb": None, "num_ps": 1, **kw})
+
+
+def test_predict_prices_a_flat_network_preset_on_nccls_trees_as_the_plan_does():
+    """paratrain predict's curve (allreduce, --algorithm ring) on a flat ib400 puts each N's all-reduce on
+    flat_links, as paratrain plan does. By hand, 40 KiB of gradients in one 1 MiB bucket at N = 1024: the
+    tree's 2 x 10 levels of 10 us, plus 40960 B at 50 GB/s over 0.45 x NCCL's 0.6 (40 KiB), plus the
+    GPU's reduction = 203.07 us exposed after the backward; the ring alone waited 2 x 1023 steps of 10 us
+    (20.46 ms). ``--algorithm tree`` (a binomial tree) and ``ps`` price the preset as it is."""
+    from paratrain.bench import predict_command
+    from paratrain.bench.costmodel import Workload, predict
+
+    ib = PRESETS["ib400"]
+    w = Workload(forward_s=0.01, backward_s=0.02, data_s=0.0, optimizer_s=0.001, param_bytes=(4096,) * 10,
+                 tokens_per_step=100)
+    got = predict_command._curve(_predict_args(bucket_mb=1.0), Config(), None, ib, [1, 2, 1024])(w)
+    assert [p.n for p in got] == [1, 2, 1024]
+    assert got == [predict(w, n, flat_collective_link(ib, n), bucket_mb=1.0) for n in (1, 2, 1024)]
+    hand = 200e-6 + 40960 / 50e9 / (0.45 * 0.6) + 40960 * 3 / 3.35e12
+    assert got[-1].exposed_comm_s == pytest.approx(hand, rel=1e-9)
+    assert predict(w, 1024, ib, bucket_mb=1.0).exposed_comm_s > 20e-3
+    for algorithm in ("tree", "ps"):
+        alone = predict_command._curve(_predict_args(bucket_mb=1.0, algorithm=algorithm), Config(), None, ib, [1024])
+        assert alone(w) == [predict(w, 1024, ib, algorithm=algorithm, bucket_mb=1.0)]
+
+
+def test_predicts_pipeline_on_a_flat_network_preset_takes_the_plans_links(monkeypatch):
+    """paratrain predict --strategy pipeline on a flat ib400 hands the formula flat_links' links at each
+    N: the replicas' trees and the tied parameters' over the S stages (and a flat nvlink as it is)."""
+    import dataclasses
+
+    from paratrain.bench import predict_command, strategy_model
+
+    seen = []
+    monkeypatch.setattr(strategy_model, "strategy_inputs", lambda task, cfg, device: {
+        "activation_bytes": 1.0, "stage_fractions": [0.25] * 4, "stage_param_bytes": [1.0] * 4,
+        "microbatch_factor": 1.0})
+    monkeypatch.setattr(strategy_model, "predict_strategy",
+                        lambda strategy, w, n, link, cfg, inputs, **kw: seen.append((n, link, kw["links"])))
+    base = Config()
+    cfg = dataclasses.replace(base, dist=dataclasses.replace(base.dist, strategy="pipeline", pipeline_stages=4, nproc=4,
+                                                                  device="cpu"))
+    for link in (PRESETS["ib400"], PRESETS["nvlink"]):
+        predict_command._curve(_predict_args(strategy="pipeline"), cfg, None, link, [1, 2, 4, 8, 16])(W)
+    ib400 = PRESETS["ib400"]
+    assert seen[:3] == [(n, *flat_links(ib400, n, 4)) for n in (4, 8, 16)]
+    assert seen[2][2]["stages"].tree_latency_s == pytest.approx(40e-6, rel=1e-12)  # 2 x 2 levels of 10 us
+    assert seen[3:] == [(n, PRESETS["nvlink"], {}) for n in (4, 8, 16)]

@@ -141,6 +141,17 @@ def flat_collective_link(link: Link, n: int, stages: int = 1) -> Link:
     return replace(link, tree_latency_s=across.tree_latency_s, channels=across.channels)
 
 
+def flat_links(link: Link, n: int, stages: int = 1) -> tuple[Link, dict[str, Link]]:
+    """A layout's links on a flat preset ``link``, as :func:`~.plan.cluster_links` gives a cluster's: the
+    link of its collectives over ``n`` ranks (:func:`flat_collective_link`, a pipeline's over its n / S
+    replicas) and the links placed apart: for a pipeline of ``stages`` = S > 1 on a network preset,
+    ``"stages"``, its tied parameters' all-reduce over the S stages of a replica, on the trees of S
+    one-device machines; none otherwise (every collective on the preset). ``paratrain plan`` and
+    ``paratrain predict`` both price a flat preset by it."""
+    placed = {"stages": flat_collective_link(link, stages)} if stages > 1 and link.name in NETWORK_PRESETS else {}
+    return flat_collective_link(link, n, stages), placed
+
+
 def cluster(name: str, devices_per_node: int, nics_per_node: int | None = None, *,
             machines: bool = True) -> Link | Cluster | None:
     """``--interconnect``'s preset: a flat :data:`PRESETS` link (``"ib400"``: every device on it),

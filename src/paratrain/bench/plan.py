@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link
-from .costmodel_cluster import CHANNELS_PER_NIC, NETWORK_PRESETS, Cluster, cluster, flat_collective_link
+from .costmodel_cluster import CHANNELS_PER_NIC, Cluster, cluster, flat_links
 from .costmodel_hooks import measured_hook
 from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
                           stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
@@ -213,7 +213,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     memory per device; None where the layout does not exist. ``link``: the interconnect; a two-level
     :class:`~.costmodel_cluster.Cluster` prices the layout's collectives on the link its ranks span
     (:func:`cluster_links`), a flat network preset (ib400, eth25) as machines of one device each
-    (:func:`~.costmodel_cluster.flat_collective_link`: NCCL's trees and channels, over the replicas, and
+    (:func:`~.costmodel_cluster.flat_links`: NCCL's trees and channels, over the replicas, and
     over the S stages for a pipeline's tied parameters)."""
     from ..strategies import STRATEGIES
     from .validate import layout_cpu_share
@@ -236,8 +236,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     if isinstance(link, Cluster):
         link, placed = cluster_links(link, n, stages)
     else:  # a flat ib400: machines of one device; a pipeline's tied parameters all-reduce over its S stages
-        placed = {"stages": flat_collective_link(link, stages)} if stages > 1 and link.name in NETWORK_PRESETS else {}
-        link = flat_collective_link(link, n, stages)
+        link, placed = flat_links(link, n, stages)
     # this machine: the cores that compute also run gloo (no overlap), and each collective has its own link
     overlap = not (on_this_machine and prof["device"] == "cpu")
     measured = {k: Link(name=k, **v) for k, v in prof.get("links", {}).items()}
@@ -307,6 +306,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (CHECKPOINTED if checkpointing else ""),
            "n": n, "link": link.name, "overrides": overrides, "synchronous": cls.synchronous,
+           # the terms its collectives were priced on (NCCL's tree latency and channels where its ranks span machines)
+           "link_terms": link.terms(),
            "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,
            "per_replica_batch": (global_batch // replicas) if global_batch else b0,

@@ -89,7 +89,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
           f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
           f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if cls.cost_model == "ring" else "")
-          + "; weak scaling, each replica on a device like the measured one")
+          + "; weak scaling, each replica on a device like the measured one" + _machines(link, args.algorithm))
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
           f"{'bucket MB':>9}{extra}")
@@ -105,12 +105,27 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _machines(link, algorithm: str) -> str:
+    """The header's words for a flat network preset (ib400, eth25): every device its own machine and NIC,
+    its all-reduces on NCCL's pick of rings and trees (:func:`~.costmodel_cluster.flat_links`), as
+    ``paratrain plan`` prices it; nothing for any other link or for ``--algorithm`` tree and ps."""
+    from .costmodel_cluster import NETWORK_PRESETS
+
+    if link.name not in NETWORK_PRESETS or algorithm != "ring":
+        return ""
+    return ("; every device its own machine and NIC: all-reduce on NCCL's rings and trees, the faster per message, "
+            "with its corrections by message size (as paratrain plan)")
+
+
 def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) -> dict[int, float]:
     """{N: seconds per step that ``model.sync_batchnorm`` adds} (:func:`.plan_inputs.sync_batchnorm_s`): the
     task's BatchNorm input shapes; ``--interconnect measured``: their synchronisation measured between
     two processes here (plus the ring's growth beyond two), otherwise three ring all-reduces per layer
-    (C + 1, C and 2 C numbers) on the preset link."""
+    (C + 1, C and 2 C numbers) on the preset link (a network preset's: NCCL's rings and trees over the
+    replicas, :func:`~.costmodel_cluster.flat_links`)."""
+    from .costmodel_cluster import flat_links
     from .plan_inputs import sync_batchnorm_s
+    from .strategy_model import STAGES
     from .profile import batchnorm_inputs_of
 
     from ..runs import build_task
@@ -124,7 +139,8 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
         print(f"[predict] model.sync_batchnorm: measuring the synchronisation of "
               f"{len(prof['batchnorm_inputs'])} BatchNorm calls between 2 processes", flush=True)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(prof["batchnorm_inputs"])
-    terms = {n: sync_batchnorm_s(prof, cfg, n, link, measured) for n in ns}
+    stages = cfg.dist.pipeline_stages if STRATEGIES[args.strategy].cost_model == STAGES else 1
+    terms = {n: sync_batchnorm_s(prof, cfg, n, flat_links(link, n, stages)[0], measured) for n in ns}
     if max(ns) > 1:
         print(f"[predict] model.sync_batchnorm: {len(prof['batchnorm_inputs'])} BatchNorm calls a step, each "
               f"4 blocking all-reduces of C + 1 numbers: +{1000 * terms[max(ns)]:.2f} ms per step at N = {max(ns)} "
@@ -136,9 +152,13 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     """(workload, a bf16 hook's measured cost or None) -> predictions at each N of ``ns`` for
     ``--strategy`` (a pipeline: the N that are a multiple of its stages); with the hook's cost
     (:func:`~.microbench_hooks.measured_compress_hook`) each bucket is priced by it
-    (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N)."""
+    (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N). On a flat network preset (ib400, eth25)
+    the collectives go on :func:`~.costmodel_cluster.flat_links`' links, as ``paratrain plan`` prices
+    them: every device its own machine, NCCL's pick of rings and trees (``--algorithm ring``; ``tree``
+    and ``ps`` on the preset as it is)."""
     from ..env import default_threads, intra_op_threads
     from .costmodel import predict
+    from .costmodel_cluster import flat_links
     from .costmodel_hooks import compress_hook_bucket_s
     from .strategy_model import STAGES, predict_strategy, strategy_inputs
 
@@ -146,8 +166,9 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
         return compress_hook_bucket_s(n, measured) if measured else None
 
     model = STRATEGIES[args.strategy].cost_model
-    if model == "ring":
-        return lambda w, measured=None: [predict(w, n, link, algorithm=args.algorithm, bucket_mb=args.bucket_mb,
+    if model == "ring":  # the ring on a flat network preset: NCCL's pick of its rings and trees (as plan's)
+        return lambda w, measured=None: [predict(w, n, flat_links(link, n)[0] if args.algorithm == "ring" else link,
+                                                 algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                                  num_ps=args.num_ps, bucket_s=bucket_s(n, measured)) for n in ns]
     # a CPU pipeline's stages timed at the threads each of its S processes gets here (as paratrain plan times
     # them); a GPU's recipe's on the GPU, at this process' threads
@@ -168,9 +189,15 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     if not points:
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
                          f"{cfg.dist.pipeline_stages} processes")
-    return lambda w, measured=None: [predict_strategy(args.strategy, w, n, link, cfg,
-                                                      {**inputs, "hook_bucket_s": bucket_s(n, measured)},
-                                                      bucket_mb=args.bucket_mb) for n in points]
+    stages = cfg.dist.pipeline_stages if model == STAGES else 1
+
+    def one(w, n: int, measured: dict | None):
+        collective, placed = flat_links(link, n, stages)
+        return predict_strategy(args.strategy, w, n, collective, cfg,
+                                {**inputs, "hook_bucket_s": bucket_s(n, measured)}, bucket_mb=args.bucket_mb,
+                                links=placed)
+
+    return lambda w, measured=None: [one(w, n, measured) for n in points]
 
 
 def _hook_payload(args: argparse.Namespace, hook: str) -> float:
