@@ -307,13 +307,13 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert "every device its own machine and NIC: NCCL's trees where faster" in on_ib400.stdout
     assert "its own machine" not in on_nvlink.stdout
     # each row gives the terms it was priced on: on ib400 the trees over its N (a pipeline's replicas)
-    # one-device machines, 2 floor(log2 R) x 10 us; a flat nvlink's are the preset's, with no trees
+    # one-device machines, 2 floor(log2 R) x 14 us; a flat nvlink's are the preset's, with no trees
     for (label, n), row in sorted(ib400.items()):
         replicas = n // row["overrides"].get("pipeline_stages", 1)
         terms = row["link_terms"]
-        assert terms["alpha_s"] == pytest.approx(10e-6, rel=1e-12) and row["link"] == "ib400", row
+        assert terms["alpha_s"] == pytest.approx(14e-6, rel=1e-12) and row["link"] == "ib400", row
         if replicas > 1:
-            assert terms["tree_latency_s"] == pytest.approx(2 * (replicas.bit_length() - 1) * 10e-6, rel=1e-12), row
+            assert terms["tree_latency_s"] == pytest.approx(2 * (replicas.bit_length() - 1) * 14e-6, rel=1e-12), row
             assert terms["channels"] == 4, row
         else:  # one device, or one replica's stages: nothing to all-reduce over the replicas
             assert terms.get("tree_latency_s", 0.0) == 0.0, row
@@ -344,9 +344,9 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert plan["interconnect"] == "nvlink+ib400" and plan["network"]["nics_per_node"] == 2
     assert (plan["network"]["intra"], plan["network"]["inter"]) == ("nvlink", "ib400")
     assert plan["network"]["link"]["beta_s_per_byte"] == pytest.approx(1 / 50e9)
-    # a tree over 2 machines of 2: 2 ((2 - 1) x NVLink's 5 us + log2 2 x ib400's 10 us)
-    assert plan["network"]["all_reduce"]["tree_latency_s"] == pytest.approx(30e-6)
-    assert "NCCL's trees where faster: 30 us on two machines" in r.stdout
+    # a tree over 2 machines of 2: 2 ((2 - 1) x NVLink's 3.4 us + log2 2 x ib400's 14 us)
+    assert plan["network"]["all_reduce"]["tree_latency_s"] == pytest.approx(34.8e-6)
+    assert "NCCL's trees where faster: 35 us on two machines" in r.stdout
     assert "nvlink inside a machine of 2 devices" in r.stdout and "1 NIC a machine" in r.stdout
 
 

@@ -155,8 +155,8 @@ def test_the_trees_bandwidth_takes_nccls_correction_for_its_size(nbytes, factor)
 
 
 @pytest.mark.parametrize("name, n, stages, tree", [
-    ("ib400", 2, 1, 2 * 1 * 10e-6), ("ib400", 1024, 1, 2 * 10 * 10e-6), ("ib400", 1000, 1, 2 * 9 * 10e-6),
-    ("eth25", 16, 1, 2 * 4 * 40e-6), ("ib400", 16, 2, 2 * 3 * 10e-6), ("ib400", 8, 8, 0.0),
+    ("ib400", 2, 1, 2 * 1 * 14e-6), ("ib400", 1024, 1, 2 * 10 * 14e-6), ("ib400", 1000, 1, 2 * 9 * 14e-6),
+    ("eth25", 16, 1, 2 * 4 * 40e-6), ("ib400", 16, 2, 2 * 3 * 14e-6), ("ib400", 8, 8, 0.0),
 ])
 def test_a_flat_network_preset_is_machines_of_one_device(name, n, stages, tree):
     """A flat ib400 or eth25 (every device on the network): NCCL's double binary trees over R = n / S
@@ -176,29 +176,44 @@ def test_a_flat_network_at_a_thousand_devices_all_reduces_a_small_message_on_its
     from paratrain.bench.costmodel import allreduce_s
 
     ib = PRESETS["ib400"]
-    # 0.2 ms (2 x 10 levels x 10 us), where its ring would wait 2 x 1023 x 10 us = 20.5 ms
-    assert allreduce_s(0, 1024, flat_collective_link(ib, 1024)) == pytest.approx(200e-6, rel=1e-12)
-    assert ring_allreduce_s(0, 1024, ib) == pytest.approx(20.46e-3, rel=1e-12)
+    # 0.28 ms (2 x 10 levels x 14 us), where its ring would wait 2 x 1023 x 14 us = 28.6 ms
+    assert allreduce_s(0, 1024, flat_collective_link(ib, 1024)) == pytest.approx(280e-6, rel=1e-12)
+    assert ring_allreduce_s(0, 1024, ib) == pytest.approx(28.644e-3, rel=1e-12)
 
 
-def test_a_machines_chain_in_nccls_tree_can_wait_longer_than_a_flat_networks_levels():
-    """NCCL's tree runs a chain of R/M - 1 hops inside each machine. On nvlink+ib400 with 8 devices a
-    machine that is 7 x 5 us, against the 3 x 10 us of the levels a flat ib400's tree has in their place:
-    a small all-reduce on two machines waits 2 x (35 + 10) us = 90 us, 10 us more than a flat ib400's
-    2 x 4 x 10 us (the presets' alphas: NCCL's own constants keep a hop of NVLink at under a third of
-    a network's)."""
+@pytest.mark.parametrize("per_node, cluster_s, flat_s", [
+    (8, 2 * (7 * 3.4e-6 + 14e-6), 2 * 4 * 14e-6),  # 75.6 us against 112 us
+    (14, 2 * (13 * 3.4e-6 + 14e-6), 2 * 4 * 14e-6),  # 116.4 us against 112 us
+    (16, 2 * (15 * 3.4e-6 + 14e-6), 2 * 5 * 14e-6),  # 130 us against 140 us
+    (32, 2 * (31 * 3.4e-6 + 14e-6), 2 * 6 * 14e-6),  # 238.8 us against 168 us
+])
+def test_a_machines_chain_in_nccls_tree_against_a_flat_networks_levels(per_node, cluster_s, flat_s):
+    """NCCL's tree runs a chain of g - 1 hops inside each machine of g devices, where a flat ib400's tree
+    has log2 g levels of the network in their place. At the presets' alphas, NCCL's own (an NVLink step
+    3.4 us, a network's 14 us), a small all-reduce on two machines of nvlink+ib400 waits less than on a
+    flat ib400 for machines of 8 and 16, and more for 14 and 32 (7 x 3.4 = 23.8 us of chain against
+    3 x 14 = 42 us of levels; 13 x 3.4 = 44.2 against 3 x 14; 31 x 3.4 = 105.4 against 5 x 14 = 70)."""
+    from paratrain.bench.costmodel import allreduce_s
+
+    c = cluster("nvlink+ib400", per_node)
+    n = 2 * per_node
+    assert allreduce_s(0, n, c.collective_link(n)) == pytest.approx(cluster_s, rel=1e-12)
+    assert allreduce_s(0, n, flat_collective_link(PRESETS["ib400"], n)) == pytest.approx(flat_s, rel=1e-12)
+    assert (cluster_s < flat_s) == (per_node in (8, 16))
+
+
+def test_a_large_bucket_on_a_cluster_of_nvlink_machines_takes_the_tree_on_all_its_nics():
+    """A bucket of 25 MiB on two machines of 8 (nvlink+ib400): the cluster's tree on 8 NICs, 400 GB/s a
+    device at NCCL's 0.45 x 0.7 (25 MiB), 75.6 us of latency: 307 us; a flat ib400's ring at 50 GB/s waits
+    1.4 x its 30 steps' latency of 14 us: 588 + 983 us of bytes + 22 us of reduction = 1593 us."""
     from paratrain.bench.costmodel import allreduce_s
 
     c = cluster("nvlink+ib400", 8)
-    assert allreduce_s(0, 16, c.collective_link(16)) == pytest.approx(90e-6, rel=1e-12)
-    assert allreduce_s(0, 16, flat_collective_link(PRESETS["ib400"], 16)) == pytest.approx(80e-6, rel=1e-12)
-    # a bucket of 25 MiB: the cluster's tree on 8 NICs, 400 GB/s a device at NCCL's 0.45 x 0.7 (322 us),
-    # against a flat ib400's ring at 50 GB/s that waits 1.4 x its 30 steps' latency (1425 us)
     big, gamma = 25 << 20, PRESETS["ib400"].gamma_s_per_byte
     assert allreduce_s(big, 16, c.collective_link(16)) == pytest.approx(
-        90e-6 + big / 400e9 / (0.45 * 0.7) + big * gamma, rel=1e-12)
+        75.6e-6 + big / 400e9 / (0.45 * 0.7) + big * gamma, rel=1e-12)
     assert allreduce_s(big, 16, flat_collective_link(PRESETS["ib400"], 16)) == pytest.approx(
-        1.4 * 30 * 10e-6 + 2 * 15 / 16 * big / 50e9 + 15 / 16 * big * gamma, rel=1e-12)
+        1.4 * 30 * 14e-6 + 2 * 15 / 16 * big / 50e9 + 15 / 16 * big * gamma, rel=1e-12)
 
 
 def test_a_links_tree_latency_is_finite_and_not_negative():
@@ -469,7 +484,7 @@ def test_the_plan_prices_a_flat_network_preset_as_machines_of_one_device(monkeyp
         plan.predict_layout(plan.Layout("pipeline", 16, {"pipeline_stages": 8}, "pipeline 2x8"), _gpu_profile(),
                             Config(), link, on_this_machine=False, global_batch=None)
     assert seen[3] == (flat_collective_link(ib400, 16, 8), {"stages": flat_collective_link(ib400, 8)})
-    assert (seen[3][0].tree_latency_s, seen[3][1]["stages"].tree_latency_s) == pytest.approx((20e-6, 60e-6))
+    assert (seen[3][0].tree_latency_s, seen[3][1]["stages"].tree_latency_s) == pytest.approx((28e-6, 84e-6))
     assert seen[4] == (nvlink, {})
 
 
@@ -504,15 +519,15 @@ def test_synchronised_batchnorms_all_reduces_take_a_clusters_tree_where_it_is_fa
 
 
 def test_flat_links_price_a_network_preset_as_machines_of_one_device():
-    """flat_links, by hand (alpha 10 us): a job's collective link with NCCL's trees over its n / S
+    """flat_links, by hand (alpha 14 us): a job's collective link with NCCL's trees over its n / S
     replicas, and a pipeline's tied parameters over its S stages; a flat nvlink, or one device, as it is."""
     ib400, eth25, nvlink = PRESETS["ib400"], PRESETS["eth25"], PRESETS["nvlink"]
     assert flat_links(ib400, 1024) == (flat_collective_link(ib400, 1024), {})
-    assert flat_links(ib400, 1024)[0].tree_latency_s == pytest.approx(200e-6, rel=1e-12)  # 2 x 10 levels
+    assert flat_links(ib400, 1024)[0].tree_latency_s == pytest.approx(280e-6, rel=1e-12)  # 2 x 10 levels
     assert flat_links(eth25, 4)[0].tree_latency_s == pytest.approx(160e-6, rel=1e-12)  # 2 x 2 levels of 40 us
     assert flat_links(ib400, 1) == (ib400, {}) and flat_links(nvlink, 1024) == (nvlink, {})
     link, placed = flat_links(ib400, 16, 8)  # 2 replicas of 8 stages
-    assert (link.tree_latency_s, placed["stages"].tree_latency_s) == pytest.approx((20e-6, 60e-6), rel=1e-12)
+    assert (link.tree_latency_s, placed["stages"].tree_latency_s) == pytest.approx((28e-6, 84e-6), rel=1e-12)
     assert link.terms()["alpha_s"] == ib400.alpha_s and set(placed) == {"stages"}
     assert flat_links(ib400, 8, 8)[1] == {"stages": flat_collective_link(ib400, 8)}
     assert flat_links(nvlink, 16, 8) == (nvlink, {})
@@ -527,9 +542,9 @@ def _predict_args(**kw):
 def test_predict_prices_a_flat_network_preset_on_nccls_trees_as_the_plan_does():
     """paratrain predict's curve (allreduce, --algorithm ring) on a flat ib400 puts each N's all-reduce on
     flat_links, as paratrain plan does. By hand, 40 KiB of gradients in one 1 MiB bucket at N = 1024: the
-    tree's 2 x 10 levels of 10 us, plus 40960 B at 50 GB/s over 0.45 x NCCL's 0.6 (40 KiB), plus the
-    GPU's reduction = 203.07 us exposed after the backward; the ring alone waited 2 x 1023 steps of 10 us
-    (20.46 ms). ``--algorithm tree`` (a binomial tree) and ``ps`` price the preset as it is."""
+    tree's 2 x 10 levels of 14 us, plus 40960 B at 50 GB/s over 0.45 x NCCL's 0.6 (40 KiB), plus the
+    GPU's reduction = 283.07 us exposed after the backward; the ring alone waited 2 x 1023 steps of 14 us
+    (28.6 ms). ``--algorithm tree`` (a binomial tree) and ``ps`` price the preset as it is."""
     from paratrain.bench import predict_command
     from paratrain.bench.costmodel import Workload, predict
 
@@ -539,7 +554,7 @@ def test_predict_prices_a_flat_network_preset_on_nccls_trees_as_the_plan_does():
     got = predict_command._curve(_predict_args(bucket_mb=1.0), Config(), None, ib, [1, 2, 1024])(w)
     assert [p.n for p in got] == [1, 2, 1024]
     assert got == [predict(w, n, flat_collective_link(ib, n), bucket_mb=1.0) for n in (1, 2, 1024)]
-    hand = 200e-6 + 40960 / 50e9 / (0.45 * 0.6) + 40960 * 3 / 3.35e12
+    hand = 280e-6 + 40960 / 50e9 / (0.45 * 0.6) + 40960 * 3 / 3.35e12
     assert got[-1].exposed_comm_s == pytest.approx(hand, rel=1e-9)
     assert predict(w, 1024, ib, bucket_mb=1.0).exposed_comm_s > 20e-3
     for algorithm in ("tree", "ps"):
@@ -567,5 +582,25 @@ def test_predicts_pipeline_on_a_flat_network_preset_takes_the_plans_links(monkey
         predict_command._curve(_predict_args(strategy="pipeline"), cfg, None, link, [1, 2, 4, 8, 16])(W)
     ib400 = PRESETS["ib400"]
     assert seen[:3] == [(n, *flat_links(ib400, n, 4)) for n in (4, 8, 16)]
-    assert seen[2][2]["stages"].tree_latency_s == pytest.approx(40e-6, rel=1e-12)  # 2 x 2 levels of 10 us
+    assert seen[2][2]["stages"].tree_latency_s == pytest.approx(56e-6, rel=1e-12)  # 2 x 2 levels of 14 us
     assert seen[3:] == [(n, PRESETS["nvlink"], {}) for n in (4, 8, 16)]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_predicts_sync_batchnorm_on_a_flat_network_preset_takes_the_links_of_its_gradients(monkeypatch, algorithm):
+    """paratrain predict's model.sync_batchnorm term on a flat ib400 is priced on the link its gradients
+    are: with --algorithm ring flat_links' (NCCL's trees over N one-device machines, as paratrain plan
+    prices it); with a binomial tree the preset as it is."""
+    from paratrain import runs
+    from paratrain.bench import plan_inputs, predict_command, profile
+
+    seen = {}
+    monkeypatch.setattr(runs, "build_task", lambda cfg, data_dir, world_size: None)
+    monkeypatch.setattr(profile, "batchnorm_inputs_of", lambda task, cfg: [[32, 16, 8, 8]])
+    monkeypatch.setattr(plan_inputs, "sync_batchnorm_s",
+                        lambda prof, cfg, n, link, measured: seen.setdefault(n, link) and 0.0)
+    ib = PRESETS["ib400"]
+    args = _predict_args(algorithm=algorithm, interconnect="ib400", data_dir=None)
+    assert predict_command._sync_batchnorm_terms(args, Config(), ib, [1, 2, 64]) == {1: 0.0, 2: 0.0, 64: 0.0}
+    assert seen == {n: (flat_collective_link(ib, n) if algorithm == "ring" else ib) for n in (1, 2, 64)}
+    assert seen[64].tree_latency_s == (pytest.approx(2 * 6 * 14e-6, rel=1e-12) if algorithm == "ring" else None)

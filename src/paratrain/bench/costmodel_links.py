@@ -60,17 +60,21 @@ class Link:
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
 # SXM's 3.35 TB/s HBM3 bandwidth (NVIDIA H100 datasheet) that is 3 / 3.35e12 s per byte.
 _GPU_GAMMA = 3 / 3.35e12
+# The alphas of nvlink, pcie5 and ib400 are NCCL's own per-step latencies for its Simple protocol, the one
+# that carries gradient buckets (src/graph/tuning.cc, ncclTunerConstantsDefaults hwLatencies: a ring step
+# 3.4 us on NVLink, 5.7 us on PCIe, 14 us across the network; a tree level 4.0, 4.0 and 14 us, priced here
+# at the ring's). Not modelled: NCCL's base latency of each collective (8.4 us, a ring's or a tree's) and its
+# LL and LL128 protocols, which carry small messages at lower latency. eth25's alpha is an assumption.
+# Fit your own link with fit_alpha_beta / microbench.measured_link.
 PRESETS: dict[str, Link] = {
-    # alphas are order-of-magnitude assumptions (NCCL small-message latency per ring step incl.
-    # kernel launch ~5-10 us; TCP over Ethernet ~25-50 us), not measurements: fit your own with
-    # fit_alpha_beta / microbench.measured_link.
     # NVLink 4 on H100 SXM: 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA datasheet).
-    "nvlink": Link(name="nvlink", alpha_s=5e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA),
+    "nvlink": Link(name="nvlink", alpha_s=3.4e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA),
     # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b ~ 64 GB/s per direction.
-    "pcie5": Link(name="pcie5", alpha_s=8e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA),
-    # NDR InfiniBand 400 Gb/s = 50 GB/s per direction; alpha includes the NCCL network proxy.
-    "ib400": Link(name="ib400", alpha_s=10e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA),
-    # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack.
+    "pcie5": Link(name="pcie5", alpha_s=5.7e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA),
+    # NDR InfiniBand 400 Gb/s = 50 GB/s per direction; alpha: NCCL's network step (its proxy included).
+    "ib400": Link(name="ib400", alpha_s=14e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA),
+    # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack, an assumption
+    # (NCCL's tuner gives any network 14 us a step; a TCP message through the kernel takes longer).
     "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA),
 }
 

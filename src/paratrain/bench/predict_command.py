@@ -117,16 +117,24 @@ def _machines(link, algorithm: str) -> str:
             "with its corrections by message size (as paratrain plan)")
 
 
+def _links(link, n: int, stages: int, algorithm: str):
+    """(the collective link, links placed apart) predict prices ``n`` ranks on: a flat preset's
+    :func:`~.costmodel_cluster.flat_links`, as ``paratrain plan`` prices it, where ``algorithm`` is
+    "ring" (NCCL's); the link itself for a binomial tree ("tree") or a parameter server ("ps")."""
+    from .costmodel_cluster import flat_links
+
+    return flat_links(link, n, stages) if algorithm == "ring" else (link, {})
+
+
 def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) -> dict[int, float]:
     """{N: seconds per step that ``model.sync_batchnorm`` adds} (:func:`.plan_inputs.sync_batchnorm_s`): the
     task's BatchNorm input shapes; ``--interconnect measured``: their synchronisation measured between
     two processes here (plus the ring's growth beyond two), otherwise three ring all-reduces per layer
-    (C + 1, C and 2 C numbers) on the preset link (a network preset's: NCCL's rings and trees over the
-    replicas, :func:`~.costmodel_cluster.flat_links`)."""
-    from .costmodel_cluster import flat_links
+    (C + 1, C and 2 C numbers) on the preset link (:func:`_links`: a network preset's with ``--algorithm
+    ring``, NCCL's rings and trees over the replicas)."""
     from .plan_inputs import sync_batchnorm_s
-    from .strategy_model import STAGES
     from .profile import batchnorm_inputs_of
+    from .strategy_model import STAGES
 
     from ..runs import build_task
 
@@ -140,10 +148,11 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
               f"{len(prof['batchnorm_inputs'])} BatchNorm calls between 2 processes", flush=True)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(prof["batchnorm_inputs"])
     stages = cfg.dist.pipeline_stages if STRATEGIES[args.strategy].cost_model == STAGES else 1
-    terms = {n: sync_batchnorm_s(prof, cfg, n, flat_links(link, n, stages)[0], measured) for n in ns}
+    terms = {n: sync_batchnorm_s(prof, cfg, n, _links(link, n, stages, args.algorithm)[0], measured) for n in ns}
     if max(ns) > 1:
         print(f"[predict] model.sync_batchnorm: {len(prof['batchnorm_inputs'])} BatchNorm calls a step, each "
-              f"4 blocking all-reduces of C + 1 numbers: +{1000 * terms[max(ns)]:.2f} ms per step at N = {max(ns)} "
+              f"3 blocking all-reduces (C + 1, C and 2 C numbers): +{1000 * terms[max(ns)]:.2f} ms per step at "
+              f"N = {max(ns)} "
               f"({'measured here' if measured else link.name}); in the step and comm columns", flush=True)
     return terms
 
@@ -158,7 +167,6 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     and ``ps`` on the preset as it is)."""
     from ..env import default_threads, intra_op_threads
     from .costmodel import predict
-    from .costmodel_cluster import flat_links
     from .costmodel_hooks import compress_hook_bucket_s
     from .strategy_model import STAGES, predict_strategy, strategy_inputs
 
@@ -167,7 +175,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
 
     model = STRATEGIES[args.strategy].cost_model
     if model == "ring":  # the ring on a flat network preset: NCCL's pick of its rings and trees (as plan's)
-        return lambda w, measured=None: [predict(w, n, flat_links(link, n)[0] if args.algorithm == "ring" else link,
+        return lambda w, measured=None: [predict(w, n, _links(link, n, 1, args.algorithm)[0],
                                                  algorithm=args.algorithm, bucket_mb=args.bucket_mb,
                                                  num_ps=args.num_ps, bucket_s=bucket_s(n, measured)) for n in ns]
     # a CPU pipeline's stages timed at the threads each of its S processes gets here (as paratrain plan times
@@ -192,7 +200,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     stages = cfg.dist.pipeline_stages if model == STAGES else 1
 
     def one(w, n: int, measured: dict | None):
-        collective, placed = flat_links(link, n, stages)
+        collective, placed = _links(link, n, stages, args.algorithm)
         return predict_strategy(args.strategy, w, n, collective, cfg,
                                 {**inputs, "hook_bucket_s": bucket_s(n, measured)}, bucket_mb=args.bucket_mb,
                                 links=placed)
