@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 from .costmodel import PRESETS, Link, _check_n
+from .costmodel_links import pat_latency_s
 
 
 CHANNELS_PER_NIC = 4
@@ -97,17 +98,22 @@ class Cluster:
         of those one group drives, 4 max(1, ceil(1 / load)) (:data:`CHANNELS_PER_NIC`). ``stages``: a
         pipeline's S stage groups, each a collective over its replicas, side by side: a full machine
         holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on :meth:`nics` (1 for any
-        other layout: 1 / nics(n))."""
+        other layout: 1 / nics(n)). pat_latency_s: where every machine holds one device (and so each
+        group one rank a machine), NCCL's PAT all-gather and reduce-scatter latency over the group's R
+        ranks (:func:`~.costmodel_links.pat_latency_s`); None otherwise."""
         _check_n(stages, "stages")
         nodes = self.nodes(n)
         if nodes == 1:
             return self.intra
         load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, self.last(n)) / self.nics(n))
         alpha, tree = self.latencies(n // stages, self.spanned(n, stages))
+        ranks = n // stages
         return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=alpha,
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte, tree_latency_s=tree,
-                    channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)))
+                    channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)),
+                    pat_latency_s=(pat_latency_s(ranks, self.inter.alpha_s)
+                                   if self.devices_per_node == 1 and ranks > 1 else None))
 
     def latencies(self, ranks: int, machines: int) -> tuple[float, float]:
         """NCCL's latencies (src/graph/tuning.cc) of a collective over ``ranks`` ranks on ``machines``
@@ -133,12 +139,14 @@ def flat_collective_link(link: Link, n: int, stages: int = 1) -> Link:
     """The link a collective over a job of ``n`` ranks is priced on for a flat preset ``link``: a
     network preset (:data:`NETWORK_PRESETS`) the same link with the trees and channels of machines of
     one device and one NIC (:meth:`Cluster.collective_link` of ``Cluster(link, link, 1, 1)``: a tree
-    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 4 channels), where n > 1; the
-    preset itself otherwise. Its alpha, beta and gamma are the preset's, exactly."""
+    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 4 channels, and NCCL's PAT for
+    all-gathers and reduce-scatters over R > 1), where n > 1; the preset itself otherwise. Its alpha,
+    beta and gamma are the preset's, exactly."""
     if link.name not in NETWORK_PRESETS or n == 1:
         return link
     across = Cluster(intra=link, inter=link, devices_per_node=1, nics_per_node=1).collective_link(n, stages)
-    return replace(link, tree_latency_s=across.tree_latency_s, channels=across.channels)
+    return replace(link, tree_latency_s=across.tree_latency_s, channels=across.channels,
+                   pat_latency_s=across.pat_latency_s)
 
 
 def flat_links(link: Link, n: int, stages: int = 1) -> tuple[Link, dict[str, Link]]:

@@ -28,7 +28,11 @@ class Link:
     collective runs on, for the ring's latency plateau in :func:`allreduce_s` (an integer >= 1).
     A cluster's collective link holds for the group it was made for (R ranks on M machines): its
     alpha_s is a ring step's mean latency there, its tree_latency_s that group's tree's; price
-    collectives of R ranks on it, and not one message as alpha_s.
+    collectives of R ranks on it, and not one message as alpha_s. ``pat_latency_s``: where every
+    machine holds one rank of the collective (a flat network preset; a cluster of one device a
+    machine), the latency of NCCL's PAT all-gather and reduce-scatter over them (:data:`PAT_PER_RANK_S`),
+    for :func:`~.costmodel_sharded.allgather_s` and :func:`~.costmodel_sharded.reduce_scatter_s`; None:
+    rings only.
     """
 
     name: str
@@ -37,6 +41,7 @@ class Link:
     gamma_s_per_byte: float
     tree_latency_s: float | None = None
     channels: int | None = None
+    pat_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         if (self.tree_latency_s is None) != (self.channels is None) or (self.channels is not None and not (
@@ -49,12 +54,13 @@ class Link:
                 raise UsageError(f"Link {self.name!r}: {key} = {value} must be finite and >= 0")
 
     def terms(self) -> dict[str, float]:
-        """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s, channels where set), as
-        profiles and plans store a link: ``Link(name=..., **terms)`` is the link again."""
+        """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s, channels, pat_latency_s where
+        set), as profiles and plans store a link: ``Link(name=..., **terms)`` is the link again."""
         terms = {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                  "gamma_s_per_byte": self.gamma_s_per_byte}
-        return terms if self.tree_latency_s is None else {**terms, "tree_latency_s": self.tree_latency_s,
-                                                          "channels": self.channels}
+        if self.tree_latency_s is not None:
+            terms.update(tree_latency_s=self.tree_latency_s, channels=self.channels)
+        return terms if self.pat_latency_s is None else {**terms, "pat_latency_s": self.pat_latency_s}
 
 
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
@@ -114,6 +120,24 @@ TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .
 # its latency ("plateau effect of ring": 1.4 on compute capability 8.0 and above, the presets' A100/H100
 # era; 1.9 before)
 RING_PLATEAU = 1.4
+
+
+# NCCL's PAT algorithm (Parallel Aggregated Trees; src/graph/tuning.cc, NCCL 2.30) for all-gather and
+# reduce-scatter, which it runs only where every machine holds one rank of the communicator: a latency of
+# log2i(M) levels of the network at 1 / 3.5 of its tree latency each, plus 2.8 us a rank ("still a linear
+# part"), at 0.75 of the ring's bus bandwidth, on the whole message (no (R - 1) / R); NCCL takes the faster
+# of it and the ring per message
+PAT_PER_RANK_S = 2.8e-6
+PAT_LEVEL_FRACTION = 1 / 3.5
+PAT_BANDWIDTH = 0.75
+
+
+def pat_latency_s(ranks: int, alpha_s: float) -> float:
+    """NCCL's PAT latency over ``ranks`` ranks, one a machine, on a network of per-step latency
+    ``alpha_s`` (s): floor(log2 R) alpha / 3.5 + 2.8 us x R (its base latency, as every collective's here,
+    left out)."""
+    _check_n(ranks, "ranks")
+    return (ranks.bit_length() - 1) * alpha_s * PAT_LEVEL_FRACTION + PAT_PER_RANK_S * ranks
 
 
 def tree_correction(nbytes: float) -> float:

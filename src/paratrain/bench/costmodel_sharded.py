@@ -5,7 +5,10 @@ Pure arithmetic on a :class:`~.costmodel.Workload` (one replica's step measured 
 a :class:`~.costmodel.Link`. Collectives are ring algorithms (Patarasuk & Yuan 2009; Thakur et al.
 2005): an all-gather or a reduce-scatter of a message of ``nbytes`` (its whole, unsharded size) is
 n-1 steps of nbytes/n, so ``(n-1) alpha + (n-1)/n nbytes beta`` (+ ``(n-1)/n nbytes gamma`` for the
-reduction of a reduce-scatter); an all-reduce is the two in a row.
+reduction of a reduce-scatter); an all-reduce is the two in a row. Where every machine holds one
+rank (a flat network preset), NCCL runs the faster of the ring and its PAT algorithm
+(:func:`allgather_s`, :func:`reduce_scatter_s`); an all-reduce, the faster of its ring and trees
+(:func:`~.costmodel.allreduce_s`).
 
 * ``zero1`` (Rajbhandari et al. 2020, stage 1): DDP's bucketed all-reduce overlapped with backward
   (:func:`~.costmodel.predict`), the optimizer on 1/n of the parameters, then the updated
@@ -40,6 +43,7 @@ from typing import Callable, Sequence
 from ..errors import UsageError
 from .costmodel import (FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, allreduce_s, predict,
                         prediction)
+from .costmodel_links import PAT_BANDWIDTH
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
@@ -53,6 +57,27 @@ def ring_reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
     _check_n(n)
     return 0.0 if n == 1 else ((n - 1) * link.alpha_s
                                + (n - 1) / n * nbytes * (link.beta_s_per_byte + link.gamma_s_per_byte))
+
+
+def allgather_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of the all-gather NCCL runs on ``link`` among ``n`` ranks, whose result is ``nbytes``: the
+    ring (:func:`ring_allgather_s`); where every machine holds one rank (``link.pat_latency_s`` set), the
+    faster of it and NCCL's PAT, pat_latency_s + nbytes beta / 0.75 (NCCL src/graph/tuning.cc)."""
+    ring = ring_allgather_s(nbytes, n, link)
+    if link.pat_latency_s is None or n == 1:
+        return ring
+    return min(ring, link.pat_latency_s + nbytes * link.beta_s_per_byte / PAT_BANDWIDTH)
+
+
+def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of the reduce-scatter NCCL runs on ``link`` among ``n`` ranks of ``nbytes``: the ring
+    (:func:`ring_reduce_scatter_s`); where every machine holds one rank (``link.pat_latency_s`` set), the
+    faster of it and NCCL's PAT, pat_latency_s + nbytes beta / 0.75 + (n-1)/n nbytes gamma."""
+    ring = ring_reduce_scatter_s(nbytes, n, link)
+    if link.pat_latency_s is None or n == 1:
+        return ring
+    return min(ring, link.pat_latency_s + nbytes * link.beta_s_per_byte / PAT_BANDWIDTH
+               + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
@@ -104,7 +129,7 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
                         bucket_s=bucket_s)
         # the path holds the arithmetic of 2 ranks at their measured speed, O (1/2 - 1); here O s (1/n - 1)
         step = (whole.step_s + step_path_s + w.optimizer_s * (s * (1 / n - 1) - (1 / 2 - 1))
-                + ring_allgather_s(nbytes, n, glink) - ring_allgather_s(nbytes, 2, glink))
+                + allgather_s(nbytes, n, glink) - allgather_s(nbytes, 2, glink))
         if copy_s is not None:
             step += (copy_s(nbytes / n) + copy_s(nbytes * (n - 1) / n)) - 2 * copy_s(nbytes / 2)
         if meeting_s is not None and path_meeting_s is not None:
@@ -117,7 +142,7 @@ def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, c
     ddp = predict(replace(w, optimizer_s=w.optimizer_s / n), n, link, algorithm="ring", bucket_mb=bucket_mb,
                   compute_scale=compute_scale, overlap=overlap, bucket_s=bucket_s)
     dispatch = dispatch_s * compute_scale if n > 1 else 0.0
-    step = ddp.step_s + dispatch + ring_allgather_s(nbytes, n, glink)
+    step = ddp.step_s + dispatch + allgather_s(nbytes, n, glink)
     if meeting_s is not None and n > 1:
         step += max(0.0, meeting_s(w.optimizer_s * compute_scale / n) - glink.alpha_s)
     if copy_s is not None and n > 1:
@@ -300,8 +325,8 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
         return prediction(w, n, compute + paths + waits + after_backward, compute, "sharded_parameters",
                           optimizer_s=optimizer)
     g = gather_scale
-    ag = [ring_allgather_s(b * g, n, glink) + fsdp_copies_s(b * g, n, copy_s) if b else 0.0 for b in unit_bytes]
-    rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
+    ag = [allgather_s(b * g, n, glink) + fsdp_copies_s(b * g, n, copy_s) if b else 0.0 for b in unit_bytes]
+    rs = [reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
         step = compute + sum(ag) + sum(again) + sum(rs) + waits + after_backward
@@ -356,8 +381,8 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
             continue
         fwd, bwd_again, bwd_kept = unit_path_s(b)
         again = reshard and i > 0
-        d_ag = ring_allgather_s(b * gather_scale, n, gather_link) - ring_allgather_s(b * gather_scale, 2, gather_link)
-        d_rs = ring_reduce_scatter_s(b, n, scatter_link) - ring_reduce_scatter_s(b, 2, scatter_link)
+        d_ag = allgather_s(b * gather_scale, n, gather_link) - allgather_s(b * gather_scale, 2, gather_link)
+        d_rs = reduce_scatter_s(b, n, scatter_link) - reduce_scatter_s(b, 2, scatter_link)
         total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs
     return total
 
@@ -371,6 +396,7 @@ def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[flo
     return lambda nbytes: (cols[0](nbytes), cols[1](nbytes), cols[2](nbytes))
 
 
-__all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "predict_zero1", "predict_fsdp", "fsdp_phases_s",
+__all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "allgather_s", "reduce_scatter_s",
+           "predict_zero1", "predict_fsdp", "fsdp_phases_s",
            "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "fsdp_step_path_s",
            "unit_paths", "MIB"]
