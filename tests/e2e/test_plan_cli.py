@@ -305,8 +305,8 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     nvlink, on_nvlink = _plan(tmp, tiny_data, tmp_path / "nvlink", "--interconnect", "nvlink")
     ib400, on_ib400 = _plan(tmp, tiny_data, tmp_path / "ib400", "--interconnect", "ib400")
     # a flat network preset is machines of one device (NCCL's trees); a flat nvlink one machine
-    assert ("every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather, reduce-scatter) "
-            "where faster") in on_ib400.stdout
+    assert ("every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather) where faster"
+            in on_ib400.stdout)
     assert "its own machine" not in on_nvlink.stdout
     # each row gives the terms it was priced on: on ib400 the trees over its N (a pipeline's replicas)
     # one-device machines, 2 floor(log2 R) x 14 us; a flat nvlink's are the preset's, with no trees
@@ -333,7 +333,7 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
         label, n = key
         flat = nvlink[key] if n <= 2 else ib400[key]
         assert row["link"] == ("nvlink" if n <= 2 else f"nvlink+ib400 ({n // 2} nodes)"), row
-        # (the flat ib400's machines hold one rank each, where NCCL gathers and scatters on PAT; machines of 2
+        # (the flat ib400's machines hold one rank each, where NCCL gathers on PAT; machines of 2
         # devices gather on rings: a sharded row may be slower than the flat network's, tests/unit PAT's)
         sharded = label.startswith(("zero1", "fsdp"))
         if n <= 2:

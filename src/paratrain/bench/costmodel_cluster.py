@@ -98,9 +98,10 @@ class Cluster:
         of those one group drives, 4 max(1, ceil(1 / load)) (:data:`CHANNELS_PER_NIC`). ``stages``: a
         pipeline's S stage groups, each a collective over its replicas, side by side: a full machine
         holds min(S, g) of them on its K NICs, the least-filled one min(S, d) on :meth:`nics` (1 for any
-        other layout: 1 / nics(n)). pat_latency_s: where every machine holds one device (and so each
-        group one rank a machine), NCCL's PAT all-gather and reduce-scatter latency over the group's R
-        ranks (:func:`~.costmodel_links.pat_latency_s`); None otherwise."""
+        other layout: 1 / nics(n)). pat_latency_s: where every machine holds one rank of the group
+        (:meth:`spanned` = R: NCCL's nNodes == nRanks, one device a machine, or a pipeline's stage group
+        spread across machines), NCCL's PAT all-gather latency over the group's R ranks
+        (:func:`~.costmodel_links.pat_latency_s`); None otherwise."""
         _check_n(stages, "stages")
         nodes = self.nodes(n)
         if nodes == 1:
@@ -113,7 +114,7 @@ class Cluster:
                     gamma_s_per_byte=self.intra.gamma_s_per_byte, tree_latency_s=tree,
                     channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)),
                     pat_latency_s=(pat_latency_s(ranks, self.inter.alpha_s)
-                                   if self.devices_per_node == 1 and ranks > 1 else None))
+                                   if ranks > 1 and self.spanned(n, stages) == ranks else None))
 
     def latencies(self, ranks: int, machines: int) -> tuple[float, float]:
         """NCCL's latencies (src/graph/tuning.cc) of a collective over ``ranks`` ranks on ``machines``

@@ -6,9 +6,12 @@ a :class:`~.costmodel.Link`. Collectives are ring algorithms (Patarasuk & Yuan 2
 2005): an all-gather or a reduce-scatter of a message of ``nbytes`` (its whole, unsharded size) is
 n-1 steps of nbytes/n, so ``(n-1) alpha + (n-1)/n nbytes beta`` (+ ``(n-1)/n nbytes gamma`` for the
 reduction of a reduce-scatter); an all-reduce is the two in a row. Where every machine holds one
-rank (a flat network preset), NCCL runs the faster of the ring and its PAT algorithm
-(:func:`allgather_s`, :func:`reduce_scatter_s`); an all-reduce, the faster of its ring and trees
-(:func:`~.costmodel.allreduce_s`).
+rank of the collective group (a flat network preset; one device a machine; a pipeline's stage group
+spread one rank a machine), NCCL runs an all-gather on the faster of the ring and its PAT algorithm
+(:func:`allgather_s`); an all-reduce on the faster of its ring and trees
+(:func:`~.costmodel.allreduce_s`). FSDP2's reduce-scatter stays on the ring: it averages its float32
+(or bf16) gradients with ``ReduceOp.AVG``, a pre-multiplied sum in NCCL, which NCCL keeps off PAT
+(src/enqueue.cc: "Tree reduceScatter doesn't support scaling yet").
 
 * ``zero1`` (Rajbhandari et al. 2020, stage 1): DDP's bucketed all-reduce overlapped with backward
   (:func:`~.costmodel.predict`), the optimizer on 1/n of the parameters, then the updated
@@ -67,17 +70,6 @@ def allgather_s(nbytes: float, n: int, link: Link) -> float:
     if link.pat_latency_s is None or n == 1:
         return ring
     return min(ring, link.pat_latency_s + nbytes * link.beta_s_per_byte / PAT_BANDWIDTH)
-
-
-def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
-    """Seconds of the reduce-scatter NCCL runs on ``link`` among ``n`` ranks of ``nbytes``: the ring
-    (:func:`ring_reduce_scatter_s`); where every machine holds one rank (``link.pat_latency_s`` set), the
-    faster of it and NCCL's PAT, pat_latency_s + nbytes beta / 0.75 + (n-1)/n nbytes gamma."""
-    ring = ring_reduce_scatter_s(nbytes, n, link)
-    if link.pat_latency_s is None or n == 1:
-        return ring
-    return min(ring, link.pat_latency_s + nbytes * link.beta_s_per_byte / PAT_BANDWIDTH
-               + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
 def predict_zero1(w: Workload, n: int, link: Link, *, bucket_mb: float = 25.0, compute_scale: float = 1.0,
@@ -239,8 +231,9 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
     bytes has no collective. ``gather_scale``: the all-gathers' bytes per stored byte (a bf16 or fp16
     recipe's ``MixedPrecisionPolicy`` casts the parameters before gathering them: 0.5 of float32; its
     gradients are reduce-scattered in float32, as stored: 1). ``gather_link`` / ``scatter_link``:
-    the all-gather's and reduce-scatter's own measured links (default ``link``: ring algorithms at
-    the all-reduce's alpha, beta, gamma).
+    the all-gather's and reduce-scatter's own measured links (default ``link``: at the all-reduce's
+    alpha, beta, gamma, the all-gather on :func:`allgather_s`, NCCL's ring or PAT, the reduce-scatter,
+    an average, on the ring).
     ``copy_s``: seconds of a memory copy of so many bytes, for the copies FSDP2 makes around each
     collective (:func:`fsdp_copies_s`; measured on a CPU, where they take the cores that compute).
     After the backward, the trainer's non-finite guard (and clipping) all-reduces the norm of the
@@ -326,7 +319,7 @@ def predict_fsdp(w: Workload, n: int, link: Link, *, unit_bytes: Sequence[int], 
                           optimizer_s=optimizer)
     g = gather_scale
     ag = [allgather_s(b * g, n, glink) + fsdp_copies_s(b * g, n, copy_s) if b else 0.0 for b in unit_bytes]
-    rs = [reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
+    rs = [ring_reduce_scatter_s(b, n, slink) + fsdp_copies_s(b, n, copy_s) if b else 0.0 for b in unit_bytes]
     again = [0.0] + ag[1:] if reshard else []  # the backward's gathers (the root's stayed)
     if not overlap:
         step = compute + sum(ag) + sum(again) + sum(rs) + waits + after_backward
@@ -382,7 +375,7 @@ def fsdp_paths_s(unit_bytes: Sequence[int], n: int, reshard: bool, unit_path_s: 
         fwd, bwd_again, bwd_kept = unit_path_s(b)
         again = reshard and i > 0
         d_ag = allgather_s(b * gather_scale, n, gather_link) - allgather_s(b * gather_scale, 2, gather_link)
-        d_rs = reduce_scatter_s(b, n, scatter_link) - reduce_scatter_s(b, 2, scatter_link)
+        d_rs = ring_reduce_scatter_s(b, n, scatter_link) - ring_reduce_scatter_s(b, 2, scatter_link)
         total += fwd + d_ag + (bwd_again + d_ag if again else bwd_kept) + d_rs
     return total
 
@@ -396,7 +389,7 @@ def unit_paths(points: Sequence[Sequence[float]]) -> Callable[[float], tuple[flo
     return lambda nbytes: (cols[0](nbytes), cols[1](nbytes), cols[2](nbytes))
 
 
-__all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "allgather_s", "reduce_scatter_s",
+__all__ = ["ring_allgather_s", "ring_reduce_scatter_s", "allgather_s",
            "predict_zero1", "predict_fsdp", "fsdp_phases_s",
            "copy_seconds", "meeting_seconds", "piecewise", "fsdp_copies_s", "fsdp_paths_s", "fsdp_step_path_s",
            "unit_paths", "MIB"]

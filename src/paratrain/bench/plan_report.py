@@ -257,8 +257,8 @@ def _interconnect(result: dict) -> str:
     one = result["link"]
     net = result.get("network")
     if not net:
-        machines = ("; every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather, "
-                    "reduce-scatter) where faster"
+        machines = ("; every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather) "
+                    "where faster"
                     if result["interconnect"] in NETWORK_PRESETS else "")
         return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)}{machines})"
     intra, inter = net["intra"], net["inter"]
