@@ -140,8 +140,8 @@ def flat_collective_link(link: Link, n: int, stages: int = 1) -> Link:
     """The link a collective over a job of ``n`` ranks is priced on for a flat preset ``link``: a
     network preset (:data:`NETWORK_PRESETS`) the same link with the trees and channels of machines of
     one device and one NIC (:meth:`Cluster.collective_link` of ``Cluster(link, link, 1, 1)``: a tree
-    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 4 channels, and NCCL's PAT for
-    all-gathers and reduce-scatters over R > 1), where n > 1; the preset itself otherwise. Its alpha,
+    latency of 2 floor(log2 R) alpha over R = n / ``stages`` ranks, 4 channels, and NCCL's PAT latency
+    for all-gathers over R > 1), where n > 1; the preset itself otherwise. Its alpha,
     beta and gamma are the preset's, exactly."""
     if link.name not in NETWORK_PRESETS or n == 1:
         return link

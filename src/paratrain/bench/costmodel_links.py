@@ -29,9 +29,10 @@ class Link:
     A cluster's collective link holds for the group it was made for (R ranks on M machines): its
     alpha_s is a ring step's mean latency there, its tree_latency_s that group's tree's; price
     collectives of R ranks on it, and not one message as alpha_s. ``pat_latency_s``: where every
-    machine holds one rank of the collective (a flat network preset; a cluster of one device a
-    machine), the latency of NCCL's PAT all-gather (and reduce-scatter of a plain sum) over them
-    (:data:`PAT_PER_RANK_S`), for :func:`~.costmodel_sharded.allgather_s`; None: rings only.
+    machine holds one rank of the collective (a flat network preset; one device a machine; a
+    pipeline's stage group spread across machines), the latency of NCCL's PAT all-gather (and
+    reduce-scatter of a plain sum) over them (:data:`PAT_PER_RANK_S`), for
+    :func:`~.costmodel_sharded.allgather_s`; None: rings only.
     """
 
     name: str

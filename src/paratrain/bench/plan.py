@@ -306,7 +306,8 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (CHECKPOINTED if checkpointing else ""),
            "n": n, "link": link.name, "overrides": overrides, "synchronous": cls.synchronous,
-           # the terms its collectives were priced on (NCCL's tree latency and channels where its ranks span machines)
+           # the terms its collectives were priced on (NCCL's tree latency and channels where its ranks span
+           # machines, its PAT latency where each machine holds one of them)
            "link_terms": link.terms(),
            "checkpointing": checkpointing,
            **parts, "speedup": speedup, "efficiency": speedup / n, "memory": mem,

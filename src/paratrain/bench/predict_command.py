@@ -107,14 +107,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def _machines(link, algorithm: str) -> str:
     """The header's words for a flat network preset (ib400, eth25): every device its own machine and NIC,
-    its all-reduces on NCCL's pick of rings and trees (:func:`~.costmodel_cluster.flat_links`), as
+    its all-reduces on NCCL's pick of rings and trees, its all-gathers of ring and PAT
+    (:func:`~.costmodel_cluster.flat_links`), as
     ``paratrain plan`` prices it; nothing for any other link or for ``--algorithm`` tree and ps."""
     from .costmodel_cluster import NETWORK_PRESETS
 
     if link.name not in NETWORK_PRESETS or algorithm != "ring":
         return ""
-    return ("; every device its own machine and NIC: all-reduce on NCCL's rings and trees, the faster per message, "
-            "with its corrections by message size (as paratrain plan)")
+    return ("; every device its own machine and NIC: all-reduce on NCCL's rings and trees, all-gather on its ring "
+            "and PAT, the faster per message, with its corrections by message size (as paratrain plan)")
 
 
 def _links(link, n: int, stages: int, algorithm: str):
