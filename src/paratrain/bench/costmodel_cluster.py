@@ -107,14 +107,14 @@ class Cluster:
         if nodes == 1:
             return self.intra
         load = max(min(stages, self.devices_per_node) / self.nics_per_node, min(stages, self.last(n)) / self.nics(n))
-        alpha, tree = self.latencies(n // stages, self.spanned(n, stages))
-        ranks = n // stages
+        ranks, machines = n // stages, self.spanned(n, stages)  # (spanned walks a pipeline's ranks: once)
+        alpha, tree = self.latencies(ranks, machines)
         return Link(name=f"{self.name} ({nodes} nodes)", alpha_s=alpha,
                     beta_s_per_byte=max(self.intra.beta_s_per_byte, self.inter.beta_s_per_byte * load),
                     gamma_s_per_byte=self.intra.gamma_s_per_byte, tree_latency_s=tree,
                     channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)),
                     pat_latency_s=(pat_latency_s(ranks, self.inter.alpha_s)
-                                   if ranks > 1 and self.spanned(n, stages) == ranks else None))
+                                   if ranks > 1 and machines == ranks else None))
 
     def latencies(self, ranks: int, machines: int) -> tuple[float, float]:
         """NCCL's latencies (src/graph/tuning.cc) of a collective over ``ranks`` ranks on ``machines``

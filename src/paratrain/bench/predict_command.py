@@ -110,12 +110,17 @@ def _machines(link, algorithm: str) -> str:
     its all-reduces on NCCL's pick of rings and trees, its all-gathers of ring and PAT
     (:func:`~.costmodel_cluster.flat_links`), as
     ``paratrain plan`` prices it; nothing for any other link or for ``--algorithm`` tree and ps."""
-    from .costmodel_cluster import NETWORK_PRESETS
-
-    if link.name not in NETWORK_PRESETS or algorithm != "ring":
+    if _links(link, 2, 1, algorithm)[0] is link:  # priced on the preset as it is
         return ""
     return ("; every device its own machine and NIC: all-reduce on NCCL's rings and trees, all-gather on its ring "
             "and PAT, the faster per message, with its corrections by message size (as paratrain plan)")
+
+
+def _stages(args: argparse.Namespace, cfg) -> int:
+    """The stages S a replica of ``--strategy`` spans: the recipe's dist.pipeline_stages for a pipeline, else 1."""
+    from .strategy_model import STAGES
+
+    return cfg.dist.pipeline_stages if STRATEGIES[args.strategy].cost_model == STAGES else 1
 
 
 def _links(link, n: int, stages: int, algorithm: str):
@@ -135,7 +140,6 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
     ring``, NCCL's rings and trees over the replicas)."""
     from .plan_inputs import sync_batchnorm_s
     from .profile import batchnorm_inputs_of
-    from .strategy_model import STAGES
 
     from ..runs import build_task
 
@@ -148,8 +152,8 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
         print(f"[predict] model.sync_batchnorm: measuring the synchronisation of "
               f"{len(prof['batchnorm_inputs'])} BatchNorm calls between 2 processes", flush=True)
         prof["sync_batchnorm_s"] = measured_sync_batchnorm(prof["batchnorm_inputs"])
-    stages = cfg.dist.pipeline_stages if STRATEGIES[args.strategy].cost_model == STAGES else 1
-    terms = {n: sync_batchnorm_s(prof, cfg, n, _links(link, n, stages, args.algorithm)[0], measured) for n in ns}
+    terms = {n: sync_batchnorm_s(prof, cfg, n, _links(link, n, _stages(args, cfg), args.algorithm)[0], measured)
+             for n in ns}
     if max(ns) > 1:
         print(f"[predict] model.sync_batchnorm: {len(prof['batchnorm_inputs'])} BatchNorm calls a step, each "
               f"3 blocking all-reduces (C + 1, C and 2 C numbers): +{1000 * terms[max(ns)]:.2f} ms per step at "
@@ -198,7 +202,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     if not points:
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
                          f"{cfg.dist.pipeline_stages} processes")
-    stages = cfg.dist.pipeline_stages if model == STAGES else 1
+    stages = _stages(args, cfg)
 
     def one(w, n: int, measured: dict | None):
         collective, placed = _links(link, n, stages, args.algorithm)
