@@ -308,22 +308,25 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert ("every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather) where faster"
             in on_ib400.stdout)
     assert "its own machine" not in on_nvlink.stdout
+    assert "(alpha 14.0 us a step + 8.4 us a collective, 50.00 GB/s;" in on_ib400.stdout  # NCCL's base latency
     # each row gives the terms it was priced on: on ib400 the trees over its N (a pipeline's replicas)
     # one-device machines, 2 floor(log2 R) x 14 us; a flat nvlink's are the preset's, with no trees
     for (label, n), row in sorted(ib400.items()):
         replicas = n // row["overrides"].get("pipeline_stages", 1)
         terms = row["link_terms"]
         assert terms["alpha_s"] == pytest.approx(14e-6, rel=1e-12) and row["link"] == "ib400", row
+        assert terms["base_latency_s"] == 8.4e-6, row
         if replicas > 1:
             assert terms["tree_latency_s"] == pytest.approx(2 * (replicas.bit_length() - 1) * 14e-6, rel=1e-12), row
             assert terms["channels"] == 4, row
-            # NCCL's PAT for all-gathers and reduce-scatters, one rank a machine: log2 R levels of 14 / 3.5 us
+            # NCCL's PAT for all-gathers, one rank a machine: its base 8.0 us, log2 R levels of 14 / 3.5 us
             # and 2.8 us a rank
-            assert terms["pat_latency_s"] == pytest.approx((replicas.bit_length() - 1) * 4e-6 + replicas * 2.8e-6,
-                                                           rel=1e-12), row
+            assert terms["pat_latency_s"] == pytest.approx(
+                8e-6 + (replicas.bit_length() - 1) * 4e-6 + replicas * 2.8e-6, rel=1e-12), row
         else:  # one device, or one replica's stages: nothing to all-reduce over the replicas
             assert terms.get("tree_latency_s", 0.0) == 0.0, row
-    assert all(set(row["link_terms"]) == {"alpha_s", "beta_s_per_byte", "gamma_s_per_byte"} for row in nvlink.values())
+    assert all(row["link_terms"] == {"alpha_s": 3.4e-6, "beta_s_per_byte": 1 / 450e9, "gamma_s_per_byte": 3 / 3.35e12,
+                                     "base_latency_s": 8.4e-6} for row in nvlink.values())
     one_nic, r = _plan(tmp, tiny_data, tmp_path / "one", "--interconnect", "nvlink+ib400", "--nics-per-node", "1")
     per_device, _ = _plan(tmp, tiny_data, tmp_path / "rail", "--interconnect", "nvlink+ib400")
     all_nvlink, _ = _plan(tmp, tiny_data, tmp_path / "nvnv", "--interconnect", "nvlink+nvlink")
@@ -357,6 +360,7 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert plan["network"]["all_reduce"]["tree_latency_s"] == pytest.approx(34.8e-6)
     assert "NCCL's trees where faster: 35 us on two machines" in r.stdout
     assert "nvlink inside a machine of 2 devices" in r.stdout and "1 NIC a machine" in r.stdout
+    assert "all-gathers on NCCL's PAT where faster and a group has one rank a machine" in r.stdout
 
 
 def test_the_recommended_command_runs(planned, tiny_data):

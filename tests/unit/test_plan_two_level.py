@@ -176,23 +176,25 @@ def test_a_flat_network_at_a_thousand_devices_all_reduces_a_small_message_on_its
     from paratrain.bench.costmodel import allreduce_s
 
     ib = PRESETS["ib400"]
-    # 0.28 ms (2 x 10 levels x 14 us), where its ring would wait 2 x 1023 x 14 us = 28.6 ms
-    assert allreduce_s(0, 1024, flat_collective_link(ib, 1024)) == pytest.approx(280e-6, rel=1e-12)
-    assert ring_allreduce_s(0, 1024, ib) == pytest.approx(28.644e-3, rel=1e-12)
+    # 0.29 ms (NCCL's base 8.4 us + 2 x 10 levels x 14 us), where its ring would wait 8.4 us + 2 x 1023 x 14 us
+    # = 28.7 ms
+    assert allreduce_s(0, 1024, flat_collective_link(ib, 1024)) == pytest.approx(288.4e-6, rel=1e-12)
+    assert ring_allreduce_s(0, 1024, ib) == pytest.approx(28.6524e-3, rel=1e-12)
 
 
 @pytest.mark.parametrize("per_node, cluster_s, flat_s", [
-    (8, 2 * (7 * 3.4e-6 + 14e-6), 2 * 4 * 14e-6),  # 75.6 us against 112 us
-    (14, 2 * (13 * 3.4e-6 + 14e-6), 2 * 4 * 14e-6),  # 116.4 us against 112 us
-    (16, 2 * (15 * 3.4e-6 + 14e-6), 2 * 5 * 14e-6),  # 130 us against 140 us
-    (32, 2 * (31 * 3.4e-6 + 14e-6), 2 * 6 * 14e-6),  # 238.8 us against 168 us
+    (8, 8.4e-6 + 2 * (7 * 3.4e-6 + 14e-6), 8.4e-6 + 2 * 4 * 14e-6),  # 84 us against 120.4 us
+    (14, 8.4e-6 + 2 * (13 * 3.4e-6 + 14e-6), 8.4e-6 + 2 * 4 * 14e-6),  # 124.8 us against 120.4 us
+    (16, 8.4e-6 + 2 * (15 * 3.4e-6 + 14e-6), 8.4e-6 + 2 * 5 * 14e-6),  # 138.4 us against 148.4 us
+    (32, 8.4e-6 + 2 * (31 * 3.4e-6 + 14e-6), 8.4e-6 + 2 * 6 * 14e-6),  # 247.2 us against 176.4 us
 ])
 def test_a_machines_chain_in_nccls_tree_against_a_flat_networks_levels(per_node, cluster_s, flat_s):
     """NCCL's tree runs a chain of g - 1 hops inside each machine of g devices, where a flat ib400's tree
     has log2 g levels of the network in their place. At the presets' alphas, NCCL's own (an NVLink step
-    3.4 us, a network's 14 us), a small all-reduce on two machines of nvlink+ib400 waits less than on a
-    flat ib400 for machines of 8 and 16, and more for 14 and 32 (7 x 3.4 = 23.8 us of chain against
-    3 x 14 = 42 us of levels; 13 x 3.4 = 44.2 against 3 x 14; 31 x 3.4 = 105.4 against 5 x 14 = 70)."""
+    3.4 us, a network's 14 us; both pay NCCL's base latency of 8.4 us once), a small all-reduce on two
+    machines of nvlink+ib400 waits less than on a flat ib400 for machines of 8 and 16, and more for 14 and 32
+    (7 x 3.4 = 23.8 us of chain against 3 x 14 = 42 us of levels; 13 x 3.4 = 44.2 against 3 x 14; 31 x 3.4
+    = 105.4 against 5 x 14 = 70)."""
     from paratrain.bench.costmodel import allreduce_s
 
     c = cluster("nvlink+ib400", per_node)
@@ -204,16 +206,17 @@ def test_a_machines_chain_in_nccls_tree_against_a_flat_networks_levels(per_node,
 
 def test_a_large_bucket_on_a_cluster_of_nvlink_machines_takes_the_tree_on_all_its_nics():
     """A bucket of 25 MiB on two machines of 8 (nvlink+ib400): the cluster's tree on 8 NICs, 400 GB/s a
-    device at NCCL's 0.45 x 0.7 (25 MiB), 75.6 us of latency: 307 us; a flat ib400's ring at 50 GB/s waits
-    1.4 x its 30 steps' latency of 14 us: 588 + 983 us of bytes + 22 us of reduction = 1593 us."""
+    device at NCCL's 0.45 x 0.7 (25 MiB), 84 us of latency (NCCL's base 8.4 us and the tree's 75.6): 315 us; a
+    flat ib400's ring at 50 GB/s waits its base and 1.4 x its 30 steps' latency of 14 us: 8.4 + 588 + 983 us of
+    bytes + 22 us of reduction = 1602 us."""
     from paratrain.bench.costmodel import allreduce_s
 
     c = cluster("nvlink+ib400", 8)
     big, gamma = 25 << 20, PRESETS["ib400"].gamma_s_per_byte
     assert allreduce_s(big, 16, c.collective_link(16)) == pytest.approx(
-        75.6e-6 + big / 400e9 / (0.45 * 0.7) + big * gamma, rel=1e-12)
+        84e-6 + big / 400e9 / (0.45 * 0.7) + big * gamma, rel=1e-12)
     assert allreduce_s(big, 16, flat_collective_link(PRESETS["ib400"], 16)) == pytest.approx(
-        1.4 * 30 * 14e-6 + 2 * 15 / 16 * big / 50e9 + 15 / 16 * big * gamma, rel=1e-12)
+        8.4e-6 + 1.4 * 30 * 14e-6 + 2 * 15 / 16 * big / 50e9 + 15 / 16 * big * gamma, rel=1e-12)
 
 
 def test_a_links_tree_latency_is_finite_and_not_negative():
@@ -223,6 +226,50 @@ def test_a_links_tree_latency_is_finite_and_not_negative():
         with pytest.raises(UsageError, match="gives tree_latency_s and channels"):
             Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, tree_latency_s=tree,
                  channels=channels)
+
+
+def test_every_collective_on_a_preset_pays_nccls_base_latency_once_and_a_measured_link_none():
+    """NCCL's tuner (src/graph/tuning.cc, baseLatencies) charges each collective of its Simple protocol a
+    base latency of 8.4 us on top of its steps, ring or tree, and PAT 8.0 us. By hand on ib400 (14 us a
+    step, 50 GB/s) and on a measured link (its fitted alpha holds whatever a collective pays once: base 0).
+    One rank runs no collective and pays nothing."""
+    import dataclasses
+
+    from paratrain.bench.costmodel import tree_allreduce_s, tree_broadcast_s
+    from paratrain.bench.costmodel_sharded import ring_allgather_s, ring_reduce_scatter_s
+
+    ib, m = PRESETS["ib400"], 1 << 20
+    assert {p.base_latency_s for p in PRESETS.values()} == {8.4e-6}
+    assert ring_allreduce_s(m, 4, ib) == pytest.approx(
+        8.4e-6 + 6 * 14e-6 + 1.5 * m / 50e9 + 0.75 * m * ib.gamma_s_per_byte, rel=1e-12)
+    assert ring_allgather_s(m, 4, ib) == pytest.approx(8.4e-6 + 3 * 14e-6 + 0.75 * m / 50e9, rel=1e-12)
+    assert ring_reduce_scatter_s(m, 4, ib) == pytest.approx(
+        8.4e-6 + 3 * 14e-6 + 0.75 * m * (1 / 50e9 + ib.gamma_s_per_byte), rel=1e-12)
+    assert tree_broadcast_s(m, 5, ib) == pytest.approx(8.4e-6 + 3 * (14e-6 + m / 50e9), rel=1e-12)
+    assert tree_allreduce_s(m, 4, ib) == pytest.approx(
+        8.4e-6 + 4 * (14e-6 + m / 50e9) + 2 * m * ib.gamma_s_per_byte, rel=1e-12)
+    no_base = dataclasses.replace(ib, base_latency_s=0.0)
+    for f in (ring_allreduce_s, ring_allgather_s, ring_reduce_scatter_s, tree_broadcast_s, tree_allreduce_s):
+        assert f(m, 1, ib) == 0.0, f.__name__
+        assert f(m, 4, ib) - f(m, 4, no_base) == pytest.approx(8.4e-6, rel=1e-9), f.__name__  # once, not a step
+    # a measured link (FAST, base 0): the plain formula, a ring all-reduce over 4 ranks 6 alpha + 1.5 m beta
+    # + 0.75 m gamma
+    assert ring_allreduce_s(8, 4, FAST) == 6 * 1.0 + 1.5 * 8 * 0.125 + 0.75 * 8 * 0.25
+
+
+def test_a_clusters_collectives_carry_the_base_latency_and_a_link_stores_it():
+    """A cluster's collective link across machines, and a pipeline's tied parameters' link over its stages,
+    carry the base latency of their presets (8.4 us); Link(name, **terms()) is the link again; a negative
+    one is refused."""
+    c = cluster("nvlink+ib400", 8)
+    assert c.collective_link(16).base_latency_s == 8.4e-6 == c.collective_link(4).base_latency_s
+    link, placed = cluster_links(c, 16, stages=16)
+    assert link.base_latency_s == placed["stages"].base_latency_s == 8.4e-6
+    across = flat_collective_link(PRESETS["ib400"], 1024)
+    assert across.terms()["base_latency_s"] == 8.4e-6 and Link(name=across.name, **across.terms()) == across
+    assert "base_latency_s" not in FAST.terms()
+    with pytest.raises(UsageError, match="base_latency_s = -1.0 must be finite and >= 0"):
+        Link(name="x", alpha_s=1.0, beta_s_per_byte=1.0, gamma_s_per_byte=0.0, base_latency_s=-1.0)
 
 
 def test_a_send_between_machines_goes_through_one_nic():  # (the link of a pair's send)
@@ -547,10 +594,10 @@ def _predict_args(**kw):
 
 def test_predict_prices_a_flat_network_preset_on_nccls_trees_as_the_plan_does():
     """paratrain predict's curve (allreduce, --algorithm ring) on a flat ib400 puts each N's all-reduce on
-    flat_links, as paratrain plan does. By hand, 40 KiB of gradients in one 1 MiB bucket at N = 1024: the
-    tree's 2 x 10 levels of 14 us, plus 40960 B at 50 GB/s over 0.45 x NCCL's 0.6 (40 KiB), plus the
-    GPU's reduction = 283.07 us exposed after the backward; the ring alone waited 2 x 1023 steps of 14 us
-    (28.6 ms). ``--algorithm tree`` (a binomial tree) and ``ps`` price the preset as it is."""
+    flat_links, as paratrain plan does. By hand, 40 KiB of gradients in one 1 MiB bucket at N = 1024: NCCL's
+    base latency of 8.4 us and the tree's 2 x 10 levels of 14 us, plus 40960 B at 50 GB/s over 0.45 x NCCL's
+    0.6 (40 KiB), plus the GPU's reduction = 291.47 us exposed after the backward; the ring alone waited
+    2 x 1023 steps of 14 us (28.6 ms). ``--algorithm tree`` (a binomial tree) and ``ps`` price the preset as it is."""
     from paratrain.bench import predict_command
     from paratrain.bench.costmodel import Workload, predict
 
@@ -560,7 +607,7 @@ def test_predict_prices_a_flat_network_preset_on_nccls_trees_as_the_plan_does():
     got = predict_command._curve(_predict_args(bucket_mb=1.0), Config(), None, ib, [1, 2, 1024])(w)
     assert [p.n for p in got] == [1, 2, 1024]
     assert got == [predict(w, n, flat_collective_link(ib, n), bucket_mb=1.0) for n in (1, 2, 1024)]
-    hand = 280e-6 + 40960 / 50e9 / (0.45 * 0.6) + 40960 * 3 / 3.35e12
+    hand = 8.4e-6 + 280e-6 + 40960 / 50e9 / (0.45 * 0.6) + 40960 * 3 / 3.35e12
     assert got[-1].exposed_comm_s == pytest.approx(hand, rel=1e-9)
     assert predict(w, 1024, ib, bucket_mb=1.0).exposed_comm_s > 20e-3
     for algorithm in ("tree", "ps"):
@@ -613,13 +660,14 @@ def test_predicts_sync_batchnorm_on_a_flat_network_preset_takes_the_links_of_its
 
 
 @pytest.mark.parametrize("ranks, alpha, expected", [
-    (2, 14e-6, 14e-6 / 3.5 + 2 * 2.8e-6),  # 9.6 us
-    (3, 14e-6, 14e-6 / 3.5 + 3 * 2.8e-6),  # 12.4 us: floor(log2 3) = 1 level
-    (1024, 14e-6, 10 * 14e-6 / 3.5 + 1024 * 2.8e-6),  # 2907.2 us, against the ring's 1023 x 14 = 14322 us
-    (16, 40e-6, 4 * 40e-6 / 3.5 + 16 * 2.8e-6),  # eth25
+    (2, 14e-6, 8e-6 + 14e-6 / 3.5 + 2 * 2.8e-6),  # 17.6 us
+    (3, 14e-6, 8e-6 + 14e-6 / 3.5 + 3 * 2.8e-6),  # 20.4 us: floor(log2 3) = 1 level
+    (1024, 14e-6, 8e-6 + 10 * 14e-6 / 3.5 + 1024 * 2.8e-6),  # 2915.2 us, against the ring's 8.4 + 1023 x 14 us
+    (16, 40e-6, 8e-6 + 4 * 40e-6 / 3.5 + 16 * 2.8e-6),  # eth25
 ])
 def test_nccls_pat_latency_by_hand(ranks, alpha, expected):
-    """NCCL's PAT (tuning.cc): log2i(M) levels at the network tree's latency / 3.5, plus 2.8 us a rank."""
+    """NCCL's PAT (tuning.cc): its base latency of 8.0 us, log2i(M) levels at the network tree's latency / 3.5,
+    plus 2.8 us a rank."""
     from paratrain.bench.costmodel_links import pat_latency_s
 
     assert pat_latency_s(ranks, alpha) == pytest.approx(expected, rel=1e-12)
@@ -631,34 +679,35 @@ def test_pat_is_priced_where_every_machine_holds_one_rank():
     several ranks of the group, one machine, a flat nvlink and a group of one rank do not (NCCL runs PAT
     only where nNodes == nRanks)."""
     ib = PRESETS["ib400"]
-    assert flat_collective_link(ib, 1024).pat_latency_s == pytest.approx(2907.2e-6, rel=1e-12)
-    assert flat_collective_link(ib, 16, 8).pat_latency_s == pytest.approx(9.6e-6, rel=1e-12)  # 2 replicas
+    assert flat_collective_link(ib, 1024).pat_latency_s == pytest.approx(2915.2e-6, rel=1e-12)
+    assert flat_collective_link(ib, 16, 8).pat_latency_s == pytest.approx(17.6e-6, rel=1e-12)  # 2 replicas
     assert flat_collective_link(ib, 8, 8).pat_latency_s is None  # one replica: nothing to gather
     assert flat_collective_link(PRESETS["nvlink"], 1024).pat_latency_s is None
     assert cluster("nvlink+ib400", 1).collective_link(16).pat_latency_s == pytest.approx(
-        4 * 14e-6 / 3.5 + 16 * 2.8e-6, rel=1e-12)
+        8e-6 + 4 * 14e-6 / 3.5 + 16 * 2.8e-6, rel=1e-12)
     assert cluster("nvlink+ib400", 8).collective_link(16).pat_latency_s is None
     assert cluster("nvlink+ib400", 8).collective_link(8).pat_latency_s is None
     # 8 replicas of 8 stages on machines of 8: stage s's replicas are ranks r 8 + s, one on each machine
     assert cluster("nvlink+ib400", 8).collective_link(64, 8).pat_latency_s == pytest.approx(
-        3 * 14e-6 / 3.5 + 8 * 2.8e-6, rel=1e-12)
+        8e-6 + 3 * 14e-6 / 3.5 + 8 * 2.8e-6, rel=1e-12)
     assert cluster("nvlink+ib400", 8).collective_link(64, 4).pat_latency_s is None  # 2 of a group a machine
 
 
 def test_an_all_gather_takes_pat_where_it_is_faster():
-    """By hand on a flat ib400 (14 us, 50 GB/s): at R = 2, 64 KiB take PAT's 9.6 us + 65536 B / (0.75 x
-    50 GB/s) = 11.35 us against the ring's 14 us + 32768 B / 50 GB/s = 14.66 us; 1 MiB takes the ring's
-    24.49 us against PAT's 37.56 us. At R = 1024 a small gather takes PAT's 2.9 ms against 14.3 ms."""
+    """By hand on a flat ib400 (14 us, 50 GB/s; NCCL's base latency 8.4 us, PAT's 8.0): at R = 2, 64 KiB take
+    PAT's 17.6 us + 65536 B / (0.75 x 50 GB/s) = 19.35 us against the ring's 8.4 + 14 us + 32768 B / 50 GB/s
+    = 23.06 us; 1 MiB takes the ring's 32.89 us against PAT's 45.56 us. At R = 1024 a small gather takes
+    PAT's 2.9 ms against 14.3 ms."""
     from paratrain.bench.costmodel_sharded import allgather_s, ring_allgather_s
 
     ib = PRESETS["ib400"]
     two, many = flat_collective_link(ib, 2), flat_collective_link(ib, 1024)
     small, big = 1 << 16, 1 << 20
-    assert allgather_s(small, 2, two) == pytest.approx(9.6e-6 + small * 2e-11 / 0.75, rel=1e-12)
-    assert ring_allgather_s(small, 2, two) == pytest.approx(14e-6 + small / 2 * 2e-11, rel=1e-12)
-    assert allgather_s(big, 2, two) == ring_allgather_s(big, 2, two) == pytest.approx(14e-6 + big / 2 * 2e-11)
-    assert allgather_s(0, 1024, many) == pytest.approx(2907.2e-6, rel=1e-12)
-    assert ring_allgather_s(0, 1024, many) == pytest.approx(14322e-6, rel=1e-12)
+    assert allgather_s(small, 2, two) == pytest.approx(17.6e-6 + small * 2e-11 / 0.75, rel=1e-12)
+    assert ring_allgather_s(small, 2, two) == pytest.approx(22.4e-6 + small / 2 * 2e-11, rel=1e-12)
+    assert allgather_s(big, 2, two) == ring_allgather_s(big, 2, two) == pytest.approx(22.4e-6 + big / 2 * 2e-11)
+    assert allgather_s(0, 1024, many) == pytest.approx(2915.2e-6, rel=1e-12)
+    assert ring_allgather_s(0, 1024, many) == pytest.approx(14330.4e-6, rel=1e-12)
     for link in (ib, PRESETS["nvlink"]):  # no PAT: the ring
         assert allgather_s(small, 1024, link) == ring_allgather_s(small, 1024, link)
 

@@ -25,8 +25,9 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ..errors import UsageError
-from .costmodel_links import (PRESETS, RING_PLATEAU, TREE_ALGORITHM_BANDWIDTH, TREE_CORRECTION,  # noqa: F401 (API)
-                              Link, _check_n, allreduce_s, ring_allreduce_bytes, ring_allreduce_s,
+from .costmodel_links import (PAT_BANDWIDTH, PAT_LEVEL_FRACTION, PAT_PER_RANK_S,  # noqa: F401 (API)
+                              PRESETS, RING_PLATEAU, TREE_ALGORITHM_BANDWIDTH, TREE_CORRECTION, Link, _check_n,
+                              allreduce_s, pat_latency_s, ring_allreduce_bytes, ring_allreduce_s,
                               tree_allreduce_s, tree_broadcast_s, tree_correction)
 
 MIB = 2 ** 20

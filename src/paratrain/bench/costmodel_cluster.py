@@ -9,8 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..errors import UsageError
-from .costmodel import PRESETS, Link, _check_n
-from .costmodel_links import pat_latency_s
+from .costmodel import PRESETS, Link, _check_n, pat_latency_s
 
 
 CHANNELS_PER_NIC = 4
@@ -101,7 +100,7 @@ class Cluster:
         other layout: 1 / nics(n)). pat_latency_s: where every machine holds one rank of the group
         (:meth:`spanned` = R: NCCL's nNodes == nRanks, one device a machine, or a pipeline's stage group
         spread across machines), NCCL's PAT all-gather latency over the group's R ranks
-        (:func:`~.costmodel_links.pat_latency_s`); None otherwise."""
+        (:func:`~.costmodel_links.pat_latency_s`); None otherwise. base_latency_s: :attr:`base_latency_s`."""
         _check_n(stages, "stages")
         nodes = self.nodes(n)
         if nodes == 1:
@@ -114,7 +113,14 @@ class Cluster:
                     gamma_s_per_byte=self.intra.gamma_s_per_byte, tree_latency_s=tree,
                     channels=CHANNELS_PER_NIC * max(1, math.ceil(1 / load)),
                     pat_latency_s=(pat_latency_s(ranks, self.inter.alpha_s)
-                                   if ranks > 1 and machines == ranks else None))
+                                   if ranks > 1 and machines == ranks else None),
+                    base_latency_s=self.base_latency_s)
+
+    @property
+    def base_latency_s(self) -> float:
+        """A collective's base latency across machines (s): the larger of ``intra``'s and ``inter``'s
+        (NCCL's is one per algorithm and protocol, :data:`~.costmodel_links.NCCL_BASE_LATENCY_S`)."""
+        return max(self.intra.base_latency_s, self.inter.base_latency_s)
 
     def latencies(self, ranks: int, machines: int) -> tuple[float, float]:
         """NCCL's latencies (src/graph/tuning.cc) of a collective over ``ranks`` ranks on ``machines``

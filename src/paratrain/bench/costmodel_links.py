@@ -32,7 +32,9 @@ class Link:
     machine holds one rank of the collective (a flat network preset; one device a machine; a
     pipeline's stage group spread across machines), the latency of NCCL's PAT all-gather (and
     reduce-scatter of a plain sum) over them (:data:`PAT_PER_RANK_S`), for
-    :func:`~.costmodel_sharded.allgather_s`; None: rings only.
+    :func:`~.costmodel_sharded.allgather_s`; None: rings only. ``base_latency_s``: NCCL's base latency of
+    one collective (s), paid once on top of its steps' (:data:`NCCL_BASE_LATENCY_S` on the presets and the
+    links made from them); 0 on a measured link, whose fitted alpha holds whatever a collective pays once.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Link:
     tree_latency_s: float | None = None
     channels: int | None = None
     pat_latency_s: float | None = None
+    base_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.tree_latency_s is None) != (self.channels is None) or (self.channels is not None and not (
@@ -55,12 +58,15 @@ class Link:
 
     def terms(self) -> dict[str, float]:
         """{alpha_s, beta_s_per_byte, gamma_s_per_byte} (and tree_latency_s, channels, pat_latency_s where
-        set), as profiles and plans store a link: ``Link(name=..., **terms)`` is the link again."""
+        set, base_latency_s where not 0), as profiles and plans store a link: ``Link(name=..., **terms)`` is
+        the link again."""
         terms = {"alpha_s": self.alpha_s, "beta_s_per_byte": self.beta_s_per_byte,
                  "gamma_s_per_byte": self.gamma_s_per_byte}
         if self.tree_latency_s is not None:
             terms.update(tree_latency_s=self.tree_latency_s, channels=self.channels)
-        return terms if self.pat_latency_s is None else {**terms, "pat_latency_s": self.pat_latency_s}
+        if self.pat_latency_s is not None:
+            terms.update(pat_latency_s=self.pat_latency_s)
+        return terms if not self.base_latency_s else {**terms, "base_latency_s": self.base_latency_s}
 
 
 # GPU-side reduction: an fp32 add reads two bytes and writes one per byte reduced; at the H100
@@ -69,20 +75,34 @@ _GPU_GAMMA = 3 / 3.35e12
 # The alphas of nvlink, pcie5 and ib400 are NCCL's own per-step latencies for its Simple protocol, the one
 # that carries gradient buckets (src/graph/tuning.cc, ncclTunerConstantsDefaults hwLatencies: a ring step
 # 3.4 us on NVLink, 5.7 us on PCIe, 14 us across the network; a tree level 4.0, 4.0 and 14 us, priced here
-# at the ring's). Not modelled: NCCL's base latency of each collective (8.4 us, a ring's or a tree's) and its
-# LL and LL128 protocols, which carry small messages at lower latency. eth25's alpha is an assumption.
+# at the ring's), and each collective's base latency once (baseLatencies: 8.4 us for a ring's or a tree's
+# Simple protocol, NCCL_BASE_LATENCY_S; PAT's 8.0, PAT_BASE_LATENCY_S). Not modelled: its LL and LL128
+# protocols, which carry small messages at lower latency. eth25's alpha is an assumption.
 # Fit your own link with fit_alpha_beta / microbench.measured_link.
+NCCL_BASE_LATENCY_S = 8.4e-6
+_BASE = NCCL_BASE_LATENCY_S
 PRESETS: dict[str, Link] = {
     # NVLink 4 on H100 SXM: 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA datasheet).
-    "nvlink": Link(name="nvlink", alpha_s=3.4e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA),
+    "nvlink": Link(name="nvlink", alpha_s=3.4e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA,
+                   base_latency_s=_BASE),
     # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b ~ 64 GB/s per direction.
-    "pcie5": Link(name="pcie5", alpha_s=5.7e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA),
+    "pcie5": Link(name="pcie5", alpha_s=5.7e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA,
+                   base_latency_s=_BASE),
     # NDR InfiniBand 400 Gb/s = 50 GB/s per direction; alpha: NCCL's network step (its proxy included).
-    "ib400": Link(name="ib400", alpha_s=14e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA),
+    "ib400": Link(name="ib400", alpha_s=14e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA,
+                   base_latency_s=_BASE),
     # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack, an assumption
-    # (NCCL's tuner gives any network 14 us a step; a TCP message through the kernel takes longer).
-    "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA),
+    # (NCCL's tuner gives any network 14 us a step, and every one the same base latency of a collective; a TCP
+    # message through the kernel takes longer).
+    "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA,
+                   base_latency_s=_BASE),
 }
+
+
+def base_s(n: int, link: Link) -> float:
+    """The base latency a collective among ``n`` ranks pays on ``link`` once: ``link.base_latency_s``
+    for n > 1, 0 for n == 1 (no collective runs)."""
+    return link.base_latency_s if n > 1 else 0.0
 
 
 def _check_n(n: int, what: str = "n") -> None:
@@ -98,11 +118,12 @@ def ring_allreduce_bytes(nbytes: float, n: int) -> float:
 
 def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a ring all-reduce (Patarasuk & Yuan 2009):
-    2(n-1) alpha + 2(n-1)/n nbytes beta + (n-1)/n nbytes gamma; 0 for n == 1."""
+    base + 2(n-1) alpha + 2(n-1)/n nbytes beta + (n-1)/n nbytes gamma (base: ``link.base_latency_s``,
+    NCCL's once a collective); 0 for n == 1."""
     _check_n(n)
     if n == 1:
         return 0.0
-    return (2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
+    return (link.base_latency_s + 2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
             + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
@@ -128,16 +149,17 @@ RING_PLATEAU = 1.4
 # part"), at 0.75 of the ring's bus bandwidth, on the whole message (no (R - 1) / R); NCCL takes the faster
 # of it and the ring per message
 PAT_PER_RANK_S = 2.8e-6
+PAT_BASE_LATENCY_S = 8.0e-6
 PAT_LEVEL_FRACTION = 1 / 3.5
 PAT_BANDWIDTH = 0.75
 
 
 def pat_latency_s(ranks: int, alpha_s: float) -> float:
     """NCCL's PAT latency over ``ranks`` ranks, one a machine, on a network of per-step latency
-    ``alpha_s`` (s): floor(log2 R) alpha / 3.5 + 2.8 us x R (its base latency, as every collective's here,
-    left out)."""
+    ``alpha_s`` (s): its base latency (:data:`PAT_BASE_LATENCY_S`, 8.0 us) + floor(log2 R) alpha / 3.5
+    + 2.8 us x R."""
     _check_n(ranks, "ranks")
-    return (ranks.bit_length() - 1) * alpha_s * PAT_LEVEL_FRACTION + PAT_PER_RANK_S * ranks
+    return PAT_BASE_LATENCY_S + (ranks.bit_length() - 1) * alpha_s * PAT_LEVEL_FRACTION + PAT_PER_RANK_S * ranks
 
 
 def tree_correction(nbytes: float) -> float:
@@ -154,10 +176,12 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
     :meth:`~.costmodel_cluster.Cluster.collective_link`), the faster of the ring and NCCL's double binary
     trees, as NCCL's tuner picks per message (NCCL src/graph/tuning.cc; Sanders, Speck & Traeff 2009):
 
-    * tree: tree_latency_s + nbytes beta / (0.45 c) + nbytes gamma (each rank reduces its two children's
+    * tree: base + tree_latency_s + nbytes beta / (0.45 c) + nbytes gamma (each rank reduces its two children's
       halves), c = :func:`tree_correction` (nbytes);
     * ring: :func:`ring_allreduce_s` with its latency 2 (n-1) alpha x :data:`RING_PLATEAU` where
-      nbytes >= 64 x channels x n.
+      nbytes >= 64 x channels x n;
+
+    base: ``link.base_latency_s``, NCCL's once a collective, in both.
 
     Both corrections are NCCL's for its Simple protocol; its LL and LL128 protocols, which carry small
     messages at lower latency and bandwidth, are not modelled. 0 for n == 1."""
@@ -166,22 +190,26 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
         return ring
     if nbytes >= 64 * link.channels * n:
         ring += (RING_PLATEAU - 1) * 2 * (n - 1) * link.alpha_s
-    return min(ring, link.tree_latency_s + nbytes * link.beta_s_per_byte / (TREE_ALGORITHM_BANDWIDTH
-                                                                             * tree_correction(nbytes))
-               + nbytes * link.gamma_s_per_byte)
+    tree = (link.base_latency_s + link.tree_latency_s
+            + nbytes * link.beta_s_per_byte / (TREE_ALGORITHM_BANDWIDTH * tree_correction(nbytes))
+            + nbytes * link.gamma_s_per_byte)
+    return min(ring, tree)
 
 
 def tree_broadcast_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a binomial-tree broadcast from one rank, whole message per step (Thakur et al.
-    2005, section 4.2): ceil(log2 n) (alpha + nbytes beta); 0 for n == 1."""
+    2005, section 4.2): base + ceil(log2 n) (alpha + nbytes beta), base = ``link.base_latency_s`` (NCCL's
+    once a collective); 0 for n == 1."""
     _check_n(n)
-    return math.ceil(math.log2(n)) * (link.alpha_s + nbytes * link.beta_s_per_byte)
+    return base_s(n, link) + math.ceil(math.log2(n)) * (link.alpha_s + nbytes * link.beta_s_per_byte)
 
 
 def tree_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a binomial-tree reduce to rank 0 followed by a binomial-tree broadcast, whole
     message per step, no pipelining (Thakur et al. 2005, sections 4.2/4.3):
-    2 ceil(log2 n) (alpha + nbytes beta) + ceil(log2 n) nbytes gamma; 0 for n == 1."""
+    base + 2 ceil(log2 n) (alpha + nbytes beta) + ceil(log2 n) nbytes gamma, base = ``link.base_latency_s``
+    (once a collective); 0 for n == 1."""
     _check_n(n)
     depth = math.ceil(math.log2(n))
-    return 2 * depth * (link.alpha_s + nbytes * link.beta_s_per_byte) + depth * nbytes * link.gamma_s_per_byte
+    return (base_s(n, link) + 2 * depth * (link.alpha_s + nbytes * link.beta_s_per_byte)
+            + depth * nbytes * link.gamma_s_per_byte)

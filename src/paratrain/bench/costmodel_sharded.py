@@ -44,28 +44,31 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..errors import UsageError
-from .costmodel import (FLOAT32_BYTES, MIB, Link, Prediction, Workload, _check_n, allreduce_s, predict,
-                        prediction)
-from .costmodel_links import PAT_BANDWIDTH
+from .costmodel import (FLOAT32_BYTES, MIB, PAT_BANDWIDTH, Link, Prediction, Workload, _check_n, allreduce_s,
+                        predict, prediction)
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
-    """Seconds of a ring all-gather whose result is ``nbytes``: (n-1) alpha + (n-1)/n nbytes beta."""
+    """Seconds of a ring all-gather whose result is ``nbytes``: base + (n-1) alpha + (n-1)/n nbytes beta
+    (base: ``link.base_latency_s``, NCCL's once a collective); 0 for n == 1."""
     _check_n(n)
-    return 0.0 if n == 1 else (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+    return 0.0 if n == 1 else (link.base_latency_s + (n - 1) * link.alpha_s
+                               + (n - 1) / n * nbytes * link.beta_s_per_byte)
 
 
 def ring_reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
-    """Seconds of a ring reduce-scatter of ``nbytes``: (n-1) alpha + (n-1)/n nbytes (beta + gamma)."""
+    """Seconds of a ring reduce-scatter of ``nbytes``: base + (n-1) alpha + (n-1)/n nbytes (beta + gamma)
+    (base as :func:`ring_allgather_s`'s); 0 for n == 1."""
     _check_n(n)
-    return 0.0 if n == 1 else ((n - 1) * link.alpha_s
+    return 0.0 if n == 1 else (link.base_latency_s + (n - 1) * link.alpha_s
                                + (n - 1) / n * nbytes * (link.beta_s_per_byte + link.gamma_s_per_byte))
 
 
 def allgather_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of the all-gather NCCL runs on ``link`` among ``n`` ranks, whose result is ``nbytes``: the
     ring (:func:`ring_allgather_s`); where every machine holds one rank (``link.pat_latency_s`` set), the
-    faster of it and NCCL's PAT, pat_latency_s + nbytes beta / 0.75 (NCCL src/graph/tuning.cc)."""
+    faster of it and NCCL's PAT, pat_latency_s (its base latency included) + nbytes beta / 0.75 (NCCL
+    src/graph/tuning.cc)."""
     ring = ring_allgather_s(nbytes, n, link)
     if link.pat_latency_s is None or n == 1:
         return ring

@@ -354,7 +354,7 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
     alpha, tree = c.latencies(stages, crossing + 1)
     tied = Link(name=f"{stages} stages on {crossing + 1} machines", alpha_s=alpha,
                 beta_s_per_byte=c.inter.beta_s_per_byte, gamma_s_per_byte=c.intra.gamma_s_per_byte,
-                tree_latency_s=tree, channels=CHANNELS_PER_NIC)
+                tree_latency_s=tree, channels=CHANNELS_PER_NIC, base_latency_s=c.base_latency_s)
     return link, {**links, "p2p": mean, "stages": tied}
 
 

@@ -260,15 +260,23 @@ def _interconnect(result: dict) -> str:
         machines = ("; every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather) "
                     "where faster"
                     if result["interconnect"] in NETWORK_PRESETS else "")
-        return f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us, {_bw(one)}{machines})"
+        return (f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us{base_latency_words(one)}, {_bw(one)}"
+                f"{machines})")
     intra, inter = net["intra"], net["inter"]
     k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
     return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
-            f"{one['alpha_s'] * 1e6:.1f} us, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
-            f"{wire['alpha_s'] * 1e6:.1f} us, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
+            f"{one['alpha_s'] * 1e6:.1f} us{base_latency_words(one)}, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
+            f"{wire['alpha_s'] * 1e6:.1f} us{base_latency_words(wire)}, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
             f"all-reduce at {_bw(net['all_reduce'])} a device (rings one per NIC, on full machines; NCCL's trees "
-            f"where faster: {net['all_reduce']['tree_latency_s'] * 1e6:.0f} us on two machines), sends between "
-            f"two machines on one NIC")
+            f"where faster: {net['all_reduce']['tree_latency_s'] * 1e6:.0f} us on two machines; all-gathers on NCCL's "
+            f"PAT where faster and a group has one rank a machine), sends between two machines on one NIC")
+
+
+def base_latency_words(terms: dict) -> str:
+    """A header's words after a link's alpha for its base latency of a collective (NCCL's, on a preset:
+    :attr:`~.costmodel_links.Link.base_latency_s`); nothing for a measured link (none)."""
+    base = terms.get("base_latency_s", 0.0)
+    return f" a step + {base * 1e6:.1f} us a collective" if base else ""
 
 
 def _bw(link: dict) -> str:

@@ -83,11 +83,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         extra = _sync_batchnorm_terms(args, cfg, link, [p.n for p in preds])
         preds = [with_extra_step_s(p, extra[p.n]) for p in preds]
         plain = plain and [with_extra_step_s(p, extra[p.n]) for p in plain]
+    from .plan_report import base_latency_words
+
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
     unit = getattr(task, "unit", "samples")
     print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
-          f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us, {bw}; "
+          f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us{base_latency_words(link.terms())}, {bw}; "
           f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if cls.cost_model == "ring" else "")
           + "; weak scaling, each replica on a device like the measured one" + _machines(link, args.algorithm))
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
