@@ -43,8 +43,8 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     labels = {row["label"] for row in rows}
     assert {"pipeline 1x2", "pipeline 2x2", "ps-sync K=2", "fsdp (no reshard, ZeRO-2)",
             "allreduce + bf16 hook", "replicate (towers)"} <= labels
-    # 4 replicas of 2 stages: 2 rows each cannot make 4 micro-batches; the recipe refuses it, with its reason
-    assert "pipeline 4x2" not in labels and "micro" in plan["refused"]["pipeline 4x2"]
+    # 4 replicas of 2 stages train 4 x the recipe's 8 rows (weak scaling), 4 micro-batches of 2 rows each
+    assert "pipeline 4x2" in labels and "pipeline 4x2" not in plan["refused"]
     for row in rows:
         parts = row["compute_s"] + row["comm_s"] + row["bubble_s"] + row["optimizer_s"]
         assert row["step_s"] == pytest.approx(parts, rel=1e-9) or not row["synchronous"], row
@@ -309,6 +309,12 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
             in on_ib400.stdout)
     assert "its own machine" not in on_nvlink.stdout
     assert "(alpha 14.0 us a step + 8.4 us a collective, 50.00 GB/s;" in on_ib400.stdout  # NCCL's base latency
+    # the commands: on a flat ib400 each device is a machine (a command each machine runs), on nvlink one machine
+    for (label, n), row in ib400.items():
+        if n > 1 and not label.startswith("replicate"):
+            assert f"--nnodes {n} --nproc 1 " in row["command"], row["command"]
+            assert row["command"].endswith("--node-rank $NODE_RANK --rdzv-endpoint $NODE0:29400"), row["command"]
+    assert not any("--nnodes" in row["command"] for row in nvlink.values())
     # each row gives the terms it was priced on: on ib400 the trees over its N (a pipeline's replicas)
     # one-device machines, 2 floor(log2 R) x 14 us; a flat nvlink's are the preset's, with no trees
     for (label, n), row in sorted(ib400.items()):
@@ -361,6 +367,10 @@ def test_a_two_level_cluster_prices_one_machine_on_its_link_and_more_on_the_netw
     assert "NCCL's trees where faster: 35 us on two machines" in r.stdout
     assert "nvlink inside a machine of 2 devices" in r.stdout and "1 NIC a machine" in r.stdout
     assert "all-gathers on NCCL's PAT where faster and a group has one rank a machine" in r.stdout
+    rail = json.loads((tmp_path / "rail" / "plan.json").read_text())["rows"]  # machines of 2 devices
+    assert {row["command"].split(" --strategy ")[1].split(" --set")[0].split(" ", 1)[1] for row in rail
+            if row["n"] == 8 and not row["label"].startswith("replicate")} == {"--nnodes 4 --nproc 2"}
+    assert all("--nnodes" not in row["command"] for row in rail if row["n"] <= 2)
 
 
 def test_the_recommended_command_runs(planned, tiny_data):
@@ -538,3 +548,22 @@ def test_the_training_loops_tracked_memory_counts_the_optimizer_state_zero1_hold
         got[strategy] = summary["rank0_tracked_memory_mb"]["optimizer"]
     assert got["allreduce"] > 1.0, got  # MiB: Adam's two moments of the gpt's embedding and blocks (d_model 128)
     assert 0.45 * got["allreduce"] <= got["zero1"] <= 0.55 * got["allreduce"], got
+
+
+def test_rows_whose_global_batch_the_training_split_cannot_fill_are_infeasible(tmp_path):
+    """digits_cnn (64 images a replica, weak scaling) from its shipped profile: at N = 32 the global batch of
+    2048 is more than the 1197 training images, which paratrain train refuses, so every N = 32 row is
+    infeasible with the task's reason and the recommendation is at N = 16, whose command sets 1024."""
+    from ..conftest import REPO
+
+    profile = REPO / "benchmarks" / "results" / "plan-xeon" / "digits_cnn-v44" / "profile.json"
+    r = paratrain("plan", REPO / "configs" / "digits_cnn.toml", "--profile", profile, "--interconnect", "nvlink",
+                  "--nproc", "16,32", "--out", tmp_path / "p", cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    wide = [row for row in plan["rows"] if row["n"] == 32 and not row["strategy"] == "replicate"]
+    assert wide and all(not row["feasible"] and row["reason"] == "the training split has 1197 images, fewer than one "
+                        "global batch of 2048; use a smaller train.batch_size" for row in wide)
+    assert any(row["feasible"] for row in plan["rows"] if row["n"] == 16)
+    best = plan["recommended"]
+    assert best["n"] == 16 and "--set train.batch_size=1024" in best["command"]

@@ -343,6 +343,56 @@ def test_fsdp_memory_keeps_the_roots_gathered_parameters_from_the_forward_to_the
     assert memory_per_device(SHARDED_PARAMETERS, 2, low)["total"] == pytest.approx(50 + 50 + 1000 + 20 + 15)
 
 
+def test_fsdp_without_resharding_after_the_forward_keeps_every_unit_gathered_until_its_backward():
+    """ZeRO-2 (``reshard_after_forward`` off): every unit stays gathered from its forward to its backward, so
+    the forward's end holds all of P gathered where FSDP2 holds the root's alone, and the backward's start
+    adds the last unit's gradient only (it is still gathered). By hand, as the test above. Measured on
+    ptb_small at N = 2 (MemTracker): 68.97 MiB resharded, 86.72 not; predicted 68.91 and 86.66."""
+    from paratrain.bench.plan_memory import MemoryInputs, memory_per_device
+    from paratrain.bench.strategy_model import SHARDED_PARAMETERS
+
+    m = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0)
+    kept = memory_per_device(SHARDED_PARAMETERS, 2, m, reshard_after_forward=False)
+    # the backward's start: shards (50 + 50), A, all 100 bytes gathered and the last unit's gradient (10)
+    assert kept["total"] == pytest.approx(50 + 50 + 1000 + 100 + 10)
+    assert memory_per_device(SHARDED_PARAMETERS, 2, m)["total"] == pytest.approx(50 + 50 + 1000 + 40 + 2 * 10)
+    # the forward's end with the loss's temporaries (T = 30) above: shards, A, T and all of P gathered
+    hot = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0,
+                       temporaries=30.0)
+    assert memory_per_device(SHARDED_PARAMETERS, 2, hot, reshard_after_forward=False)["total"] == pytest.approx(
+        50 + 50 + 1000 + 30 + 100)
+    # bf16 (gather_scale 0.5): every unit gathered in bf16 (50) and the last unit's gradient copied (10)
+    low = MemoryInputs(params=100.0, optimizer=100.0, activations=1000.0, largest_unit=10.0, root_unit=40.0,
+                       gather_scale=0.5)
+    assert memory_per_device(SHARDED_PARAMETERS, 2, low, reshard_after_forward=False)["total"] == pytest.approx(
+        50 + 50 + 1000 + 50 + 10)
+    # no other strategy reads the key
+    from paratrain.bench.strategy_model import RING
+    assert memory_per_device(RING, 2, m, reshard_after_forward=False) == memory_per_device(RING, 2, m)
+
+
+def test_the_plan_prices_zero2s_memory_above_fsdps_from_a_profile():
+    """ptb_small's shipped profile (version 44) at N = 2 on this machine: fsdp 68.91 MiB, fsdp without
+    resharding 86.66 MiB (all 17.75 MiB of parameters gathered, its root unit holding none), as measured
+    (68.97 and 86.72)."""
+    import json
+    from pathlib import Path
+
+    from paratrain.bench import plan as pl
+    from paratrain.bench.costmodel import Link
+    from paratrain.config import load
+
+    root = Path(__file__).resolve().parents[2]
+    prof = json.loads((root / "benchmarks/results/plan-xeon/ptb_small-v44/profile.json").read_text())
+    link = Link(name="measured", **prof["links"]["all_reduce"])
+    cfg = load(str(root / "configs" / "ptb_small.toml"))
+    got = {label: pl.predict_layout(pl.Layout("fsdp", 2, over, label), prof, cfg, link, on_this_machine=True,
+                                    global_batch=None)["memory"]["total"] / 2 ** 20
+           for label, over in (("fsdp", {}), ("zero2", {"reshard_after_forward": False}))}
+    assert got["fsdp"] == pytest.approx(68.91, abs=0.01) and got["zero2"] == pytest.approx(86.66, abs=0.01)
+    assert got["zero2"] - got["fsdp"] == pytest.approx(prof["param_total_bytes"] / 2 ** 20, rel=1e-9)
+
+
 def test_zero1_on_this_machine_is_allreduce_plus_its_measured_step_moved_from_two_ranks_to_n():
     """predict_zero1 with ``step_path_s`` (ZeRO-1's optimizer step measured against allreduce's between
     2 processes): at n = 2 the step is allreduce's plus the path, nothing else; at n = 4 on time-shared

@@ -150,11 +150,12 @@ def test_the_validation_runs_the_bf16_layouts_at_two_where_the_hook_was_measured
                 pl.Layout("allreduce", n, {"comm_hook": "fp16"}, "allreduce + fp16 hook")]
     monkeypatch.setattr(pl, "layouts", lambda n, prof, cfg: lays(n))
     monkeypatch.setattr(pl, "refusal", lambda *a: None)
-    measured = {"device": "cpu", "bf16_hook": MEASURED}
+    measured = {"device": "cpu", "bf16_hook": MEASURED, "batch_size": 8}
     runs = pv._runs(measured, None, [1, 2, 4], "c.toml", None, [])
     assert [(lay.label, n) for lay, n in runs] == [("allreduce", 1), ("allreduce", 2), ("allreduce + bf16 hook", 2),
                                                    ("allreduce", 4)]
-    for prof in ({"device": "cpu"}, {"device": "cuda:0", "bf16_hook": MEASURED}):  # not measured: priced by bytes
+    for prof in ({"device": "cpu", "batch_size": 8}, {"device": "cuda:0", "bf16_hook": MEASURED, "batch_size": 8}):
+        # not measured: priced by bytes
         assert [lay.label for lay, _ in pv._runs(prof, None, [2], "c.toml", None, [])] == ["allreduce"]
 
 

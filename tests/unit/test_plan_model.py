@@ -889,6 +889,90 @@ def test_a_layout_the_recipe_refuses_is_named_with_the_strategys_reason():
     assert refusal(recipe, None, [], Layout("replicate", 2, {})) is None
 
 
+def test_a_row_over_several_machines_is_the_command_each_machine_runs():
+    """A row priced on machines of ``per_node`` devices (a flat ib400: 1; nvlink+ib400: --devices-per-node)
+    spans ceil(N / per_node) machines: its command is the one each runs, with --nnodes, --nproc a machine's
+    share, and the shell's $NODE_RANK and $NODE0 for --node-rank and the rendezvous (README, "Several
+    machines"); on one machine, or per_node None (one machine of any size), --nproc N as before. Towers
+    name their devices (they are never over several machines: infeasible there)."""
+    from paratrain.bench.plan import command_line, machines_of
+
+    row = {"strategy": "zero1", "n": 64, "overrides": {"bucket_mb": 10}, "checkpointing": False,
+           "per_replica_batch": 20, "replicas": 64}
+    assert command_line(row, "c.toml", [], 20, per_node=8) == (
+        "paratrain train c.toml --strategy zero1 --nnodes 8 --nproc 8 --set dist.bucket_mb=10 --set "
+        "train.batch_size=1280 --node-rank $NODE_RANK --rdzv-endpoint $NODE0:29400")
+    two = {**row, "n": 2, "replicas": 2}
+    assert command_line(two, "c.toml", [], 20, per_node=1).startswith(
+        "paratrain train c.toml --strategy zero1 --nnodes 2 --nproc 1 ")
+    for per_node in (None, 8):
+        assert command_line({**row, "n": 8, "replicas": 8}, "c.toml", [], 20, per_node=per_node) == (
+            "paratrain train c.toml --strategy zero1 --nproc 8 --set dist.bucket_mb=10 --set train.batch_size=160")
+    assert command_line(row, "c.toml", [], 20) == command_line(row, "c.toml", [], 20, per_node=None)
+    assert "--nnodes" not in command_line(row, "c.toml", [], 20)
+    towers = {**row, "strategy": "replicate", "n": 2, "replicas": 2, "overrides": {}}
+    assert command_line(towers, "c.toml", [], 20, "cuda", per_node=1) == (
+        "paratrain train c.toml --strategy replicate --devices cuda:0,cuda:1 --set train.batch_size=40")
+    assert [machines_of(n, 8) for n in (1, 8, 9, 64)] == [1, 1, 2, 8] and machines_of(64, None) == 1
+
+
+def test_a_pipelines_check_splits_the_global_batch_the_layout_trains():
+    """gpt_wt2 (train.batch_size 32): under weak scaling 32 replicas of 2 stages train 32 x 32 rows, which
+    split into 32 replicas x 4 micro-batches; checked against the recipe's 32 rows instead, the plan used to
+    refuse the layout. A --global-batch of 36 does not split into 2 replicas x 4 micro-batches: refused, as
+    paratrain train refuses it."""
+    from pathlib import Path
+
+    from paratrain.bench.plan import layout_batch, refusal
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "gpt_wt2.toml")
+    wide = Layout("pipeline", 64, {"pipeline_stages": 2, "microbatches": 4, "pipeline_schedule": "1f1b"},
+                  "pipeline 32x2")
+    assert layout_batch(wide, 32) == 1024 and layout_batch(wide, 32, 2048) == 2048
+    assert refusal(recipe, None, [], wide, layout_batch(wide, 32)) is None
+    assert "global batch 32 does not split into 32 replica(s) x 4 micro-batches" in refusal(recipe, None, [], wide)
+    two = Layout("pipeline", 4, {"pipeline_stages": 2, "microbatches": 4, "pipeline_schedule": "1f1b"}, "pipeline 2x2")
+    assert "global batch 36 does not split into 2 replica(s) x 4 micro-batches" in refusal(recipe, None, [], two, 36)
+    assert refusal(recipe, None, [], two, 40) is None
+    assert layout_batch(Layout("allreduce", 8), 64) == 512 and layout_batch(Layout("single", 1), 64) == 64
+
+
+def test_a_global_batch_the_training_split_cannot_fill_is_found_in_a_few_builds(monkeypatch):
+    """digits_cnn's training split holds 1197 images: its task refuses a global batch of 2048 or 4096 (as
+    paratrain train does), and the plan marks those rows infeasible with the task's reason. It builds the
+    task for the largest batch and bisects for the smallest that fails: 3 builds for 5 batches here, 1 where
+    the largest fits. An epoch of no step is refused too."""
+    import types
+    from pathlib import Path
+
+    import paratrain.runs as runs
+    from paratrain.bench.plan_report import data_refusals
+    from paratrain.config import load
+
+    cfg = load(str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml"))
+    built, build = [], runs.build_task
+    monkeypatch.setattr(runs, "build_task", lambda c, d, **kw: (built.append(c.train.batch_size), build(c, d, **kw))[1])
+    got = data_refusals(cfg, None, {64, 512, 1024, 2048, 4096})
+    assert set(got) == {2048, 4096} and built == [4096, 1024, 2048]
+    assert got[2048] == ("the training split has 1197 images, fewer than one global batch of 2048; use a smaller "
+                         "train.batch_size")
+    assert got[4096].startswith("the training split has 1197 images, fewer than one global batch of 4096")
+    built.clear()
+    assert data_refusals(cfg, None, {64, 512, 1024}) == {} and built == [1024]
+    assert data_refusals(cfg, None, set()) == {}
+    monkeypatch.setattr(runs, "build_task", lambda c, d, **kw: types.SimpleNamespace(
+        steps_per_epoch=lambda: 100 // c.train.batch_size))
+    assert data_refusals(cfg, None, {50, 100, 200, 400}) == {
+        200: "an epoch of the training split holds no step of global batch 200; use fewer devices or a smaller "
+             "--global-batch",
+        400: "an epoch of the training split holds no step of global batch 400; use fewer devices or a smaller "
+             "--global-batch"}
+    # a batch above the smallest that fails, not built itself, says so
+    assert data_refusals(cfg, None, {50, 200, 300, 400})[300] == (
+        "a global batch of 300, over 200, which the task refuses: an epoch of the training split holds no step of "
+        "global batch 200; use fewer devices or a smaller --global-batch")
+
+
 def test_sync_batchnorm_adds_its_seconds_to_allreduce_zero1_fsdp_and_ps_sync_and_none_to_towers_or_ps_async():
     link = Link(name="x", alpha_s=1e-5, beta_s_per_byte=1e-9, gamma_s_per_byte=1e-11)
     synced = {**INPUTS, "sync_batchnorm_s": 0.02}
@@ -1566,15 +1650,15 @@ def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch)
     monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
         "label": lay.label, "n": lay.n, "units_per_s": rate[lay.label], "synchronous": lay.strategy != "ps-async",
         "memory": {"total": 1.0}})
-    first = pv.plan_first({}, None, None, 2, "c.toml", None, [])
+    first = pv.plan_first({"batch_size": 8}, None, None, 2, "c.toml", None, [])
     assert first.label == "allreduce + bf16 hook"  # the asynchronous one is faster and never recommended
-    runs = pv._runs({}, None, [1, 2], "c.toml", None, [], first)
+    runs = pv._runs({"batch_size": 8}, None, [1, 2], "c.toml", None, [], first)
     assert [(lay.label, n) for lay, n in runs] == [("allreduce", 2), ("ps-async K=1", 2), ("allreduce + bf16 hook", 2)]
     rate["allreduce"] = 1100.0  # the plain layout first: run once
-    first = pv.plan_first({}, None, None, 2, "c.toml", None, [])
-    assert [(lay.label, n) for lay, n in pv._runs({}, None, [2], "c.toml", None, [], first)] == [
+    first = pv.plan_first({"batch_size": 8}, None, None, 2, "c.toml", None, [])
+    assert [(lay.label, n) for lay, n in pv._runs({"batch_size": 8}, None, [2], "c.toml", None, [], first)] == [
         ("allreduce", 2), ("ps-async K=1", 2)]
-    assert pv._runs({}, None, [1], "c.toml", None, [], first) == []  # N = 2 not validated: not added
+    assert pv._runs({"batch_size": 8}, None, [1], "c.toml", None, [], first) == []  # N = 2 not validated: not added
 
 
 def test_the_validation_scores_the_recommendation_the_plan_makes():
@@ -2305,14 +2389,18 @@ def test_the_validation_with_activation_checkpointing_runs_each_layout_again_che
 
     lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2)]
     refused = []
-    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay: (refused.append((lay.label, sets)), None)[1])
-    assert pv.checkpointed_runs({"blocks": []}, lays, "c.toml", None, ["a.b=1"]) == []
-    got = pv.checkpointed_runs({"blocks": [{}]}, lays, "c.toml", None, ["a.b=1"])
+    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay, batch: (
+        refused.append((lay.label, sets, batch)), None)[1])
+    assert pv.checkpointed_runs({"blocks": [], "batch_size": 8}, lays, "c.toml", None, ["a.b=1"]) == []
+    got = pv.checkpointed_runs({"blocks": [{}], "batch_size": 8}, lays, "c.toml", None, ["a.b=1"])
     assert [(lay.strategy, lay.label, n) for lay, n in got] == [("single", "single + checkpointing", 1),
                                                                ("allreduce", "allreduce + checkpointing", 2)]
-    assert refused == [(label, ["a.b=1", "model.activation_checkpointing=true"]) for label in ("single", "allreduce")]
-    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay: "no" if lay.strategy == "single" else None)
-    assert [lay.label for lay, _ in pv.checkpointed_runs({"blocks": [{}]}, lays, "c", None, [])] == [
+    # each checked at its run's global batch: the recipe's 8 a replica (weak scaling)
+    assert refused == [(label, ["a.b=1", "model.activation_checkpointing=true"], batch)
+                       for label, batch in (("single", 8), ("allreduce", 16))]
+    monkeypatch.setattr(pl, "refusal", lambda config, task, sets, lay, batch: "no" if lay.strategy == "single"
+                        else None)
+    assert [lay.label for lay, _ in pv.checkpointed_runs({"blocks": [{}], "batch_size": 8}, lays, "c", None, [])] == [
         "allreduce + checkpointing"]
 
     monkeypatch.setattr(pl, "refusal", lambda *a: None)
@@ -2342,7 +2430,7 @@ def test_the_validation_with_activation_checkpointing_runs_each_layout_again_che
                               activation_checkpointing=True)
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
     prof = {"links": {"all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 0.0}}, "cores": 2,
-            "blocks": [{"forward_s": 0.001}]}
+            "blocks": [{"forward_s": 0.001}], "batch_size": 8}
     pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
     assert sets == [("single", False), ("allreduce", False), ("single", True), ("allreduce", True)]
     assert predicted == [("single", False), ("allreduce", False), ("single + checkpointing", True),

@@ -98,7 +98,10 @@ def _write(tmp_path, prof) -> Path:
 
 WHOLE = {"task": "digits-cnn", "unit": "samples", "batch_size": 64, "tokens_per_step": 64, "cores": 16,
          "workloads": {}, "links": {}, "strategy_inputs": {}, "param_total_bytes": 1, "memory_measured": {},
-         "peak_flops_source": "datasheet", "flops_per_unit": 1.0}  # what the plan reads, of the right types
+         "peak_flops_source": "datasheet", "flops_per_unit": 1.0, "blocks": [], "activation_bytes": 1,
+         "autocast_copy_bytes": 0, "data_bytes": 1, "output_bytes": 1, "peak_flops": 1e12, "buffer_bytes": 0,
+         "optimizer_state_bytes": 0, "batchnorm_inputs": [[64, 16, 8, 8]], "default_threads": 1,
+         "workloads_in_process": {}, "ps_update_s": {}, "ps_round_trip_s": 0.1}  # what the plan reads, right types
 
 
 def test_a_profile_recording_its_recipe_is_read_for_that_recipe_alone(digits):
@@ -191,3 +194,33 @@ def test_a_file_that_is_no_readable_profile_says_what_to_give(digits, text, said
         path.write_text(text)
     with pytest.raises(UsageError, match=said):
         read_profile(path, cfg, task)
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "plan-xeon" / "digits_cnn-v44" / \
+    "profile.json"
+
+
+def test_each_key_the_plan_reads_missing_or_of_another_type_is_one_line_naming_it(digits):
+    """The shipped digits_cnn profile (version 44) is read whole; without any key the plan reads
+    unconditionally, or with any key it reads in another type (a string, a bool for a number), or with a
+    block that is no mapping, reading it is one UsageError naming the key, not a traceback in the plan."""
+    from paratrain.bench.plan_profile import OPTIONAL, REQUIRED
+
+    cfg, task, tmp = digits
+    whole = json.loads(SHIPPED.read_text())
+    assert read_profile(_write(tmp, whole), cfg, task) == whole
+    for key in REQUIRED:
+        if key in ("version", "device"):  # (no profile at all: its own message)
+            continue
+        with pytest.raises(UsageError, match=f"lacks {key} \\(or has the wrong type\\)"):
+            read_profile(_write(tmp, {k: v for k, v in whole.items() if k != key}), cfg, task)
+    kinds = {**REQUIRED, **OPTIONAL}
+    for key in [*REQUIRED, *(k for k in OPTIONAL if k in whole)]:
+        if key in ("version", "device"):
+            continue
+        with pytest.raises(UsageError, match=f"lacks {key} \\(or has"):
+            read_profile(_write(tmp, {**whole, key: 7 if kinds[key] is str else "x"}), cfg, task)
+    with pytest.raises(UsageError, match="lacks peak_flops"):
+        read_profile(_write(tmp, {**whole, "peak_flops": True}), cfg, task)
+    with pytest.raises(UsageError, match="lacks blocks \\(each a mapping\\)"):
+        read_profile(_write(tmp, {**whole, "blocks": [*whole["blocks"], 3]}), cfg, task)

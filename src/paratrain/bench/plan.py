@@ -47,7 +47,7 @@ from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute
                           towers_backward_s,
                           towers_forward_s, workload)
 from .plan_memory import memory_per_device
-from .plan_model import Layout, best_bucket, refusal, step_parts  # noqa: F401 (refusal: API)
+from .plan_model import Layout, best_bucket, layout_batch, refusal, step_parts  # noqa: F401 (refusal: API)
 from .plan_ps import (loaded_exchange, loop_guard, loop_stolen, ps_busiest_share, ps_copy_fraction, ps_message_link,
                       ps_streams, slower)
 from .plan_profile import TIMED_S
@@ -302,6 +302,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
                             stage_outputs=stage_outputs(prof, stages, ratio), stage_saved=pipe.get("stage_saved_bytes"),
                             schedule=overrides.get("pipeline_schedule", "1f1b"), num_ps=overrides.get("num_ps", 1),
                             batch_ratio=ratio, shared_cores=shared_cores,
+                            reshard_after_forward=overrides.get("reshard_after_forward", True),
                             server_share=ps_busiest_share(w.param_bytes, servers) if servers else None)
     speedup = parts["units_per_s"] / one
     row = {"strategy": layout.strategy, "label": layout.label + (CHECKPOINTED if checkpointing else ""),
@@ -358,15 +359,34 @@ def cluster_links(c: Cluster, n: int, stages: int = 1) -> tuple[Link, dict[str, 
     return link, {**links, "p2p": mean, "stages": tied}
 
 
-def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu") -> str:
+NODE_RANK, NODE0 = "$NODE_RANK", "$NODE0"
+"""The shell variables a command over several machines names: each machine's rank (0 .. M - 1) and the
+first machine's address (its rendezvous, README "Several machines")."""
+
+
+def machines_of(n: int, per_node: int | None) -> int:
+    """Machines a job of ``n`` processes spans where a machine holds ``per_node`` devices (None: one machine
+    of any size): ceil(n / per_node)."""
+    return 1 if per_node is None or n <= per_node else -(-n // per_node)
+
+
+def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu",
+                 per_node: int | None = None) -> str:
     """The ``paratrain train`` command of a plan row: N processes (towers: N devices of
     ``device_type`` in one process), the layout's ``dist`` keys, and the global batch the prediction
-    assumed (``train.batch_size`` is the global batch: the row's per-replica batch x replicas)."""
+    assumed (``train.batch_size`` is the global batch: the row's per-replica batch x replicas).
+    ``per_node``: the devices of one machine of the interconnect the row was priced on (a flat network
+    preset: 1; ``INTRA+INTER``: ``--devices-per-node``; None: one machine): a row over M > 1 machines is
+    the command each machine runs, ``--nnodes M --nproc N / M --node-rank $NODE_RANK --rdzv-endpoint
+    $NODE0:29400`` (:data:`NODE_RANK`, :data:`NODE0`: set them on each machine)."""
     from ..strategies import STRATEGIES
 
     parts = ["paratrain", "train", config, "--strategy", row["strategy"]]
+    nodes = machines_of(row["n"], per_node)
     if STRATEGIES[row["strategy"]].cost_model == TOWERS:
         parts += ["--devices", ",".join(f"{device_type}:{i}" for i in range(row["n"]))]
+    elif nodes > 1:  # (placed in order: N a multiple of the machines, as the launcher needs)
+        parts += ["--nnodes", str(nodes), "--nproc", str(row["n"] // nodes)]
     else:
         parts += ["--nproc", str(row["n"])]
     for k, v in row["overrides"].items():
@@ -379,4 +399,7 @@ def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, de
         parts += ["--set", f"train.batch_size={batch}"]
     for o in extra:
         parts += ["--set", o]
-    return " ".join(shlex.quote(p) for p in parts)
+    command = " ".join(shlex.quote(p) for p in parts)
+    if nodes > 1 and STRATEGIES[row["strategy"]].cost_model != TOWERS:  # the shell expands these on each machine
+        command += f" --node-rank {NODE_RANK} --rdzv-endpoint {NODE0}:29400"
+    return command

@@ -27,7 +27,12 @@ one device, U the largest FSDP unit, all for one replica's batch):
   gradients are in the low dtype (g = 0.5 of float32, ``gather_scale``) and the gradients are copied
   into a float32 buffer to be reduce-scattered, after the unit is resharded (FSDP2's ``post_backward``,
   ``foreach_reduce``): ``R g`` and ``U (g + 1)`` (the gathered unit and its gradient, ``2 U g``, are
-  less);
+  less); with ``reshard_after_forward`` off (ZeRO-2, ``reshard_after_forward``) no unit is resharded after
+  its forward: every unit stays gathered from its forward to its backward, ``P g`` in place of ``R g``,
+  and the backward's start adds only the last unit's gradient: ``P_d + O_d + A + P g + U``. Measured
+  (2026-11-30, the 2-vCPU Xeon VM; ptb_small, fsdp at N = 2, weak scaling, MemTracker at step 9):
+  68.97 MiB resharded, 86.72 MiB not, where this predicts 68.91 and 86.66 (until then 68.91 for both);
+  gpt_wt2, whose root unit holds the tied embedding: 881.94 and 883.48 MiB, predicted 881.95 and 883.50;
 * pipeline (``stages``): the busiest stage s: its P_s, O P_s / P and, from the first micro-batch's
   backward on, G_s; its replica's data shard D / R (every stage reads the replica's batch; above);
   its share of A - D (by the bytes each stage's forward saves) and its output (kept until the
@@ -121,6 +126,7 @@ class _Layout:
     stage_saved: list[float] | None = None
     shared_cores: bool = False
     server_share: float | None = None
+    reshard_after_forward: bool = True
 
 
 def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_buckets: bool = True,
@@ -128,7 +134,8 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
                       stage_shares: list[float] | None = None, stage_params: list[float] | None = None,
                       stage_outputs: list[float] | None = None, schedule: str = "1f1b",
                       num_ps: int = 1, batch_ratio: float = 1.0, shared_cores: bool = False,
-                      server_share: float | None = None, stage_saved: list[float] | None = None) -> dict[str, float]:
+                      server_share: float | None = None, stage_saved: list[float] | None = None,
+                      reshard_after_forward: bool = True) -> dict[str, float]:
     """Peak bytes per device of ``model`` (a ``Strategy.cost_model``) at n devices, by term and
     ``total``; ``server`` too for a parameter server: the busiest of ``num_ps``, which holds
     ``server_share`` of the parameter bytes (:func:`~.costmodel_ps.ps_largest_shard_bytes` over the
@@ -138,14 +145,16 @@ def memory_per_device(model: str, n: int, m: MemoryInputs, *, synchronous_bucket
     forward saves (:func:`~.profile_blocks.stage_saved`), by which the stages split A - D (None: by
     ``stage_shares``, their compute's). ``checkpointing``: the larger of two moments (see the module):
     the forward's end, with the loss's temporaries T, and a block's recompute, with its backward's
-    instead. Bytes in, bytes out. Raises :class:`~paratrain.errors.UsageError` where n, stages, microbatches
+    instead. ``reshard_after_forward``: FSDP's (``sharded_parameters``) units resharded after their forward
+    (False: ZeRO-2, every unit gathered until its backward; see the module). Bytes in, bytes out. Raises
+    :class:`~paratrain.errors.UsageError` where n, stages, microbatches
     or num_ps is below 1."""
     if n < 1 or stages < 1 or microbatches < 1 or num_ps < 1:
         raise UsageError(f"n = {n}, stages = {stages}, microbatches = {microbatches}, num_ps = {num_ps}: use >= 1")
     layout = _Layout(synchronous_buckets=synchronous_buckets, stages=stages, microbatches=microbatches,
                      stage_shares=stage_shares, stage_params=stage_params, stage_outputs=stage_outputs,
                      schedule=schedule, num_ps=num_ps, shared_cores=shared_cores, server_share=server_share,
-                     stage_saved=stage_saved)
+                     stage_saved=stage_saved, reshard_after_forward=reshard_after_forward)
     # the data set's storage the batch views (D, in A): a process' own shard of it, whatever its batch
     d = min(m.data_bytes, m.activations)
     data = d / data_ranks(model, n, stages)
@@ -192,11 +201,14 @@ def _at(model: str, n: int, m: MemoryInputs, layout: _Layout, act: float, tmp: f
         o, gather = m.optimizer / n, m.params * (1 + 1 / n)
     elif model == SHARDED_PARAMETERS:
         gs = m.gather_scale
-        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (m.root_unit * gs if n > 1 else 0.0)
+        kept = m.root_unit if layout.reshard_after_forward else m.params  # gathered from forward to backward
+        p, o, g_kept, root = m.params / n, m.optimizer / n, 0.0, (kept * gs if n > 1 else 0.0)
         copies = 0.0  # MixedPrecisionPolicy: the gathered parameters are already in the low dtype
         # the backward's start: the last unit gathered again with its unsharded gradient, beside the
         # activations; then (resharded) that gradient and its copy into the reduce-scatter's float32 buffer
-        out["backward_start"] = p + o + act + root + m.largest_unit * (1 + gs)
+        # (ZeRO-2: the unit is still gathered, in root's P g; its gradient alone)
+        again = gs if layout.reshard_after_forward else 0.0
+        out["backward_start"] = p + o + act + root + m.largest_unit * (1 + again)
     elif model == STAGES:
         return _stage_memory(n, m, act, tmp, layout, copies, data=data)
     elif model == PS:

@@ -145,8 +145,18 @@ def hooked(w: Workload, n: int, hook: str | None, measured_hook: dict | None, dt
     return w, (compress_hook_bucket_s(n, measured_hook, compute_scale) if measured else None)
 
 
-def refusal(config: str, task: str | None, overrides: list[str], layout: Layout) -> str | None:
-    """Why the recipe cannot run this layout (the strategy's own config check, one line), or None."""
+def layout_batch(layout: Layout, recipe_batch: int, global_batch: int | None = None) -> int:
+    """The global batch (``train.batch_size``) a layout's run trains: ``global_batch`` (``--global-batch``)
+    where given, else weak scaling, the recipe's batch ``recipe_batch`` per replica x its replicas
+    (n / pipeline_stages), as :func:`~.plan.command_line` sets it."""
+    return global_batch or recipe_batch * (layout.n // layout.overrides.get("pipeline_stages", 1))
+
+
+def refusal(config: str, task: str | None, overrides: list[str], layout: Layout,
+            global_batch: int | None = None) -> str | None:
+    """Why the recipe cannot run this layout (the strategy's own config check, one line), or None.
+    ``global_batch``: the layout's ``train.batch_size`` (:func:`layout_batch`), which the check splits
+    into replicas and micro-batches; None: the recipe's."""
     import json
 
     from .. import config as configuration
@@ -154,6 +164,8 @@ def refusal(config: str, task: str | None, overrides: list[str], layout: Layout)
     from ..strategies import STRATEGIES
 
     sets = [*overrides, f"dist.strategy={json.dumps(layout.strategy)}"]
+    if global_batch is not None:
+        sets.append(f"train.batch_size={global_batch}")
     if STRATEGIES[layout.strategy].cost_model == TOWERS:
         sets += ["dist.nproc=1", f"dist.devices={json.dumps(','.join(f'cpu:{i}' for i in range(layout.n)))}"]
     else:

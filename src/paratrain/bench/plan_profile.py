@@ -120,10 +120,38 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     return cached_profile(path, key, measure)
 
 
-REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size": int, "tokens_per_step": (int, float),
+_NUMBER = (int, float)
+REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size": int, "tokens_per_step": _NUMBER,
             "cores": int, "workloads": dict, "links": dict, "strategy_inputs": dict, "param_bytes": list,
-            "param_total_bytes": int, "memory_measured": dict, "peak_flops_source": str, "flops_per_unit": (int, float)}
-"""What every profile :func:`read_profile` accepts holds (since version 19), by type."""
+            "param_total_bytes": int, "memory_measured": dict, "peak_flops_source": str, "flops_per_unit": _NUMBER,
+            # written by every profile of the versions read (44 and the versions it accepts)
+            "blocks": list, "activation_bytes": int, "autocast_copy_bytes": int, "data_bytes": int,
+            "output_bytes": int, "peak_flops": _NUMBER, "buffer_bytes": int, "optimizer_state_bytes": int,
+            "batchnorm_inputs": list, "default_threads": int, "workloads_in_process": dict, "ps_update_s": dict,
+            "ps_round_trip_s": _NUMBER}
+"""What every profile :func:`read_profile` accepts holds, by type (bool is not taken for a number)."""
+
+OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dict, "loop_ps_stolen_s": dict,
+            "loop_ps_guard_s": dict, "loop_sync_batchnorm_s": dict, "loop_sync_batchnorm_oversubscribed": dict,
+            "loop_buffer_broadcast_s": dict, "bf16_hook": dict, "checkpointing": dict, "fsdp_units": list,
+            "memory_copy": list, "meetings": list, "meetings_oversubscribed": dict, "ps_round_trips_loaded": dict,
+            "ps_round_trips_loaded_4": dict, "zero1_step_s": _NUMBER, "fsdp_step_s": _NUMBER,
+            "sharded_optimizer_s": _NUMBER, "sharded_norm_s": _NUMBER, "sync_batchnorm_s": _NUMBER,
+            "device_memory_bytes": (int, float, type(None)), "recipe": str}
+"""The keys a profile holds where it measured them, by type: checked where present."""
+
+
+def malformed(prof: dict) -> list[str]:
+    """The keys of ``prof`` that :data:`REQUIRED` names and it lacks, or that it holds in another type than
+    :data:`REQUIRED` or :data:`OPTIONAL` give, and a block (``blocks``) that is not a mapping."""
+    def wrong(value, kind) -> bool:
+        return not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(
+            kind, tuple) else (kind,)))
+    bad = [k for k, kind in REQUIRED.items() if wrong(prof.get(k), kind)]
+    bad += [k for k, kind in OPTIONAL.items() if k in prof and wrong(prof[k], kind)]
+    if "blocks" not in bad and not all(isinstance(b, dict) for b in prof["blocks"]):
+        bad.append("blocks (each a mapping)")
+    return bad
 
 
 ADDED_KEYS = {34: ("cpu_allocator",)}
@@ -174,8 +202,7 @@ def read_profile(path: Path, cfg, task) -> dict:
         raise UsageError(f"--profile {path} is profile version {prof['version']} of {prof['device']}; this paratrain "
                          f"measures version {PROFILE_VERSION}: profile again there (paratrain plan CONFIG --out DIR "
                          f"--reprofile)")
-    wrong = [k for k, kind in {**REQUIRED, **({"recipe": str} if "recipe" in prof else {})}.items()
-             if not isinstance(prof.get(k), kind)]
+    wrong = malformed(prof)
     if wrong:
         raise UsageError(f"--profile {path} lacks {', '.join(wrong)} (or has the wrong type): give a whole "
                          f"profile.json of a `paratrain plan --out DIR` run")

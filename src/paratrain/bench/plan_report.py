@@ -56,13 +56,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows, refused = [], {}
     for n in ns:
         for layout in pl.layouts(n, prof, cfg):
-            why = pl.refusal(args.config, args.task, args.overrides, layout)
+            batch = pl.layout_batch(layout, prof["batch_size"], args.global_batch)
+            why = pl.refusal(args.config, args.task, args.overrides, layout, batch)
             if why:
                 refused.setdefault(layout.label, why)
                 continue
             for ckpt in ((False, True) if args.activation_checkpointing else (False,)):
                 keyed = [*args.overrides, pl.CHECKPOINTING_KEY]
-                why = pl.refusal(args.config, args.task, keyed, layout) if ckpt else None
+                why = pl.refusal(args.config, args.task, keyed, layout, batch) if ckpt else None
                 if why:  # e.g. towers with sync BatchNorm
                     refused.setdefault(layout.label + pl.CHECKPOINTED, why)
                     continue
@@ -73,6 +74,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 row["reason"] = _infeasible(row, limit, per_node)
                 row["feasible"] = not row["reason"]
                 rows.append(row)
+    too_large = data_refusals(cfg, args.data_dir, {r["per_replica_batch"] * r["replicas"] for r in rows})
+    for r in rows:  # a global batch the training split cannot fill: the run would refuse it
+        if not r["reason"] and too_large.get(r["per_replica_batch"] * r["replicas"]):
+            r["reason"], r["feasible"] = too_large[r["per_replica_batch"] * r["replicas"]], False
     if limit is not None and not any(r["memory"]["total"] <= limit for r in rows):
         least = min(rows, key=lambda r: r["memory"]["total"])
         raise UsageError(f"no layout fits --device-memory-gb {args.device_memory_gb:g}: the smallest, {least['label']} "
@@ -90,8 +95,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = pl.rank(rows, args.objective)
     best = pl.recommendation(ranked)
     extra = list(args.overrides)
+    # the devices of one machine the rows were priced on: a cluster's; a flat network preset's one; else one machine
+    machine = (args.devices_per_node if isinstance(link, Cluster)
+               else 1 if preset is not None and link.name in NETWORK_PRESETS else None)
     for r in ranked:
-        r["command"] = pl.command_line(r, args.config, extra, cfg.train.batch_size, str(prof["device"]).split(":")[0])
+        r["command"] = pl.command_line(r, args.config, extra, cfg.train.batch_size, str(prof["device"]).split(":")[0],
+                                       machine)
     unit = prof["unit"]
     result = {"date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}", "machine": _machine(), "config": args.config,
               "task": cfg.task.entry, "unit": unit, "interconnect": link.name,
@@ -103,6 +112,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            "all_reduce": link.collective_link(2 * link.devices_per_node).terms()}
                           if isinstance(link, Cluster) else None),
               "device_memory_bytes": limit, "devices_per_node": per_node,
+              # one machine's devices in the commands (a flat network preset: 1; None: one machine)
+              "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
               "profile_file": str(args.profile or out / "profile.json"),
               "profiled_on": ({k: prof.get(k) for k in ("host", "device", "device_name", "date", "version")}
@@ -139,6 +150,40 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | Cluster | None, asked: s
     print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
           f"{' | '.join(PRESETS)} or INTRA+INTER of them, e.g. nvlink+ib400, for more GPUs)", flush=True)
     return [1]
+
+
+def data_refusals(cfg, data_dir: str | None, batches: set[int]) -> dict[int, str]:
+    """{global batch: why the recipe's task refuses it} for those of ``batches`` whose run ``paratrain train``
+    would refuse: the task's own check when it is built with that ``train.batch_size`` (e.g. digits-cnn's
+    "the training split has 1197 images, fewer than one global batch of 4096"), or an epoch of no step.
+    A larger batch never fits where a smaller one does not, so it builds the task for the largest and,
+    where that fails, bisects for the smallest that fails (about log2 of the batches' count builds).
+    Raises what the task raises for anything but the batch (its data missing: the plan's first build
+    has said so already)."""
+    import dataclasses
+
+    from ..runs import build_task
+
+    def why(batch: int) -> str:
+        sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
+        try:
+            steps = build_task(sized, data_dir, world_size=1).steps_per_epoch()
+        except UsageError as e:
+            return str(e)
+        return "" if steps > 0 else (f"an epoch of the training split holds no step of global batch {batch}; use "
+                                     f"fewer devices or a smaller --global-batch")
+
+    ordered = sorted(batches)
+    if not ordered or not (last := why(ordered[-1])):
+        return {}
+    lo, hi, reasons = 0, len(ordered) - 1, {ordered[-1]: last}  # ordered[hi] fails; find the first that does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        reasons[ordered[mid]] = why(ordered[mid])
+        lo, hi = (lo, mid) if reasons[ordered[mid]] else (mid + 1, hi)
+    first = ordered[hi]
+    return {b: reasons.get(b) or f"a global batch of {b}, over {first}, which the task refuses: {reasons[first]}"
+            for b in ordered[hi:]}
 
 
 def _infeasible(row: dict, limit: float | None, per_node: int | None) -> str:
@@ -227,8 +272,12 @@ def markdown(result: dict) -> str:
         lines += ["Not possible with this recipe (the strategy's own check):", ""]
         lines += [f"* {label}: {why}" for label, why in result["refused"].items()] + [""]
     if best:
+        nodes = pl.machines_of(best["n"], result.get("machine_devices"))
+        on_each = (f" On each of its {nodes} machines, with NODE_RANK that machine's rank (0 ... {nodes - 1}) and "
+                   f"NODE0 the first one's address (README, \"Several machines\"):" if "--node-rank" in best["command"]
+                   else "")
         lines += [f"Recommended: **{best['label']}** at N = {best['n']}: {_f(best['units_per_s'], 0)} {unit}/s "
-                  f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.", "", "```",
+                  f"predicted, {best['memory']['total'] / 1e9:.3f} GB per device.{on_each}", "", "```",
                   best["command"], "```", ""]
         close = [r for c in result.get("close_calls", []) for r in rows if (r["label"], r["n"]) == (c["label"], c["n"])]
         cost = result["objective"] == "cost"
@@ -260,13 +309,14 @@ def _interconnect(result: dict) -> str:
         machines = ("; every device its own machine and NIC: NCCL's trees (all-reduce) and PAT (all-gather) "
                     "where faster"
                     if result["interconnect"] in NETWORK_PRESETS else "")
-        return (f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us{base_latency_words(one)}, {_bw(one)}"
-                f"{machines})")
+        return (f"Interconnect {result['interconnect']} (alpha {one['alpha_s'] * 1e6:.1f} us"
+                f"{base_latency_words(one)}, {_bw(one)}{machines})")
     intra, inter = net["intra"], net["inter"]
     k, g, wire = net["nics_per_node"], result["devices_per_node"], net["link"]
-    return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} devices (alpha "
-            f"{one['alpha_s'] * 1e6:.1f} us{base_latency_words(one)}, {_bw(one)}), N <= {g}; {inter} between machines (alpha "
-            f"{wire['alpha_s'] * 1e6:.1f} us{base_latency_words(wire)}, {_bw(wire)} a NIC, {k} NIC{'s' if k != 1 else ''} a machine), N > {g}: "
+    return (f"Interconnect {result['interconnect']}: {intra} inside a machine of {g} device{'s' if g != 1 else ''} "
+            f"(alpha {one['alpha_s'] * 1e6:.1f} us{base_latency_words(one)}, {_bw(one)}), N <= {g}; {inter} between "
+            f"machines (alpha {wire['alpha_s'] * 1e6:.1f} us{base_latency_words(wire)}, {_bw(wire)} a NIC, {k} "
+            f"NIC{'s' if k != 1 else ''} a machine), N > {g}: "
             f"all-reduce at {_bw(net['all_reduce'])} a device (rings one per NIC, on full machines; NCCL's trees "
             f"where faster: {net['all_reduce']['tree_latency_s'] * 1e6:.0f} us on two machines; all-gathers on NCCL's "
             f"PAT where faster and a group has one rank a machine), sends between two machines on one NIC")

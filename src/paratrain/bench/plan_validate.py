@@ -55,7 +55,8 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
             if key in seen or any(isinstance(v, bool) for v in lay.overrides.values()) or skipped_hook(hook, n):
                 continue
             seen.add(key)
-            if pl.refusal(config, task, overrides, lay) is None:  # what the recipe refuses is not run
+            # what the recipe refuses at the run's global batch (weak scaling) is not run
+            if pl.refusal(config, task, overrides, lay, pl.layout_batch(lay, prof["batch_size"])) is None:
                 out.append((lay, n))
     if first is not None and 2 in ns and all(lay.label != first.label for lay, n in out if n == 2):
         out.append((first, 2))
@@ -69,7 +70,7 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
     machine's CPU), or None where no synchronous layout exists at ``n``."""
     rows = []
     for lay in pl.layouts(n, prof, cfg):
-        if pl.refusal(config, task, overrides, lay) is None:
+        if pl.refusal(config, task, overrides, lay, pl.layout_batch(lay, prof["batch_size"])) is None:
             row = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
             if row is not None:
                 rows.append((lay, {**row, "feasible": True}))
@@ -87,7 +88,7 @@ def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str
         return []
     keyed = [*overrides, pl.CHECKPOINTING_KEY]
     return [(pl.Layout(lay.strategy, lay.n, dict(lay.overrides), lay.label + pl.CHECKPOINTED), n) for lay, n in runs
-            if pl.refusal(config, task, keyed, lay) is None]
+            if pl.refusal(config, task, keyed, lay, pl.layout_batch(lay, prof["batch_size"])) is None]
 
 
 def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:

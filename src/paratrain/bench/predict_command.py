@@ -89,7 +89,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     unit = getattr(task, "unit", "samples")
     print(f"[predict] {args.config}: per-replica batch {cfg.train.batch_size} = {tokens:g} "
           f"{unit}/step; one-device step {1000 * w.local_s():.1f} ms ({source}); gradients "
-          f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us{base_latency_words(link.terms())}, {bw}; "
+          f"{sum(w.param_bytes) / 2**20:.1f} MiB; link {link.name}: alpha {link.alpha_s * 1e6:.1f} us"
+          f"{base_latency_words(link.terms())}, {bw}; "
           f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if cls.cost_model == "ring" else "")
           + "; weak scaling, each replica on a device like the measured one" + _machines(link, args.algorithm))
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
