@@ -61,6 +61,14 @@ def test_predict_from_a_measured_step(tmp_path, tiny_data):
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     bad = paratrain("predict", "tiny.toml", "--nproc", "0", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    # said before the measurement, in predict's own flags (it has no --warmup; buckets are MiB)
+    for args, said in ((("--steps", "1"), "--steps 1: predict times the one-device step over --steps steps"),
+                       (("--bucket-mb", "-1"), "--bucket-mb -1: give DDP's bucket size in MiB, > 0")):
+        bad = paratrain("predict", "tiny.toml", *args, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+        assert "measuring one device" not in bad.stdout
+    # the exposed communication of one device is 0.00, not -0.00; a row's bucket only where DDP buckets
+    assert " -0.00 " not in r.stdout
 
 
 @pytest.mark.parametrize("interconnect, said", [

@@ -916,6 +916,34 @@ def test_a_row_over_several_machines_is_the_command_each_machine_runs():
     assert [machines_of(n, 8) for n in (1, 8, 9, 64)] == [1, 1, 2, 8] and machines_of(64, None) == 1
 
 
+def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatch):
+    """Planned on this machine's measured links, a CPU's rows run here: N processes hold N peaks (a
+    parameter server's K servers the busiest's each; towers, one process, their own) in the host's
+    memory, and a row over it is infeasible with what it needs (ptb_small's 1024 CPU towers: 60.7 GB of
+    the 2-vCPU VM's 25.3 were once recommended). A preset's devices, a GPU's profile or a profile from
+    another host have no such bound."""
+    import platform
+
+    import psutil
+
+    from paratrain.bench.plan_report import _infeasible, host_demand, host_memory
+
+    row = {"strategy": "allreduce", "n": 4, "overrides": {}, "memory": {"total": 3e9}}
+    ps = {"strategy": "ps-sync", "n": 4, "overrides": {"num_ps": 2}, "memory": {"total": 1e9, "server": 2e9}}
+    towers = {"strategy": "replicate", "n": 64, "overrides": {}, "memory": {"total": 30e9}}
+    assert host_demand(row) == 12e9 and host_demand(ps) == 4e9 + 4e9 and host_demand(towers) == 30e9
+    assert _infeasible(row, None, None, 10e9) == ("its processes need 12.0 GB of this host's 10.0 GB of memory; use "
+                                                  "fewer devices")
+    assert _infeasible(row, None, None, 12e9) == "" == _infeasible(row, None, None, None)
+    assert _infeasible(towers, None, None, 25e9).startswith("its processes need 30.0 GB")
+    here = {"device": "cpu", "host": platform.node()}
+    assert host_memory(here, None) == float(psutil.virtual_memory().total)
+    assert host_memory({"device": "cpu"}, None) == float(psutil.virtual_memory().total)
+    assert host_memory(here, object()) is None  # a preset
+    assert host_memory({**here, "device": "cuda:0"}, None) is None
+    assert host_memory({**here, "host": platform.node() + "-other"}, None) is None
+
+
 def test_a_pipelines_check_splits_the_global_batch_the_layout_trains():
     """gpt_wt2 (train.batch_size 32): under weak scaling 32 replicas of 2 stages train 32 x 32 rows, which
     split into 32 replicas x 4 micro-batches; checked against the recipe's 32 rows instead, the plan used to

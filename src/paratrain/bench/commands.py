@@ -18,7 +18,7 @@ DEFAULT_CONFIG = "configs/ptb_small.toml"
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        return tuple(int(x) for x in text.split(",")) if text.strip() else ()  # "1,,2": an empty item is refused
     except ValueError:
         raise UsageError(f"{flag} {text!r}: give comma-separated integers, e.g. {flag} 1,2,4") from None
 

@@ -136,7 +136,7 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | Cluster | None]:
     from .commands import _ints
 
     default = "1,2,4" if args.interconnect == "measured" else "1,2,4,8,16,32,64"
-    ns = sorted(set(_ints(args.nproc or default, "--nproc")))
+    ns = sorted(set(_ints(default if args.nproc is None else args.nproc, "--nproc")))
     if not ns or ns[0] < 1:
         raise UsageError(f"--nproc {args.nproc!r}: give device counts >= 1, e.g. --nproc 1,2,4,8")
     if args.profile_steps < 6 or args.profile_repeats < 1:
@@ -162,8 +162,11 @@ def _args(args: argparse.Namespace) -> tuple[list[int], Link | Cluster | None]:
         raise UsageError(f"--devices-per-node {args.devices_per_node}: give the devices of one machine, >= 1")
     preset = cluster(args.interconnect, args.devices_per_node, args.nics_per_node)  # None: measured
     if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise UsageError(f"--global-batch {args.global_batch}: give the samples of one step over every device, "
+                             f">= 1 (e.g. {math.lcm(*ns)}, a multiple of every N)")
         bad = [n for n in ns if args.global_batch % n]
-        if args.global_batch < 1 or bad:
+        if bad:
             raise UsageError(f"--global-batch {args.global_batch} does not divide among N = {bad or ns}; give a "
                              f"global batch that is a multiple of every N (e.g. {math.lcm(*ns)}) or other --nproc")
     return ns, preset

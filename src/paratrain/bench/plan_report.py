@@ -53,6 +53,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
     per_node = args.devices_per_node if preset is not None else None  # CPU virtual devices here: no bound
+    host = host_memory(prof, preset)  # this machine's CPU: every process (or tower) in its memory
     rows, refused = [], {}
     for n in ns:
         for layout in pl.layouts(n, prof, cfg):
@@ -71,7 +72,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:
                     continue
-                row["reason"] = _infeasible(row, limit, per_node)
+                row["reason"] = _infeasible(row, limit, per_node, host)
                 row["feasible"] = not row["reason"]
                 rows.append(row)
     too_large = data_refusals(cfg, args.data_dir, {r["per_replica_batch"] * r["replicas"] for r in rows})
@@ -111,7 +112,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            "nics_per_node": link.nics_per_node,
                            "all_reduce": link.collective_link(2 * link.devices_per_node).terms()}
                           if isinstance(link, Cluster) else None),
-              "device_memory_bytes": limit, "devices_per_node": per_node,
+              "device_memory_bytes": limit, "devices_per_node": per_node, "host_memory_bytes": host,
               # one machine's devices in the commands (a flat network preset: 1; None: one machine)
               "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -186,14 +187,42 @@ def data_refusals(cfg, data_dir: str | None, batches: set[int]) -> dict[int, str
             for b in ordered[hi:]}
 
 
-def _infeasible(row: dict, limit: float | None, per_node: int | None) -> str:
+def host_memory(prof: dict, preset) -> float | None:
+    """This machine's memory (bytes, psutil) where the plan's rows run on it: a CPU's profile planned on
+    its measured links (``--interconnect measured``), measured on this host (its ``host``, the machine's
+    name, is this one's); None otherwise (a preset: devices of their own; a GPU's profile)."""
+    import platform
+
+    import psutil
+
+    if preset is not None or on_gpu(prof) or prof.get("host", platform.node()) != platform.node():
+        return None
+    return float(psutil.virtual_memory().total)
+
+
+def host_demand(row: dict) -> float:
+    """Bytes a row's processes hold together on one host: towers (one process) their memory, else each of
+    the N processes its peak, and a parameter server's K servers the busiest one's each."""
+    from ..strategies import STRATEGIES
+
+    mem = row["memory"]
+    if STRATEGIES[row["strategy"]].cost_model == TOWERS:
+        return mem["total"]
+    return mem["total"] * row["n"] + mem.get("server", 0.0) * row["overrides"].get("num_ps", 0)
+
+
+def _infeasible(row: dict, limit: float | None, per_node: int | None, host: float | None = None) -> str:
     """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
     (bytes; None: no limit), or towers (one process) over more devices than one machine holds
     (``per_node``, on a cluster's preset interconnect: a process drives its own machine's devices, as
-    torch's DataParallel does; None: no bound, CPU virtual devices here)."""
+    torch's DataParallel does; None: no bound, CPU virtual devices here), or, on this machine's CPU,
+    its processes' memory together (:func:`host_demand`) over the host's ``host`` bytes (None: no bound)."""
     need = row["memory"]["total"]
     if limit is not None and need > limit:
         return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
+    if host is not None and host_demand(row) > host:
+        return (f"its processes need {host_demand(row) / 1e9:.1f} GB of this host's {host / 1e9:.1f} GB of memory; "
+                f"use fewer devices")
     from ..strategies import STRATEGIES
 
     if per_node is not None and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
@@ -234,7 +263,8 @@ def markdown(result: dict) -> str:
     p = result["profile"]
     limit = result["device_memory_bytes"]
     lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
-             f"{_interconnect(result)}; device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}; "
+             f"{_interconnect(result)}; device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}"
+             f"{_host(result)}; "
              f"profiled on {p['device']} ({p['cores']} cores{_elsewhere(result)}): {p['tokens_per_step']:g} {unit} "
              f"per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
@@ -327,6 +357,11 @@ def base_latency_words(terms: dict) -> str:
     :attr:`~.costmodel_links.Link.base_latency_s`); nothing for a measured link (none)."""
     base = terms.get("base_latency_s", 0.0)
     return f" a step + {base * 1e6:.1f} us a collective" if base else ""
+
+
+def _host(result: dict) -> str:
+    host = result.get("host_memory_bytes")
+    return f" (this host's {host / 1e9:.1f} GB hold every process of a row)" if host else ""
 
 
 def _bw(link: dict) -> str:

@@ -27,6 +27,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc}: use 1 or more")
     if args.num_ps < 1:
         raise UsageError(f"--num-ps {args.num_ps}: use 1 or more")
+    if args.bucket_mb is not None and not args.bucket_mb > 0:
+        raise UsageError(f"--bucket-mb {args.bucket_mb:g}: give DDP's bucket size in MiB, > 0 (or leave it out: the "
+                         f"one predicted best)")
+    if args.from_bench is None and args.steps < 2:
+        raise UsageError(f"--steps {args.steps}: predict times the one-device step over --steps steps, a third of "
+                         f"them warm-up; use 2 or more")
     cfg = _load_config(args.config, args.overrides, args.task)
     hook = args.comm_hook or cfg.dist.comm_hook
     if hook != "none" and args.algorithm == "ps":
@@ -98,8 +104,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{'bucket MB':>9}{extra}")
     for i, p in enumerate(preds):
         more = f" {plain[i].words_per_s:>14,.0f} {p.words_per_s / plain[i].words_per_s:>6.2f}" if plain else ""
-        print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s:>9.2f} {p.words_per_s:>14,.0f} "
-              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {(f'{p.bucket_mb:g}' if p.n > 1 else '-'):>9}{more}")
+        bucket = f"{p.bucket_mb:g}" if p.n > 1 and cls.cost_model == "ring" and args.algorithm != "ps" else "-"
+        print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s + 0.0:>9.2f} {p.words_per_s:>14,.0f} "
+              f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {bucket:>9}{more}")
     if args.algorithm != "ps" and cls.cost_model == "ring":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
     if args.plot:
