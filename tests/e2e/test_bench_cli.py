@@ -140,3 +140,5 @@ def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data,
     if ns[0] == 1:
         assert float(rows[0][2]) == 0.0  # one device: nothing exposed
     assert all(float(row[2]) > 0 for row in rows if int(row[0]) > 1)
+    # a bucket where DDP buckets (zero1 is DDP with a sharded optimizer), none for fsdp or a pipeline
+    assert all((row[6] == "-") == (strategy != "zero1" or int(row[0]) == 1) for row in rows), rows

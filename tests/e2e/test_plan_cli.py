@@ -403,7 +403,7 @@ def test_the_recommended_command_runs(planned, tiny_data):
     (("--validate", "--validate-runoff", "-1"), "--validate-runoff -1: give pairs >= 0 (0: no run-off)"),
     (("--profile", "nowhere.json"), "--profile nowhere.json: cannot read it"),
     (("--profile", "p/profile.json", "--validate"), "--profile plans from a profile measured elsewhere: leave out"),
-    (("--profile", "p/profile.json", "--set", "train.batch_size=16"), "was measured for another recipe (-batch_size = 8;"),
+    (("--profile", "p/profile.json", "--set", "train.batch_size=16"), "another recipe (the profile has 'batch_size = 8' where"),
 ])
 def test_bad_input_is_one_line_and_exit_2(planned, tiny_data, args, said):
     tmp, _ = planned

@@ -916,6 +916,64 @@ def test_a_row_over_several_machines_is_the_command_each_machine_runs():
     assert [machines_of(n, 8) for n in (1, 8, 9, 64)] == [1, 1, 2, 8] and machines_of(64, None) == 1
 
 
+def test_a_row_the_launcher_cannot_start_over_several_machines_as_priced_is_refused():
+    """Every machine starts the same --nproc workers and dist.num_ps servers: N = 12 on machines of 8 (priced
+    8 + 4) cannot start, nor K = 1 server over 2 machines; K = 2 over 2 is one a machine in the command. One
+    machine, towers and a flat preset's single devices (N a multiple of 1) are no concern."""
+    from paratrain.bench.plan import command_line, launch_refusal
+
+    def row(strategy, n, **over):
+        return {"strategy": strategy, "n": n, "overrides": over, "checkpointing": False, "per_replica_batch": 20,
+                "replicas": n}
+
+    assert launch_refusal(row("allreduce", 12), 8) == ("N = 12 fills 2 machines of 8 devices unevenly; paratrain "
+                                                       "starts the same --nproc on every machine: give N a multiple "
+                                                       "of 8")
+    assert launch_refusal(row("ps-sync", 16, num_ps=1), 8).startswith("1 parameter server(s) do not split over 2")
+    assert launch_refusal(row("ps-sync", 16, num_ps=2), 8) == ""
+    assert "--nnodes 2 --nproc 8 --set dist.num_ps=1 " in command_line(row("ps-sync", 16, num_ps=2), "c", [], 20,
+                                                                        per_node=8)
+    assert "--nproc 8 --set dist.num_ps=2 " in command_line(row("ps-sync", 8, num_ps=2), "c", [], 20, per_node=8)
+    for r, per_node in ((row("allreduce", 8), 8), (row("allreduce", 12), None), (row("allreduce", 64), 1),
+                        (row("replicate", 12), 8)):
+        assert launch_refusal(r, per_node) == "", (r, per_node)
+
+
+def test_the_plan_bounds_this_machines_rows_by_the_hosts_memory_end_to_end(monkeypatch, tmp_path, capsys, real_data):
+    """paratrain plan on this machine's measured links, from ptb_small's shipped profile, with the host's
+    memory taken as 1 GB: the rows whose processes need more are infeasible with that reason (the 4-process
+    rows, 4 x 0.07 GB, fit; the 64 towers, 3.8 GB, do not), and the recommendation is one that fits."""
+    import argparse
+    import json
+    import platform
+    import types
+    from pathlib import Path
+
+    import psutil
+
+    from paratrain.bench.plan import add_plan_parser
+    from paratrain.bench.plan_report import cmd_plan
+
+    root = Path(__file__).resolve().parents[2]
+    profile = root / "benchmarks/results/plan-xeon/ptb_small-v44/profile.json"
+    monkeypatch.setattr(platform, "node", lambda: json.loads(profile.read_text())["host"])  # profiled here
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=1e9))
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_plan_parser(sub)
+    args = sub.choices["plan"].parse_args([str(root / "configs/ptb_small.toml"), "--profile", str(profile),
+                                           "--nproc", "1,4,64", "--out", str(tmp_path / "p"),
+                                           "--data-dir", str(real_data)])
+    assert cmd_plan(args) == 0
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["host_memory_bytes"] == 1e9
+    over = [r for r in plan["rows"] if "of this host's 1.0 GB of memory" in r["reason"]]
+    assert over and all(not r["feasible"] for r in over)
+    assert {r["n"] for r in over} == {64} and any(r["strategy"] == "replicate" for r in over)
+    assert all(r["feasible"] for r in plan["rows"] if r["n"] == 4 and r["strategy"] == "allreduce")
+    assert plan["recommended"]["n"] < 64
+    assert "this host's 1.0 GB hold every process of a row" in capsys.readouterr().out
+
+
 def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatch):
     """Planned on this machine's measured links, a CPU's rows run here: N processes hold N peaks (a
     parameter server's K servers the busiest's each; towers, one process, their own) in the host's
@@ -1677,7 +1735,7 @@ def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch)
     monkeypatch.setattr(pl, "refusal", lambda *a: None)
     monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
         "label": lay.label, "n": lay.n, "units_per_s": rate[lay.label], "synchronous": lay.strategy != "ps-async",
-        "memory": {"total": 1.0}})
+        "memory": {"total": 1.0}, "strategy": lay.strategy, "overrides": lay.overrides})
     first = pv.plan_first({"batch_size": 8}, None, None, 2, "c.toml", None, [])
     assert first.label == "allreduce + bf16 hook"  # the asynchronous one is faster and never recommended
     runs = pv._runs({"batch_size": 8}, None, [1, 2], "c.toml", None, [], first)

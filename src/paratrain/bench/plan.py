@@ -373,6 +373,27 @@ def machines_of(n: int, per_node: int | None) -> int:
     return 1 if per_node is None or n <= per_node else -(-n // per_node)
 
 
+def launch_refusal(row: dict, per_node: int | None) -> str:
+    """Why ``paratrain train`` cannot start a row over several machines as it was priced ("" where it can):
+    every machine starts the same ``--nproc`` workers and ``dist.num_ps`` servers (README "Several
+    machines"; :class:`~paratrain.ps.layout.PSLayout`), so N must fill machines of ``per_node`` devices
+    whole, and a parameter server's K servers must split evenly over them. Towers are bounded apart
+    (one process)."""
+    from ..strategies import STRATEGIES
+
+    n, nodes = row["n"], machines_of(row["n"], per_node)
+    if nodes == 1 or STRATEGIES[row["strategy"]].cost_model == TOWERS:
+        return ""
+    if n % per_node:
+        return (f"N = {n} fills {nodes} machines of {per_node} devices unevenly; paratrain starts the same --nproc on "
+                f"every machine: give N a multiple of {per_node}")
+    k = row["overrides"].get("num_ps")
+    if k is not None and k % nodes:
+        return (f"{k} parameter server(s) do not split over {nodes} machines (dist.num_ps servers start on every "
+                f"machine): give K a multiple of {nodes}")
+    return ""
+
+
 def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, device_type: str = "cpu",
                  per_node: int | None = None) -> str:
     """The ``paratrain train`` command of a plan row: N processes (towers: N devices of
@@ -386,13 +407,16 @@ def command_line(row: dict, config: str, extra: list[str], recipe_batch: int, de
 
     parts = ["paratrain", "train", config, "--strategy", row["strategy"]]
     nodes = machines_of(row["n"], per_node)
+    overrides = dict(row["overrides"])
     if STRATEGIES[row["strategy"]].cost_model == TOWERS:
         parts += ["--devices", ",".join(f"{device_type}:{i}" for i in range(row["n"]))]
-    elif nodes > 1:  # (placed in order: N a multiple of the machines, as the launcher needs)
+    elif nodes > 1:  # every machine starts --nproc workers and dist.num_ps servers (launch_refusal: they divide)
         parts += ["--nnodes", str(nodes), "--nproc", str(row["n"] // nodes)]
+        if overrides.get("num_ps", 0) % nodes == 0 and "num_ps" in overrides:
+            overrides["num_ps"] //= nodes
     else:
         parts += ["--nproc", str(row["n"])]
-    for k, v in row["overrides"].items():
+    for k, v in overrides.items():
         value = str(v).lower() if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else f"{v:g}")
         parts += ["--set", f"dist.{k}={value}"]
     if row["checkpointing"]:

@@ -133,7 +133,9 @@ REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size
 
 OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dict, "loop_ps_stolen_s": dict,
             "loop_ps_guard_s": dict, "loop_sync_batchnorm_s": dict, "loop_sync_batchnorm_oversubscribed": dict,
-            "loop_buffer_broadcast_s": dict, "bf16_hook": dict, "checkpointing": dict, "fsdp_units": list,
+            "loop_buffer_broadcast_s": dict, "bf16_hook": dict,
+            "fsdp_units": list,
+            "checkpointing": (dict, type(None)),  # None: no blocks, or no room on the GPU for the model's copy
             "memory_copy": list, "meetings": list, "meetings_oversubscribed": dict, "ps_round_trips_loaded": dict,
             "ps_round_trips_loaded_4": dict, "zero1_step_s": _NUMBER, "fsdp_step_s": _NUMBER,
             "sharded_optimizer_s": _NUMBER, "sharded_norm_s": _NUMBER, "sync_batchnorm_s": _NUMBER,
@@ -211,8 +213,9 @@ def read_profile(path: Path, cfg, task) -> dict:
         if prof["recipe"] != here:
             diff = [d for d in difflib.unified_diff(prof["recipe"].splitlines(), here.splitlines(), lineterm="", n=0)
                     if d[:1] in "+-" and d[:3] not in ("+++", "---")]
-            raise UsageError(f"--profile {path} was measured for another recipe ({'; '.join(diff[:2])}: the "
-                             f"profile's line first); give the CONFIG and --set it was profiled with")
+            theirs, mine = (next((repr(d[1:]) for d in diff if d[0] == side), "no such line") for side in "-+")
+            raise UsageError(f"--profile {path} was measured for another recipe (the profile has {theirs} where this "
+                             f"recipe has {mine}); give the CONFIG and --set it was profiled with")
         return prof
 
     def size(grads) -> str:

@@ -52,7 +52,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     counts = validation_counts(prof, args.validate_nproc) if args.validate else None  # bad input: before any file
     link = preset or Link(name="measured", **prof["links"]["all_reduce"])
     limit = _device_limit(args.device_memory_gb, prof)
-    per_node = args.devices_per_node if preset is not None else None  # CPU virtual devices here: no bound
+    # the devices of one machine the rows are priced on: a cluster's; a flat network preset's one; else one machine
+    machine = (args.devices_per_node if isinstance(preset, Cluster)
+               else 1 if preset is not None and preset.name in NETWORK_PRESETS else None)
+    # towers (one process) on one machine's devices: a preset's machine (a flat nvlink or pcie5: --devices-per-node)
+    per_node = (machine or args.devices_per_node) if preset is not None else None  # CPU virtual devices here: none
     host = host_memory(prof, preset)  # this machine's CPU: every process (or tower) in its memory
     rows, refused = [], {}
     for n in ns:
@@ -72,7 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:
                     continue
-                row["reason"] = _infeasible(row, limit, per_node, host)
+                row["reason"] = _infeasible(row, limit, per_node, host, machine,
+                                            flat_network=machine == 1 and not isinstance(preset, Cluster))
                 row["feasible"] = not row["reason"]
                 rows.append(row)
     too_large = data_refusals(cfg, args.data_dir, {r["per_replica_batch"] * r["replicas"] for r in rows})
@@ -96,9 +101,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranked = pl.rank(rows, args.objective)
     best = pl.recommendation(ranked)
     extra = list(args.overrides)
-    # the devices of one machine the rows were priced on: a cluster's; a flat network preset's one; else one machine
-    machine = (args.devices_per_node if isinstance(link, Cluster)
-               else 1 if preset is not None and link.name in NETWORK_PRESETS else None)
     for r in ranked:
         r["command"] = pl.command_line(r, args.config, extra, cfg.train.batch_size, str(prof["device"]).split(":")[0],
                                        machine)
@@ -157,10 +159,11 @@ def data_refusals(cfg, data_dir: str | None, batches: set[int]) -> dict[int, str
     """{global batch: why the recipe's task refuses it} for those of ``batches`` whose run ``paratrain train``
     would refuse: the task's own check when it is built with that ``train.batch_size`` (e.g. digits-cnn's
     "the training split has 1197 images, fewer than one global batch of 4096"), or an epoch of no step.
-    A larger batch never fits where a smaller one does not, so it builds the task for the largest and,
-    where that fails, bisects for the smallest that fails (about log2 of the batches' count builds).
-    Raises what the task raises for anything but the batch (its data missing: the plan's first build
-    has said so already)."""
+    A larger batch never fits where a smaller one does not (so for the built-in tasks; a task that refuses
+    small batches is missed, the safe way), so it builds the task for the largest and, where that fails,
+    bisects for the smallest that fails (about log2 of the batches' count builds). Any UsageError of a
+    build is a refusal of that batch: the plan built the task at the recipe's batch before (its data
+    missing has been said then)."""
     import dataclasses
 
     from ..runs import build_task
@@ -211,23 +214,30 @@ def host_demand(row: dict) -> float:
     return mem["total"] * row["n"] + mem.get("server", 0.0) * row["overrides"].get("num_ps", 0)
 
 
-def _infeasible(row: dict, limit: float | None, per_node: int | None, host: float | None = None) -> str:
+def _infeasible(row: dict, limit: float | None, per_node: int | None, host: float | None = None,
+                machine: int | None = None, flat_network: bool = False) -> str:
     """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
     (bytes; None: no limit), or towers (one process) over more devices than one machine holds
     (``per_node``, on a cluster's preset interconnect: a process drives its own machine's devices, as
     torch's DataParallel does; None: no bound, CPU virtual devices here), or, on this machine's CPU,
-    its processes' memory together (:func:`host_demand`) over the host's ``host`` bytes (None: no bound)."""
+    its processes' memory together (:func:`host_demand`) over the host's ``host`` bytes (None: no bound),
+    or a row over several machines of ``machine`` devices that the launcher cannot start as priced
+    (:func:`~.plan.launch_refusal`)."""
     need = row["memory"]["total"]
     if limit is not None and need > limit:
         return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
     if host is not None and host_demand(row) > host:
         return (f"its processes need {host_demand(row) / 1e9:.1f} GB of this host's {host / 1e9:.1f} GB of memory; "
                 f"use fewer devices")
+    if why := pl.launch_refusal(row, machine):
+        return why
     from ..strategies import STRATEGIES
 
     if per_node is not None and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
-        return (f"towers are one process, on one machine's devices: N = {row['n']} > --devices-per-node {per_node}; "
-                f"use a multi-process strategy")
+        bound = ("1, a flat network preset's machine of one device" if flat_network
+                 else f"--devices-per-node {per_node}")
+        return (f"towers are one process, on one machine's devices: N = {row['n']} > {bound}; use a multi-process "
+                f"strategy")
     return ""
 
 
@@ -268,12 +278,15 @@ def markdown(result: dict) -> str:
              f"profiled on {p['device']} ({p['cores']} cores{_elsewhere(result)}): {p['tokens_per_step']:g} {unit} "
              f"per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
-             f"objective {result['objective']}.", "",
+             f"objective {result['objective']} ({unit}/s{' per device' if result['objective'] == 'cost' else ''}).",
+             "",
              ("Strong scaling: the global batch is fixed at " + str(result["global_batch"]) if result["global_batch"]
               else "Weak scaling: each replica trains the recipe's batch (the command sets train.batch_size, the "
                    "global batch, to replicas x it; adjust the learning rate as your recipe does, train.lr_scaling)")
              + ".", "",
-             "Step parts in ms: compute (forward + backward + data), exposed communication, pipeline bubble, "
+             "Step parts in ms: compute (forward + backward + data), exposed communication (with what the "
+             "processes pay for meeting every step: sync BatchNorm, DDP's buffer broadcast, the wait for the last "
+             "rank), pipeline bubble, "
              "optimizer. Memory: predicted peak per device (GB). Error: this strategy's largest measured step-time "
              f"error at this N (at an N not measured, its largest at any N) on "
              f"{'the profiled machine' if _elsewhere(result) else 'this machine'} (`--validate`); "

@@ -66,14 +66,18 @@ def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrid
 def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, overrides: list[str]
                ) -> pl.Layout | None:
     """The layout ``paratrain plan`` ranks first at ``n`` devices on this machine (its recommendation
-    with ``--nproc n``: :func:`~.plan.rank` of every layout the recipe allows, no memory limit on this
-    machine's CPU), or None where no synchronous layout exists at ``n``."""
+    with ``--nproc n``: :func:`~.plan.rank` of every layout the recipe allows, no device memory limit on this
+    machine's CPU, its processes within the host's memory, :func:`~.plan_report.host_memory`), or None where no
+    synchronous layout exists at ``n``."""
+    from .plan_report import host_demand, host_memory
+
+    host = host_memory(prof, None)
     rows = []
     for lay in pl.layouts(n, prof, cfg):
         if pl.refusal(config, task, overrides, lay, pl.layout_batch(lay, prof["batch_size"])) is None:
             row = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
             if row is not None:
-                rows.append((lay, {**row, "feasible": True}))
+                rows.append((lay, {**row, "feasible": host is None or host_demand(row) <= host}))
     ranked = pl.rank([row for _, row in rows], "words_per_s")
     best = pl.recommendation(ranked)
     return next((lay for lay, row in rows if row is best), None)

@@ -104,8 +104,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{'bucket MB':>9}{extra}")
     for i, p in enumerate(preds):
         more = f" {plain[i].words_per_s:>14,.0f} {p.words_per_s / plain[i].words_per_s:>6.2f}" if plain else ""
-        bucket = f"{p.bucket_mb:g}" if p.n > 1 and cls.cost_model == "ring" and args.algorithm != "ps" else "-"
-        print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {1000 * p.exposed_comm_s + 0.0:>9.2f} {p.words_per_s:>14,.0f} "
+        bucket = f"{p.bucket_mb:g}" if p.n > 1 and "bucket_mb" in cls.dist_keys and args.algorithm != "ps" else "-"
+        print(f"{p.n:>6} {1000 * p.step_s:>10.2f} {max(0.0, 1000 * p.exposed_comm_s):>9.2f} {p.words_per_s:>14,.0f} "
               f"{p.speedup:>9.2f} {p.efficiency:>10.3f} {bucket:>9}{more}")
     if args.algorithm != "ps" and cls.cost_model == "ring":
         print(f"[predict] bucket size it would pick at N = {preds[-1].n}: {preds[-1].bucket_mb:g} MB")
