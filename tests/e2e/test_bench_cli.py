@@ -135,6 +135,9 @@ def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data,
     assert f"strategy {strategy};" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(row[0]) for row in rows] == ns
+    # a sharded optimizer's DTensor dispatch is plan's alone: predict says it leaves it out
+    assert ("what stepping it on DTensor shards costs beyond that is not in this curve" in r.stdout) == (
+        strategy != "pipeline")
     if strategy == "pipeline":  # the stages' measured shares, which the prediction is paced by
         assert "2 stages (dist.pipeline_split 'even'): share of a micro-batch's forward + backward" in r.stdout
     if ns[0] == 1:

@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from .commands import _load_config, _task, _units_per_step
 from .costmodel import with_extra_step_s
-from .strategy_model import pays_sync_batchnorm
+from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS, pays_sync_batchnorm
 from .sweep import MODELLED, BenchSpec, plan_runs, run_sweep
 
 
@@ -99,6 +99,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{base_latency_words(link.terms())}, {bw}; "
           f"strategy {args.strategy}" + (f", algorithm {args.algorithm}" if cls.cost_model == "ring" else "")
           + "; weak scaling, each replica on a device like the measured one" + _machines(link, args.algorithm))
+    if cls.cost_model in (SHARDED_OPTIMIZER, SHARDED_PARAMETERS):
+        print(f"[predict] {args.strategy} steps the optimizer on 1/N of the parameters; what stepping it on DTensor "
+              f"shards costs beyond that is not in this curve (paratrain plan measures and prices it), so its "
+              f"efficiency can exceed 1")
     extra = f" {'uncompressed/s':>14} {'gain':>6}" if plain else ""
     print(f"{'N':>6} {'step ms':>10} {'comm ms':>9} {unit + '/s':>14} {'speedup':>9} {'efficiency':>10} "
           f"{'bucket MB':>9}{extra}")
