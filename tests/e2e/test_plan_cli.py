@@ -249,6 +249,11 @@ def test_replanning_reads_the_cached_profile(planned, tiny_data):
     fewest = min(row["n"] for row in tied)
     assert best["n"] == fewest
     assert best["memory"]["total"] == min(row["memory"]["total"] for row in tied if row["n"] == fewest)
+    # the table shows the rate it ranks by: a words/s per device column, the recommendation's first
+    md = (tmp / "p" / "plan.md").read_text()
+    assert "| words/s | words/s per device | speedup |" in md and "objective cost (words/s per device)" in md
+    first = next(line for line in md.splitlines() if line.startswith("| 1 |")).split(" | ")
+    assert first[9].replace(",", "") == f"{plan['rows'][0]['units_per_s'] / plan['rows'][0]['n']:.0f}"
     print(f"re-plan from the cache: {time.monotonic() - t0:.1f} s")
 
 

@@ -272,6 +272,7 @@ def markdown(result: dict) -> str:
     unit, rows = result["unit"], result["rows"]
     p = result["profile"]
     limit = result["device_memory_bytes"]
+    cost_table = result["objective"] == "cost"  # the rate it ranks by: per device, a column of its own
     lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
              f"{_interconnect(result)}; device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}"
              f"{_host(result)}; "
@@ -291,8 +292,9 @@ def markdown(result: dict) -> str:
              f"error at this N (at an N not measured, its largest at any N) on "
              f"{'the profiled machine' if _elsewhere(result) else 'this machine'} (`--validate`); "
              "extrapolated: beyond what was measured.", "",
-             f"| rank | layout | N | step ms | compute | comm | bubble | optimizer | {unit}/s | speedup | "
-             f"efficiency | MFU | memory GB | fits | error | note |", "|" + "---|" * 16]
+             f"| rank | layout | N | step ms | compute | comm | bubble | optimizer | {unit}/s | "
+             + (f"{unit}/s per device | " if cost_table else "")
+             + "speedup | efficiency | MFU | memory GB | fits | error | note |", "|" + "---|" * (16 + cost_table)]
     for i, r in enumerate(rows, 1):
         note = []
         if not r["synchronous"]:
@@ -306,7 +308,9 @@ def markdown(result: dict) -> str:
         err = "-" if r["measured_error"] is None else f"{100 * r['measured_error']:.0f}%"
         lines.append(f"| {i} | {r['label']} | {r['n']} | {_f(1000 * r['step_s'])} | {_f(1000 * r['compute_s'])} | "
                      f"{_f(1000 * r['comm_s'])} | {_f(1000 * r['bubble_s'])} | {_f(1000 * r['optimizer_s'])} | "
-                     f"{_f(r['units_per_s'], 0)} | {_f(r['speedup'], 2)} | {_f(r['efficiency'], 2)} | "
+                     f"{_f(r['units_per_s'], 0)} | "
+                     + (f"{_f(r['units_per_s'] / r['n'], 0)} | " if cost_table else "")
+                     + f"{_f(r['speedup'], 2)} | {_f(r['efficiency'], 2)} | "
                      f"{_f(r['mfu'], 3)} | {_f(r['memory']['total'] / 1e9, 3)} | {'yes' if r['feasible'] else 'no'} | "
                      f"{err} | {'; '.join(note)} |")
     best = result["recommended"]
