@@ -174,7 +174,8 @@ def test_the_plan_gives_fsdp_the_two_process_meeting_table_its_unit_paths_were_m
 
     from paratrain.bench.strategy_model import predict_model
 
-    cfg = SimpleNamespace(dist=SimpleNamespace(reshard_after_forward=True, bucket_mb=25.0))
+    cfg = SimpleNamespace(dist=SimpleNamespace(reshard_after_forward=True, bucket_mb=25.0),
+                          train=SimpleNamespace(clip=0.0))
     two, four = [[0.001, 0.001], [0.004, 0.002]], [[0.001, 0.004], [0.004, 0.009]]
     inputs = {"units": [0, 2 * MIB], "fsdp_units": [[MIB, 1e-3, 3e-3, 2e-3]], "meetings": two}
     plain = predict_model("sharded_parameters", W, 2, LINK, cfg, inputs, overlap=False)

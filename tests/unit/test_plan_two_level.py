@@ -447,7 +447,9 @@ def test_a_clusters_step_lies_between_its_intra_node_links_and_its_networks(n, p
 
 def test_a_pipelines_sends_and_tied_ring_reach_its_formula_on_their_own_links():
     """step_parts (strategy_model) hands the formula ``links["p2p"]`` for the sends and
-    ``links["stages"]`` for the tied parameters' ring, each apart from the replicas' link."""
+    ``links["stages"]`` for the tied parameters' ring and the step's small all-reduces over the stages (the
+    loss and the 2 bubbles, 24 bytes of float64; with clipping the squared norm, 8 bytes), each apart from
+    the replicas' link."""
     from .test_plan_model import _Cls
     from paratrain.bench.strategy_model import STAGES
 
@@ -460,8 +462,24 @@ def test_a_pipelines_sends_and_tied_ring_reach_its_formula_on_their_own_links():
     base = step({})
     # 2 (S-1) = 2 sends of the activations' 1e6 bytes / 4 micro-batches each
     assert step({"p2p": WIRE}) - base == pytest.approx(2 * ((2.0 - 1.0) + 1e6 / 4 * (1.0 - 0.125)), rel=1e-9)
+    small = (24, 8) if Config().train.clip > 0 else (24,)
     assert step({"stages": WIRE}) - base == pytest.approx(
-        ring_allreduce_s(4e6, 2, WIRE) - ring_allreduce_s(4e6, 2, FAST), rel=1e-9)
+        sum(ring_allreduce_s(b, 2, WIRE) - ring_allreduce_s(b, 2, FAST) for b in (4e6, *small)), rel=1e-9)
+    # without tied parameters the small all-reduces remain: 2 (S-1) alphas and their bytes each
+    plain = {**INPUTS, "stage_profiles": {"2": {**INPUTS["stage_profiles"]["2"], "shared_bytes": 0.0}}}
+    untied = step_parts(_Cls(STAGES), layout, W, FAST, Config(), plain, links={"stages": WIRE})["step_s"]
+    assert untied - step_parts(_Cls(STAGES), layout, W, FAST, Config(), plain, links={})["step_s"] == pytest.approx(
+        sum(ring_allreduce_s(b, 2, WIRE) - ring_allreduce_s(b, 2, FAST) for b in small), rel=1e-9)
+    # a recipe that clips: the squared norm's 8 bytes too
+    import dataclasses
+
+    clipping = dataclasses.replace(Config(), train=dataclasses.replace(Config().train, clip=0.25))
+
+    def on(cfg, links):
+        return step_parts(_Cls(STAGES), layout, W, FAST, cfg, plain, links=links)["step_s"]
+    assert on(clipping, {"stages": WIRE}) - on(clipping, {}) == pytest.approx(
+        sum(ring_allreduce_s(b, 2, WIRE) - ring_allreduce_s(b, 2, FAST) for b in (24, 8)), rel=1e-9)
+    assert on(clipping, {}) - on(Config(), {}) == pytest.approx(ring_allreduce_s(8, 2, FAST), rel=1e-9)
 
 
 def test_the_plan_prices_each_layout_on_the_links_its_ranks_span(monkeypatch):

@@ -27,7 +27,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
                      activation_bytes: float, shared_bytes: float = 0.0, compute_scale: float = 1.0,
                      stage_fractions: Sequence[float] | None = None, stage_param_bytes: Sequence[float] | None = None,
                      microbatch_factor: float = 1.0, p2p_link: Link | None = None,
-                     stage_link: Link | None = None) -> Prediction:
+                     stage_link: Link | None = None, step_allreduce_bytes: Sequence[float] = ()) -> Prediction:
     """One ``pipeline`` step of ``replicas`` x ``stages`` processes with ``microbatches`` per replica.
     ``activation_bytes``: what one stage sends the next for a replica's whole batch (forward; the
     backward sends as many); ``shared_bytes``: parameters used by several stages (a tied embedding),
@@ -42,7 +42,10 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     above 1 (more processes than cores, taking turns), a stage waiting in the bubble leaves its core
     to the others: :func:`pipeline_schedule_s`. ``p2p_link``: a point-to-point send's own measured
     link for the activations (default ``link``); ``stage_link``: the link of the tied parameters'
-    all-reduce over the stages (default ``link``; ``link`` is the replicas' all-reduce's)."""
+    all-reduce over the stages (default ``link``; ``link`` is the replicas' all-reduce's).
+    ``step_allreduce_bytes``: the small all-reduces over the stages every step, after the schedule
+    (:class:`~paratrain.strategies.pipeline.Pipeline`: the loss and each stage's bubble, 8 (1 + S) bytes;
+    with gradient clipping the squared norm, 8 bytes), each priced on the stage link."""
     _check_n(replicas, "replicas")
     _check_n(stages, "stages")
     _check_n(microbatches, "microbatches")
@@ -62,6 +65,7 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
     # no tied parameters: no message
     shared = allreduce_s(shared_bytes, S, stage_link or link) if shared_bytes else 0.0
+    shared += sum(allreduce_s(b, S, stage_link or link) for b in step_allreduce_bytes)
     step = compute + 2 * (S - 1) * p2p + shared + allreduce_s(min(largest, total), replicas, link)
     return prediction(w, replicas * S, step, compute, "stages", optimizer_s=optimizer * s, replicas=replicas)
 

@@ -326,7 +326,8 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     step_dispatch = 0.0 if own else inputs.get("sharded_optimizer_s", 0.0)
     norm_dispatch = 0.0 if own else inputs.get("sharded_norm_s", 0.0)
     p = _formula(model, w, n, link, d, inputs, compute_scale=compute_scale, bucket=bucket, overlap=overlap,
-                 links=links, synchronous=synchronous, step_dispatch=step_dispatch, norm_dispatch=norm_dispatch)
+                 links=links, synchronous=synchronous, step_dispatch=step_dispatch, norm_dispatch=norm_dispatch,
+                 clipped=cfg.train.clip > 0)
     if p is None:
         return None
     return with_extra_step_s(p, sync_overhead_s(model, n, w, link, inputs, synchronous=synchronous,
@@ -336,7 +337,7 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
 
 def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, Any], *, compute_scale: float,
              bucket: float, overlap: bool, links: dict[str, Link], synchronous: bool, step_dispatch: float,
-             norm_dispatch: float) -> Prediction | None:
+             norm_dispatch: float, clipped: bool = False) -> Prediction | None:
     copy_s = copy_seconds(inputs["memory_copy"]) if inputs.get("memory_copy") else None
     meeting_s, path_meeting_s = meeting_fns(inputs)
     unit_path_s = unit_paths(inputs["fsdp_units"]) if inputs.get("fsdp_units") else None
@@ -375,7 +376,9 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
                                 compute_scale=compute_scale, stage_fractions=inputs.get("stage_fractions"),
                                 stage_param_bytes=inputs.get("stage_param_bytes"),
                                 microbatch_factor=inputs.get("microbatch_factor", 1.0), p2p_link=links.get("p2p"),
-                                stage_link=links.get("stages"))
+                                stage_link=links.get("stages"),
+                                # the loss and the bubbles (float64, 1 + S), and with clipping the squared norm
+                                step_allreduce_bytes=[8 * (1 + d.pipeline_stages)] + ([8] if clipped else []))
     if model == TOWERS:
         return predict_towers(w, n, link, output_bytes=inputs.get("output_bytes", 0.0), compute_scale=compute_scale,
                               shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
