@@ -984,7 +984,8 @@ def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatc
 
     import psutil
 
-    from paratrain.bench.plan_report import _infeasible, host_demand, host_memory
+    from paratrain.bench.plan_feasible import host_demand, host_memory
+    from paratrain.bench.plan_feasible import infeasible as _infeasible
 
     row = {"strategy": "allreduce", "n": 4, "overrides": {}, "memory": {"total": 3e9}}
     ps = {"strategy": "ps-sync", "n": 4, "overrides": {"num_ps": 2}, "memory": {"total": 1e9, "server": 2e9}}
@@ -1032,7 +1033,7 @@ def test_a_global_batch_the_training_split_cannot_fill_is_found_in_a_few_builds(
     from pathlib import Path
 
     import paratrain.runs as runs
-    from paratrain.bench.plan_report import data_refusals
+    from paratrain.bench.plan_feasible import data_refusals
     from paratrain.config import load
 
     cfg = load(str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml"))

@@ -80,22 +80,21 @@ _GPU_GAMMA = 3 / 3.35e12
 # protocols, which carry small messages at lower latency. eth25's alpha is an assumption.
 # Fit your own link with fit_alpha_beta / microbench.measured_link.
 NCCL_BASE_LATENCY_S = 8.4e-6
-_BASE = NCCL_BASE_LATENCY_S
 PRESETS: dict[str, Link] = {
     # NVLink 4 on H100 SXM: 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA datasheet).
     "nvlink": Link(name="nvlink", alpha_s=3.4e-6, beta_s_per_byte=1 / 450e9, gamma_s_per_byte=_GPU_GAMMA,
-                   base_latency_s=_BASE),
+                   base_latency_s=NCCL_BASE_LATENCY_S),
     # PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b ~ 64 GB/s per direction.
     "pcie5": Link(name="pcie5", alpha_s=5.7e-6, beta_s_per_byte=1 / 64e9, gamma_s_per_byte=_GPU_GAMMA,
-                   base_latency_s=_BASE),
+                   base_latency_s=NCCL_BASE_LATENCY_S),
     # NDR InfiniBand 400 Gb/s = 50 GB/s per direction; alpha: NCCL's network step (its proxy included).
     "ib400": Link(name="ib400", alpha_s=14e-6, beta_s_per_byte=1 / 50e9, gamma_s_per_byte=_GPU_GAMMA,
-                   base_latency_s=_BASE),
+                   base_latency_s=NCCL_BASE_LATENCY_S),
     # 25 GbE = 3.125 GB/s per direction; alpha of a TCP message through the kernel stack, an assumption
     # (NCCL's tuner gives any network 14 us a step, and every one the same base latency of a collective; a TCP
     # message through the kernel takes longer).
     "eth25": Link(name="eth25", alpha_s=40e-6, beta_s_per_byte=1 / 3.125e9, gamma_s_per_byte=_GPU_GAMMA,
-                   base_latency_s=_BASE),
+                   base_latency_s=NCCL_BASE_LATENCY_S),
 }
 
 

@@ -148,7 +148,7 @@ def hooked(w: Workload, n: int, hook: str | None, measured_hook: dict | None, dt
 def layout_batch(layout: Layout, recipe_batch: int, global_batch: int | None = None) -> int:
     """The global batch (``train.batch_size``) a layout's run trains: ``global_batch`` (``--global-batch``)
     where given, else weak scaling, the recipe's batch ``recipe_batch`` per replica x its replicas
-    (n / pipeline_stages), as :func:`~.plan.command_line` sets it."""
+    (n / pipeline_stages), as :func:`~.plan_command.command_line` sets it."""
     return global_batch or recipe_batch * (layout.n // layout.overrides.get("pipeline_stages", 1))
 
 

@@ -146,9 +146,9 @@ OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dic
 def malformed(prof: dict) -> list[str]:
     """The keys of ``prof`` that :data:`REQUIRED` names and it lacks, or that it holds in another type than
     :data:`REQUIRED` or :data:`OPTIONAL` give, and a block (``blocks``) that is not a mapping."""
-    def wrong(value, kind) -> bool:
-        return not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(
-            kind, tuple) else (kind,)))
+    def wrong(value, kind) -> bool:  # (a bool is an int to isinstance, not a number here)
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        return not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
     bad = [k for k, kind in REQUIRED.items() if wrong(prof.get(k), kind)]
     bad += [k for k, kind in OPTIONAL.items() if k in prof and wrong(prof[k], kind)]
     if "blocks" not in bad and not all(isinstance(b, dict) for b in prof["blocks"]):

@@ -16,7 +16,7 @@ from . import plan_profile
 from .costmodel import PRESETS, Link
 from .costmodel_cluster import NETWORK_PRESETS, Cluster
 from .plan_validate import GPU_LINK, on_gpu
-from .strategy_model import TOWERS
+from .plan_feasible import data_refusals, host_memory, infeasible
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -58,7 +58,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # towers (one process) on one machine's devices: a preset's machine (a flat nvlink or pcie5: --devices-per-node)
     per_node = (machine or args.devices_per_node) if preset is not None else None  # CPU virtual devices here: none
     host = host_memory(prof, preset)  # this machine's CPU: every process (or tower) in its memory
-    rows, refused = [], {}
+    flat_network = machine == 1 and not isinstance(preset, Cluster)
+    rows, refused, batches = [], {}, []  # batches[i]: rows[i]'s global batch (pl.layout_batch)
     for n in ns:
         for layout in pl.layouts(n, prof, cfg):
             batch = pl.layout_batch(layout, prof["batch_size"], args.global_batch)
@@ -76,14 +77,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                         global_batch=args.global_batch, checkpointing=ckpt)
                 if row is None:
                     continue
-                row["reason"] = _infeasible(row, limit, per_node, host, machine,
-                                            flat_network=machine == 1 and not isinstance(preset, Cluster))
+                row["reason"] = infeasible(row, limit, per_node, host, machine, flat_network=flat_network)
                 row["feasible"] = not row["reason"]
                 rows.append(row)
-    too_large = data_refusals(cfg, args.data_dir, {r["per_replica_batch"] * r["replicas"] for r in rows})
-    for r in rows:  # a global batch the training split cannot fill: the run would refuse it
-        if not r["reason"] and too_large.get(r["per_replica_batch"] * r["replicas"]):
-            r["reason"], r["feasible"] = too_large[r["per_replica_batch"] * r["replicas"]], False
+                batches.append(batch)
+    too_large = data_refusals(cfg, args.data_dir, set(batches))
+    for r, batch in zip(rows, batches):  # a global batch the training split cannot fill: the run would refuse it
+        if not r["reason"] and too_large.get(batch):
+            r["reason"], r["feasible"] = too_large[batch], False
     if limit is not None and not any(r["memory"]["total"] <= limit for r in rows):
         least = min(rows, key=lambda r: r["memory"]["total"])
         raise UsageError(f"no layout fits --device-memory-gb {args.device_memory_gb:g}: the smallest, {least['label']} "
@@ -153,92 +154,6 @@ def _gpu_nproc(ns: list[int], gpu: bool, preset: Link | Cluster | None, asked: s
     print("[plan] the profile is of a GPU: with --interconnect measured only N = 1 is planned (give --interconnect "
           f"{' | '.join(PRESETS)} or INTRA+INTER of them, e.g. nvlink+ib400, for more GPUs)", flush=True)
     return [1]
-
-
-def data_refusals(cfg, data_dir: str | None, batches: set[int]) -> dict[int, str]:
-    """{global batch: why the recipe's task refuses it} for those of ``batches`` whose run ``paratrain train``
-    would refuse: the task's own check when it is built with that ``train.batch_size`` (e.g. digits-cnn's
-    "the training split has 1197 images, fewer than one global batch of 4096"), or an epoch of no step.
-    A larger batch never fits where a smaller one does not (so for the built-in tasks; a task that refuses
-    small batches is missed, the safe way), so it builds the task for the largest and, where that fails,
-    bisects for the smallest that fails (about log2 of the batches' count builds). Any UsageError of a
-    build is a refusal of that batch: the plan built the task at the recipe's batch before (its data
-    missing has been said then)."""
-    import dataclasses
-
-    from ..runs import build_task
-
-    def why(batch: int) -> str:
-        sized = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch))
-        try:
-            steps = build_task(sized, data_dir, world_size=1).steps_per_epoch()
-        except UsageError as e:
-            return str(e)
-        return "" if steps > 0 else (f"an epoch of the training split holds no step of global batch {batch}; use "
-                                     f"fewer devices or a smaller --global-batch")
-
-    ordered = sorted(batches)
-    if not ordered or not (last := why(ordered[-1])):
-        return {}
-    lo, hi, reasons = 0, len(ordered) - 1, {ordered[-1]: last}  # ordered[hi] fails; find the first that does
-    while lo < hi:
-        mid = (lo + hi) // 2
-        reasons[ordered[mid]] = why(ordered[mid])
-        lo, hi = (lo, mid) if reasons[ordered[mid]] else (mid + 1, hi)
-    first = ordered[hi]
-    return {b: reasons.get(b) or f"a global batch of {b}, over {first}, which the task refuses: {reasons[first]}"
-            for b in ordered[hi:]}
-
-
-def host_memory(prof: dict, preset) -> float | None:
-    """This machine's memory (bytes, psutil) where the plan's rows run on it: a CPU's profile planned on
-    its measured links (``--interconnect measured``), measured on this host (its ``host``, the machine's
-    name, is this one's); None otherwise (a preset: devices of their own; a GPU's profile)."""
-    import platform
-
-    import psutil
-
-    if preset is not None or on_gpu(prof) or prof.get("host", platform.node()) != platform.node():
-        return None
-    return float(psutil.virtual_memory().total)
-
-
-def host_demand(row: dict) -> float:
-    """Bytes a row's processes hold together on one host: towers (one process) their memory, else each of
-    the N processes its peak, and a parameter server's K servers the busiest one's each."""
-    from ..strategies import STRATEGIES
-
-    mem = row["memory"]
-    if STRATEGIES[row["strategy"]].cost_model == TOWERS:
-        return mem["total"]
-    return mem["total"] * row["n"] + mem.get("server", 0.0) * row["overrides"].get("num_ps", 0)
-
-
-def _infeasible(row: dict, limit: float | None, per_node: int | None, host: float | None = None,
-                machine: int | None = None, flat_network: bool = False) -> str:
-    """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
-    (bytes; None: no limit), or towers (one process) over more devices than one machine holds
-    (``per_node``, on a cluster's preset interconnect: a process drives its own machine's devices, as
-    torch's DataParallel does; None: no bound, CPU virtual devices here), or, on this machine's CPU,
-    its processes' memory together (:func:`host_demand`) over the host's ``host`` bytes (None: no bound),
-    or a row over several machines of ``machine`` devices that the launcher cannot start as priced
-    (:func:`~.plan.launch_refusal`)."""
-    need = row["memory"]["total"]
-    if limit is not None and need > limit:
-        return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
-    if host is not None and host_demand(row) > host:
-        return (f"its processes need {host_demand(row) / 1e9:.1f} GB of this host's {host / 1e9:.1f} GB of memory; "
-                f"use fewer devices")
-    if why := pl.launch_refusal(row, machine):
-        return why
-    from ..strategies import STRATEGIES
-
-    if per_node is not None and STRATEGIES[row["strategy"]].cost_model == TOWERS and row["n"] > per_node:
-        bound = ("1, a flat network preset's machine of one device" if flat_network
-                 else f"--devices-per-node {per_node}")
-        return (f"towers are one process, on one machine's devices: N = {row['n']} > {bound}; use a multi-process "
-                f"strategy")
-    return ""
 
 
 def _device_limit(gb: float | None, prof: dict) -> float | None:

@@ -28,71 +28,11 @@ import tempfile
 from pathlib import Path
 
 from . import plan as pl
-from .costmodel_hooks import measured_hook
 from .plan_profile import run_steps
 from .plan_rank import simplicity
+from .plan_validate_runs import _runs, checkpointed_runs, plan_first  # noqa: F401 (API; validate calls them here)
 from .plan_validate_report import (between_runs, machine_drift, markdown, same_speed_errors,  # noqa: F401 (API)
                                    pct, profile_rounds_ms, side_by_side_ms, step_ms)
-
-
-def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
-          first: pl.Layout | None = None) -> list[tuple[pl.Layout, int]]:
-    """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
-    (N = 1: single); at N = 2 the bf16 hook's layouts too where this CPU's profile measured the
-    hook (``bf16_hook``: their price is that measurement's, :mod:`.costmodel_hooks`); and ``first``
-    (:func:`plan_first`, the layout the plan ranks first at N = 2) where it is not one of them
-    (another K, ZeRO-2, a hook), so that the recommendation scored is the plan's own."""
-    hooks_measured = bool(measured_hook(prof, on_this_machine=True))  # the runs are on this machine
-
-    def skipped_hook(hook: str | None, n: int) -> bool:  # a hook's layout not priced by its own measurement
-        return bool(hook) and not (hook == "bf16" and n == 2 and hooks_measured)
-
-    seen, out = set(), []
-    for n in ns:
-        for lay in pl.layouts(n, prof, cfg):
-            hook = lay.overrides.get("comm_hook")
-            key = (lay.strategy, n, hook)
-            if key in seen or any(isinstance(v, bool) for v in lay.overrides.values()) or skipped_hook(hook, n):
-                continue
-            seen.add(key)
-            # what the recipe refuses at the run's global batch (weak scaling) is not run
-            if pl.refusal(config, task, overrides, lay, pl.layout_batch(lay, prof["batch_size"])) is None:
-                out.append((lay, n))
-    if first is not None and 2 in ns and all(lay.label != first.label for lay, n in out if n == 2):
-        out.append((first, 2))
-    return out
-
-
-def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, overrides: list[str]
-               ) -> pl.Layout | None:
-    """The layout ``paratrain plan`` ranks first at ``n`` devices on this machine (its recommendation
-    with ``--nproc n``: :func:`~.plan.rank` of every layout the recipe allows, no device memory limit on this
-    machine's CPU, its processes within the host's memory, :func:`~.plan_report.host_memory`), or None where no
-    synchronous layout exists at ``n``."""
-    from .plan_report import host_demand, host_memory
-
-    host = host_memory(prof, None)
-    rows = []
-    for lay in pl.layouts(n, prof, cfg):
-        if pl.refusal(config, task, overrides, lay, pl.layout_batch(lay, prof["batch_size"])) is None:
-            row = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
-            if row is not None:
-                rows.append((lay, {**row, "feasible": host is None or host_demand(row) <= host}))
-    ranked = pl.rank([row for _, row in rows], "words_per_s")
-    best = pl.recommendation(ranked)
-    return next((lay for lay, row in rows if row is best), None)
-
-
-def checkpointed_runs(prof: dict, runs: list[tuple[pl.Layout, int]], config: str, task: str | None,
-                      overrides: list[str]) -> list[tuple[pl.Layout, int]]:
-    """``runs`` again with every block checkpointed (``--activation-checkpointing``), each labelled
-    ``+ checkpointing`` (:data:`~.plan.CHECKPOINTED`): the ones the recipe allows with
-    ``model.activation_checkpointing``; none where the profile found no blocks (nothing to checkpoint)."""
-    if not prof.get("blocks"):
-        return []
-    keyed = [*overrides, pl.CHECKPOINTING_KEY]
-    return [(pl.Layout(lay.strategy, lay.n, dict(lay.overrides), lay.label + pl.CHECKPOINTED), n) for lay, n in runs
-            if pl.refusal(config, task, keyed, lay, pl.layout_batch(lay, prof["batch_size"])) is None]
 
 
 def run_overrides(steps: int) -> tuple[int, tuple[str, ...]]:
