@@ -363,6 +363,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_memory_split() -> tuple[int, int] | None:
+    """This process' host memory now, in bytes: (private, shared), private its unique set size (pages no
+    other process maps: what each more process of a job adds to the host) and shared the rest of its
+    resident set (the libraries' pages, which every process of a job maps once for the host); psutil's
+    ``memory_full_info`` (Linux: /proc/PID/smaps). None where the platform does not tell."""
+    import psutil
+
+    try:
+        info = psutil.Process().memory_full_info()
+        return int(info.uss), max(0, int(info.rss - info.uss))
+    except (psutil.Error, AttributeError, OSError):
+        return None
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (a CUDA device's kernels run asynchronously), before a
     clock is read; nothing on a CPU."""

@@ -145,3 +145,23 @@ def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data,
     assert all(float(row[2]) > 0 for row in rows if int(row[0]) > 1)
     # a bucket where DDP buckets (zero1 is DDP with a sharded optimizer), none for fsdp or a pipeline
     assert all((row[6] == "-") == (strategy != "zero1" or int(row[0]) == 1) for row in rows), rows
+
+
+def test_predict_refuses_a_pipeline_before_measuring_anything(tmp_path):
+    """A pipeline the recipe cannot run is refused in one line before the one-device measurement: the
+    digits CNN has BatchNorm (the stages' statistics would differ from one device's), and --nproc
+    below the recipe's stages leaves no point to predict."""
+    from pathlib import Path
+
+    from .test_pipeline_cli import GPT
+
+    digits = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    bad = paratrain("predict", digits, "--strategy", "pipeline", "--nproc", "4", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--strategy pipeline: strategy 'pipeline' does not run a model with BatchNorm" in bad.stderr, bad.stderr
+    assert "measuring one device" not in bad.stdout and "Traceback" not in bad.stderr
+    (tmp_path / "gpt.toml").write_text(GPT)
+    bad = paratrain("predict", "gpt.toml", "--strategy", "pipeline", "--nproc", "1", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "--nproc 1: a pipeline of 2 stages needs at least 2 processes" in bad.stderr, bad.stderr
+    assert "measuring one device" not in bad.stdout and list(tmp_path.iterdir()) == [tmp_path / "gpt.toml"]

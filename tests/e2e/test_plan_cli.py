@@ -459,7 +459,14 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
     # the next plan shows each strategy's measured error beside its predictions
     again = paratrain("plan", "gpt.toml", "--data-dir", tiny_data, "--nproc", "1,2,4", "--out", "p", cwd=tmp,
                       timeout=300)
-    rows = json.loads((tmp / "p" / "plan.json").read_text())["rows"]
+    plan = json.loads((tmp / "p" / "plan.json").read_text())
+    rows = plan["rows"]
+    # this host's bound: each process' own memory beyond its tensors, from the profile's one-device runs
+    default = prof["workloads"][str(max(map(int, prof["workloads"])))]
+    assert default["host_private_bytes"] > prof["memory_measured"]["peak_bytes"] and default["host_shared_bytes"] > 0
+    assert plan["host_process_bytes"] == pytest.approx(default["host_private_bytes"]
+                                                       - prof["memory_measured"]["peak_bytes"])
+    assert "beyond its tensors and" in again.stdout, again.stdout
     two = [row for row in rows if row["n"] == 2 and row["label"] == row["strategy"]]
     assert two and all(row["measured_error"] is not None and not row["extrapolated"] for row in two)
     assert all(row["extrapolated"] for row in rows if row["n"] == 4)

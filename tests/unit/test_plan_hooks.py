@@ -151,12 +151,12 @@ def test_the_validation_runs_the_bf16_layouts_at_two_where_the_hook_was_measured
     monkeypatch.setattr(pl, "layouts", lambda n, prof, cfg: lays(n))
     monkeypatch.setattr(pl, "refusal", lambda *a: None)
     measured = {"device": "cpu", "bf16_hook": MEASURED, "batch_size": 8}
-    runs = pv._runs(measured, None, [1, 2, 4], "c.toml", None, [])
+    runs = pv.validation_runs(measured, None, [1, 2, 4], "c.toml", None, [])
     assert [(lay.label, n) for lay, n in runs] == [("allreduce", 1), ("allreduce", 2), ("allreduce + bf16 hook", 2),
                                                    ("allreduce", 4)]
     for prof in ({"device": "cpu", "batch_size": 8}, {"device": "cuda:0", "bf16_hook": MEASURED, "batch_size": 8}):
         # not measured: priced by bytes
-        assert [lay.label for lay, _ in pv._runs(prof, None, [2], "c.toml", None, [])] == ["allreduce"]
+        assert [lay.label for lay, _ in pv.validation_runs(prof, None, [2], "c.toml", None, [])] == ["allreduce"]
 
 
 def test_the_bucket_of_a_hooked_layout_is_the_one_its_own_step_formula_prices_fastest():

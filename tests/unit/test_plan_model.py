@@ -977,27 +977,41 @@ def test_the_plan_bounds_this_machines_rows_by_the_hosts_memory_end_to_end(monke
 def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatch):
     """Planned on this machine's measured links, a CPU's rows run here: N processes hold N peaks (a
     parameter server's K servers the busiest's each; towers, one process, their own) in the host's
-    memory, and a row over it is infeasible with what it needs (ptb_small's 1024 CPU towers: 60.7 GB of
-    the 2-vCPU VM's 25.3 were once recommended). A preset's devices, a GPU's profile or a profile from
-    another host have no such bound."""
+    memory, each process its own memory beyond its tensors too and the shared pages once, and a row
+    over it is infeasible with what it needs (ptb_small's 1024 CPU towers: 60.7 GB of the 2-vCPU VM's
+    25.3 were once recommended). A preset's devices, a GPU's profile or a profile from another host
+    have no such bound."""
     import platform
 
     import psutil
 
-    from paratrain.bench.plan_feasible import host_demand, host_memory
+    from paratrain.bench.plan_feasible import HostMemory, host_demand, host_memory
     from paratrain.bench.plan_feasible import infeasible as _infeasible
 
     row = {"strategy": "allreduce", "n": 4, "overrides": {}, "memory": {"total": 3e9}}
     ps = {"strategy": "ps-sync", "n": 4, "overrides": {"num_ps": 2}, "memory": {"total": 1e9, "server": 2e9}}
     towers = {"strategy": "replicate", "n": 64, "overrides": {}, "memory": {"total": 30e9}}
     assert host_demand(row) == 12e9 and host_demand(ps) == 4e9 + 4e9 and host_demand(towers) == 30e9
-    assert _infeasible(row, None, None, 10e9) == ("its processes need 12.0 GB of this host's 10.0 GB of memory; use "
-                                                  "fewer devices")
-    assert _infeasible(row, None, None, 12e9) == "" == _infeasible(row, None, None, None)
-    assert _infeasible(towers, None, None, 25e9).startswith("its processes need 30.0 GB")
+    own = HostMemory(total=100e9, process=0.5e9, shared=0.2e9)
+    assert host_demand(row, own) == pytest.approx(4 * 3.5e9 + 0.2e9)  # 4 processes, the libraries once
+    assert host_demand(ps, own) == pytest.approx(4 * 1.5e9 + 2 * 2.5e9 + 0.2e9)  # 4 workers, 2 servers
+    assert host_demand(towers, own) == pytest.approx(30.7e9)  # one process
+    assert _infeasible(row, None, None, HostMemory(10e9)) == (
+        "its processes need 12.0 GB of this host's 10.0 GB of memory; use fewer devices")
+    assert _infeasible(row, None, None, HostMemory(12e9)) == "" == _infeasible(row, None, None, None)
+    assert _infeasible(row, None, None, HostMemory(12e9, process=0.1e9)).startswith("its processes need 12.4 GB")
+    assert _infeasible(towers, None, None, HostMemory(25e9)).startswith("its processes need 30.0 GB")
     here = {"device": "cpu", "host": platform.node()}
-    assert host_memory(here, None) == float(psutil.virtual_memory().total)
-    assert host_memory({"device": "cpu"}, None) == float(psutil.virtual_memory().total)
+    total = float(psutil.virtual_memory().total)
+    assert host_memory(here, None) == HostMemory(total) == host_memory({"device": "cpu"}, None)
+    # a process' own: the one-device run's private memory at its end (the default threads': the most) less the
+    # profile's tracked peak of a step; the shared pages as measured
+    measured = {**here, "memory_measured": {"peak_bytes": 100e6},
+                "workloads": {"1": {"host_private_bytes": 1e9, "host_shared_bytes": 1e9},
+                              "2": {"host_private_bytes": 900e6, "host_shared_bytes": 300e6}}}
+    assert host_memory(measured, None) == HostMemory(total, process=800e6, shared=300e6)
+    measured["memory_measured"]["peak_bytes"] = 2e9  # never below nothing
+    assert host_memory(measured, None) == HostMemory(total, process=0.0, shared=300e6)
     assert host_memory(here, object()) is None  # a preset
     assert host_memory({**here, "device": "cuda:0"}, None) is None
     assert host_memory({**here, "host": platform.node() + "-other"}, None) is None
@@ -1722,7 +1736,7 @@ def test_a_plan_row_is_extrapolated_beyond_the_measured_n_and_off_the_measured_l
 
 def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch):
     """plan_validate.plan_first is the plan's rank at N = 2 (the fastest synchronous layout, of a tie the
-    least memory; an asynchronous one never), and _runs adds it to each strategy's plain layout where
+    least memory; an asynchronous one never), and validation_runs adds it to each strategy's plain layout where
     it is another (a hook here), once."""
     from paratrain.bench import plan as pl
     from paratrain.bench import plan_validate as pv
@@ -1739,13 +1753,14 @@ def test_the_validation_runs_the_layout_the_plan_ranks_first_at_two(monkeypatch)
         "memory": {"total": 1.0}, "strategy": lay.strategy, "overrides": lay.overrides})
     first = pv.plan_first({"batch_size": 8}, None, None, 2, "c.toml", None, [])
     assert first.label == "allreduce + bf16 hook"  # the asynchronous one is faster and never recommended
-    runs = pv._runs({"batch_size": 8}, None, [1, 2], "c.toml", None, [], first)
+    runs = pv.validation_runs({"batch_size": 8}, None, [1, 2], "c.toml", None, [], first)
     assert [(lay.label, n) for lay, n in runs] == [("allreduce", 2), ("ps-async K=1", 2), ("allreduce + bf16 hook", 2)]
     rate["allreduce"] = 1100.0  # the plain layout first: run once
     first = pv.plan_first({"batch_size": 8}, None, None, 2, "c.toml", None, [])
-    assert [(lay.label, n) for lay, n in pv._runs({"batch_size": 8}, None, [2], "c.toml", None, [], first)] == [
-        ("allreduce", 2), ("ps-async K=1", 2)]
-    assert pv._runs({"batch_size": 8}, None, [1], "c.toml", None, [], first) == []  # N = 2 not validated: not added
+    runs = pv.validation_runs({"batch_size": 8}, None, [2], "c.toml", None, [], first)
+    assert [(lay.label, n) for lay, n in runs] == [("allreduce", 2), ("ps-async K=1", 2)]
+    # N = 2 not validated: not added
+    assert pv.validation_runs({"batch_size": 8}, None, [1], "c.toml", None, [], first) == []
 
 
 def test_the_validation_scores_the_recommendation_the_plan_makes():
@@ -2491,7 +2506,7 @@ def test_the_validation_with_activation_checkpointing_runs_each_layout_again_che
         "allreduce + checkpointing"]
 
     monkeypatch.setattr(pl, "refusal", lambda *a: None)
-    monkeypatch.setattr(pv, "_runs", lambda *a, **k: list(lays))
+    monkeypatch.setattr(pv, "validation_runs", lambda *a, **k: list(lays))
     monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])
     monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: None)
     predicted = []
@@ -2621,7 +2636,7 @@ def test_validation_measures_the_machines_speed_before_each_round_or_each_multi_
     events, speeds = [], iter([4.8, 5.0, 6.0, float("nan")])
     lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2),
             (pl.Layout("zero1", 2, {}, "zero1"), 2)]
-    monkeypatch.setattr(pv, "_runs", lambda *a, **k: lays)
+    monkeypatch.setattr(pv, "validation_runs", lambda *a, **k: lays)
     monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])  # the recommendation: allreduce
     monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: None if "no side-by-side" in pace else 4.8)
 

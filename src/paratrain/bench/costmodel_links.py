@@ -104,6 +104,13 @@ def base_s(n: int, link: Link) -> float:
     return link.base_latency_s if n > 1 else 0.0
 
 
+def base_latency_words(terms: dict) -> str:
+    """A header's words after a link's alpha for its base latency of a collective (NCCL's, on a preset:
+    :attr:`Link.base_latency_s`); nothing for a measured link (none). ``terms``: :meth:`Link.terms`'s dict."""
+    base = terms.get("base_latency_s", 0.0)
+    return f" a step + {base * 1e6:.1f} us a collective" if base else ""
+
+
 def _check_n(n: int, what: str = "n") -> None:
     if not (isinstance(n, (int, np.integer)) and n >= 1):
         raise UsageError(f"{what} = {n!r} must be an integer >= 1")
@@ -122,7 +129,7 @@ def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
     _check_n(n)
     if n == 1:
         return 0.0
-    return (link.base_latency_s + 2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
+    return (base_s(n, link) + 2 * (n - 1) * link.alpha_s + ring_allreduce_bytes(nbytes, n) * link.beta_s_per_byte
             + (n - 1) / n * nbytes * link.gamma_s_per_byte)
 
 
@@ -189,7 +196,7 @@ def allreduce_s(nbytes: float, n: int, link: Link) -> float:
         return ring
     if nbytes >= 64 * link.channels * n:
         ring += (RING_PLATEAU - 1) * 2 * (n - 1) * link.alpha_s
-    tree = (link.base_latency_s + link.tree_latency_s
+    tree = (base_s(n, link) + link.tree_latency_s
             + nbytes * link.beta_s_per_byte / (TREE_ALGORITHM_BANDWIDTH * tree_correction(nbytes))
             + nbytes * link.gamma_s_per_byte)
     return min(ring, tree)

@@ -46,13 +46,14 @@ from typing import Callable, Sequence
 from ..errors import UsageError
 from .costmodel import (FLOAT32_BYTES, MIB, PAT_BANDWIDTH, Link, Prediction, Workload, _check_n, allreduce_s,
                         predict, prediction)
+from .costmodel_links import base_s
 
 
 def ring_allgather_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a ring all-gather whose result is ``nbytes``: base + (n-1) alpha + (n-1)/n nbytes beta
     (base: ``link.base_latency_s``, NCCL's once a collective); 0 for n == 1."""
     _check_n(n)
-    return 0.0 if n == 1 else (link.base_latency_s + (n - 1) * link.alpha_s
+    return 0.0 if n == 1 else (base_s(n, link) + (n - 1) * link.alpha_s
                                + (n - 1) / n * nbytes * link.beta_s_per_byte)
 
 
@@ -60,7 +61,7 @@ def ring_reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
     """Seconds of a ring reduce-scatter of ``nbytes``: base + (n-1) alpha + (n-1)/n nbytes (beta + gamma)
     (base as :func:`ring_allgather_s`'s); 0 for n == 1."""
     _check_n(n)
-    return 0.0 if n == 1 else (link.base_latency_s + (n - 1) * link.alpha_s
+    return 0.0 if n == 1 else (base_s(n, link) + (n - 1) * link.alpha_s
                                + (n - 1) / n * nbytes * (link.beta_s_per_byte + link.gamma_s_per_byte))
 
 

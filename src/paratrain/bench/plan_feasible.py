@@ -4,6 +4,8 @@ over several machines (:func:`~.plan_command.launch_refusal`), and the global ba
 split cannot fill (:func:`data_refusals`). Split from :mod:`.plan_report`, which re-exports these names."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import UsageError
 from .plan_command import launch_refusal
 from .strategy_model import TOWERS
@@ -44,47 +46,74 @@ def data_refusals(cfg, data_dir: str | None, batches: set[int]) -> dict[int, str
             for b in ordered[hi:]}
 
 
-def host_memory(prof: dict, preset) -> float | None:
-    """This machine's memory (bytes, psutil) where the plan's rows run on it: a CPU's profile planned on
-    its measured links (``--interconnect measured``), measured on this host (its ``host``, the machine's
-    name, is this one's); None otherwise (a preset: devices of their own; a GPU's profile)."""
+@dataclass(frozen=True)
+class HostMemory:
+    """This host's memory where a plan's rows run on it (:func:`host_memory`), in bytes: ``total``
+    (psutil's), ``process``, what each training process holds beyond its tensors (the profile's one-device
+    ``paratrain train`` run: its private memory at the end less the profile's tracked peak of a step, at
+    least 0: the interpreter's, torch's and the allocator's own), and ``shared``, the resident pages the
+    processes share (the libraries': held once however many map them). ``process`` and ``shared`` are 0
+    for a profile that did not measure them (made before 2026-12-01; an optional measurement of version 44)."""
+    total: float
+    process: float = 0.0
+    shared: float = 0.0
+
+
+def host_memory(prof: dict, preset) -> HostMemory | None:
+    """This machine's memory where the plan's rows run on it: a CPU's profile planned on its measured links
+    (``--interconnect measured``), measured on this host (its ``host``, the machine's name, is this one's);
+    None otherwise (a preset: devices of their own; a GPU's profile). What a process holds beyond its
+    tensors: the profile's default-thread one-device run's (``workloads``' ``host_private_bytes`` and
+    ``host_shared_bytes``: :func:`~paratrain.devices.host_memory_split`), less ``memory_measured``'s
+    ``peak_bytes``."""
     import platform
 
     import psutil
 
+    from .plan_inputs import measured_workload
     from .plan_validate import on_gpu
 
     if preset is not None or on_gpu(prof) or prof.get("host", platform.node()) != platform.node():
         return None
-    return float(psutil.virtual_memory().total)
+    one = measured_workload(prof) or {}
+    private, shared = (one.get(k) if isinstance(one.get(k), (int, float)) else None
+                       for k in ("host_private_bytes", "host_shared_bytes"))
+    tracked = prof.get("memory_measured", {}).get("peak_bytes", 0.0)
+    return HostMemory(total=float(psutil.virtual_memory().total),
+                      process=max(0.0, private - tracked) if private is not None else 0.0,
+                      shared=float(shared or 0.0))
 
 
-def host_demand(row: dict) -> float:
+def host_demand(row: dict, host: HostMemory | None = None) -> float:
     """Bytes a row's processes hold together on one host: towers (one process) their memory, else each of
-    the N processes its peak, and a parameter server's K servers the busiest one's each."""
+    the N processes its peak, and a parameter server's K servers the busiest one's each; every process
+    ``host.process`` more, and ``host.shared`` once (None: neither). A pipeline's processes are each
+    counted at its busiest stage's peak (more than they hold, never less)."""
     from ..strategies import STRATEGIES
 
     mem = row["memory"]
+    process, shared = (host.process, host.shared) if host else (0.0, 0.0)
+    servers = row["overrides"].get("num_ps", 0)
     if STRATEGIES[row["strategy"]].cost_model == TOWERS:
-        return mem["total"]
-    return mem["total"] * row["n"] + mem.get("server", 0.0) * row["overrides"].get("num_ps", 0)
+        return mem["total"] + process + shared
+    return (mem["total"] + process) * row["n"] + (mem.get("server", 0.0) + process) * servers + shared
 
 
-def infeasible(row: dict, limit: float | None, per_node: int | None, host: float | None = None,
+def infeasible(row: dict, limit: float | None, per_node: int | None, host: HostMemory | None = None,
                 machine: int | None = None, flat_network: bool = False) -> str:
     """Why a predicted row cannot run ("" where it can): its peak memory per device over ``limit``
     (bytes; None: no limit), or towers (one process) over more devices than one machine holds
     (``per_node``, on a cluster's preset interconnect: a process drives its own machine's devices, as
     torch's DataParallel does; None: no bound, CPU virtual devices here), or, on this machine's CPU,
-    its processes' memory together (:func:`host_demand`) over the host's ``host`` bytes (None: no bound),
+    its processes' memory together (:func:`host_demand`) over the host's (``host``; None: no bound),
     or a row over several machines of ``machine`` devices that the launcher cannot start as priced
     (:func:`~.plan_command.launch_refusal`)."""
     need = row["memory"]["total"]
     if limit is not None and need > limit:
         return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
-    if host is not None and host_demand(row) > host:
-        return (f"its processes need {host_demand(row) / 1e9:.1f} GB of this host's {host / 1e9:.1f} GB of memory; "
-                f"use fewer devices")
+    if host is not None and host_demand(row, host) > host.total:
+        return (f"its processes need {host_demand(row, host) / 1e9:.1f} GB of this host's {host.total / 1e9:.1f} GB "
+                f"of memory; use fewer devices")
     if why := launch_refusal(row, machine):
         return why
     from ..strategies import STRATEGIES

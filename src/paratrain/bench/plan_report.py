@@ -15,6 +15,7 @@ from . import plan as pl
 from . import plan_profile
 from .costmodel import PRESETS, Link
 from .costmodel_cluster import NETWORK_PRESETS, Cluster
+from .costmodel_links import base_latency_words
 from .plan_validate import GPU_LINK, on_gpu
 from .plan_feasible import data_refusals, host_memory, infeasible
 
@@ -115,7 +116,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            "nics_per_node": link.nics_per_node,
                            "all_reduce": link.collective_link(2 * link.devices_per_node).terms()}
                           if isinstance(link, Cluster) else None),
-              "device_memory_bytes": limit, "devices_per_node": per_node, "host_memory_bytes": host,
+              "device_memory_bytes": limit, "devices_per_node": per_node, "host_memory_bytes": host and host.total,
+              # what each process holds beyond its tensors, and the pages they share (plan_feasible.HostMemory)
+              "host_process_bytes": host and host.process, "host_shared_bytes": host and host.shared,
               # one machine's devices in the commands (a flat network preset: 1; None: one machine)
               "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -284,16 +287,14 @@ def _interconnect(result: dict) -> str:
             f"PAT where faster and a group has one rank a machine), sends between two machines on one NIC")
 
 
-def base_latency_words(terms: dict) -> str:
-    """A header's words after a link's alpha for its base latency of a collective (NCCL's, on a preset:
-    :attr:`~.costmodel_links.Link.base_latency_s`); nothing for a measured link (none)."""
-    base = terms.get("base_latency_s", 0.0)
-    return f" a step + {base * 1e6:.1f} us a collective" if base else ""
-
-
 def _host(result: dict) -> str:
     host = result.get("host_memory_bytes")
-    return f" (this host's {host / 1e9:.1f} GB hold every process of a row)" if host else ""
+    if not host:
+        return ""
+    process, shared = result.get("host_process_bytes") or 0.0, result.get("host_shared_bytes") or 0.0
+    each = (f", each process {process / 1e9:.2f} GB beyond its tensors and {shared / 1e9:.2f} GB shared once"
+            if process or shared else ", counting their tensors only: the profile has not measured a process' own (--reprofile does)")
+    return f" (this host's {host / 1e9:.1f} GB hold every process of a row{each})"
 
 
 def _bw(link: dict) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from . import plan as pl
 from .plan_profile import run_steps
 from .plan_rank import simplicity
-from .plan_validate_runs import _runs, checkpointed_runs, plan_first  # noqa: F401 (API; validate calls them here)
+from .plan_validate_runs import checkpointed_runs, plan_first, validation_runs  # noqa: F401 (API; validate calls them)
 from .plan_validate_report import (between_runs, machine_drift, markdown, same_speed_errors,  # noqa: F401 (API)
                                    pct, profile_rounds_ms, side_by_side_ms, step_ms)
 
@@ -58,7 +58,7 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
         print(f"[plan] the profile is of a GPU: --validate runs N = 1 only (N = {', '.join(map(str, skipped))} "
               f"skipped: {GPU_LINK})", flush=True)
     first = plan_first(prof, cfg, link, 2, args.config, args.task, args.overrides) if 2 in ns else None
-    runs = _runs(prof, cfg, ns, args.config, args.task, args.overrides, first)
+    runs = validation_runs(prof, cfg, ns, args.config, args.task, args.overrides, first)
     checkpointed = [False] * len(runs)
     if getattr(args, "activation_checkpointing", False):  # each layout again with every block checkpointed
         more = checkpointed_runs(prof, runs, args.config, args.task, args.overrides)

@@ -1,4 +1,4 @@
-"""Which layouts ``paratrain plan --validate`` runs (``_runs``, :func:`checkpointed_runs`)
+"""Which layouts ``paratrain plan --validate`` runs (:func:`validation_runs`, :func:`checkpointed_runs`)
 and the one the plan ranks first on this machine (:func:`plan_first`). Split from :mod:`.plan_validate`,
 which re-exports these names."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from . import plan as pl
 from .costmodel_hooks import measured_hook
 
 
-def _runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
+def validation_runs(prof: dict, cfg, ns: list[int], config: str, task: str | None, overrides: list[str],
           first: pl.Layout | None = None) -> list[tuple[pl.Layout, int]]:
     """(layout, devices) to run: each modelled strategy's first plain layout at each N of ``ns``
     (N = 1: single); at N = 2 the bf16 hook's layouts too where this CPU's profile measured the
@@ -55,7 +55,7 @@ def plan_first(prof: dict, cfg, link, n: int, config: str, task: str | None, ove
         if _refusal(prof, config, task, overrides, lay) is None:
             row = pl.predict_layout(lay, prof, cfg, link, on_this_machine=True, global_batch=None)
             if row is not None:
-                rows.append((lay, {**row, "feasible": host is None or host_demand(row) <= host}))
+                rows.append((lay, {**row, "feasible": host is None or host_demand(row, host) <= host.total}))
     ranked = pl.rank([row for _, row in rows], "words_per_s")
     best = pl.recommendation(ranked)
     return next((lay for lay, row in rows if row is best), None)

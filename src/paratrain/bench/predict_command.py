@@ -12,6 +12,7 @@ from ..errors import UsageError
 from ..strategies import REFERENCE, STRATEGIES, modelled, owners
 from .commands import _load_config, _task, _units_per_step
 from .costmodel import with_extra_step_s
+from .costmodel_links import base_latency_words
 from .strategy_model import SHARDED_OPTIMIZER, SHARDED_PARAMETERS, pays_sync_batchnorm
 from .sweep import MODELLED, BenchSpec, plan_runs, run_sweep
 
@@ -46,6 +47,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's ({', '.join(owners('comm_hook'))}), "
                          f"not {args.strategy}'s")
     task = _task(cfg, args.data_dir)
+    _check_pipeline(args, cfg, task)  # before the one-device measurement: a refusal costs nothing
     rec, source = _single_step(args, cfg)
     tokens = _units_per_step(rec)
     w = workload_from_record(rec, model_gradient_bytes(task, cfg.train.dtype), tokens)
@@ -89,7 +91,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         extra = _sync_batchnorm_terms(args, cfg, link, [p.n for p in preds])
         preds = [with_extra_step_s(p, extra[p.n]) for p in preds]
         plain = plain and [with_extra_step_s(p, extra[p.n]) for p in plain]
-    from .plan_report import base_latency_words
 
     bw = f"{1 / link.beta_s_per_byte / 1e9:.2f} GB/s" if link.beta_s_per_byte else "inf"
     unit = getattr(task, "unit", "samples")
@@ -203,8 +204,6 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and device.type == "cpu"
                           else None):
         inputs = strategy_inputs(task, cfg, device)
-    if model == STAGES and "activation_bytes" not in inputs:
-        raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
     if model == STAGES:
         shares = " / ".join(f"{f:.2f}" for f in inputs["stage_fractions"])
         mib = " / ".join(f"{b / 2**20:.1f}" for b in inputs["stage_param_bytes"])
@@ -212,10 +211,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
         print(f"[predict] {cfg.dist.pipeline_stages} stages (dist.pipeline_split {plan!r}): share of a micro-batch's "
               f"forward + backward {shares}; parameters {mib} MiB; {cfg.dist.microbatches} micro-batches cost "
               f"{inputs['microbatch_factor']:.2f}x the whole batch (measured here)", flush=True)
-    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]
-    if not points:
-        raise UsageError(f"--nproc {args.nproc}: a pipeline of {cfg.dist.pipeline_stages} stages needs at least "
-                         f"{cfg.dist.pipeline_stages} processes")
+    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]  # (_check_pipeline: some)
     stages = _stages(args, cfg)
 
     def one(w, n: int, measured: dict | None):
@@ -225,6 +221,27 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
                                 links=placed)
 
     return lambda w, measured=None: [one(w, n, measured) for n in points]
+
+
+def _check_pipeline(args: argparse.Namespace, cfg, task) -> None:
+    """For a pipeline ``--strategy``: UsageError, one line, where ``--nproc`` is below its stages or the
+    task's model does not cut into ``dist.pipeline_stages`` stages (:func:`~paratrain.strategies.stages.cut_stages`,
+    :func:`~paratrain.strategies.stages.task_hooks`: why not, e.g. a model with BatchNorm); nothing otherwise.
+    Builds the model on the CPU, runs nothing."""
+    from .strategy_model import STAGES
+
+    if STRATEGIES[args.strategy].cost_model != STAGES:
+        return
+    stages = cfg.dist.pipeline_stages
+    if args.nproc < stages:
+        raise UsageError(f"--nproc {args.nproc}: a pipeline of {stages} stages needs at least {stages} processes")
+    from ..strategies.stages import cut_stages, task_hooks
+
+    try:
+        cut_stages(task.build_model(), stages, cfg.dist.pipeline_split)
+        task_hooks(task)
+    except UsageError as e:
+        raise UsageError(f"--strategy {args.strategy}: {e}") from None
 
 
 def _hook_payload(args: argparse.Namespace, hook: str) -> float:
@@ -288,7 +305,7 @@ def _plot_curve(preds, path: Path, title: str, unit: str = "words") -> None:
     a.set_ylabel(f"{unit}/s")
     b.plot(ns, [p.efficiency for p in preds], marker="o")
     b.set_ylabel("scaling efficiency S(N)/N")
-    b.set_ylim(0, 1.05)
+    b.set_ylim(0, max(1.05, 1.05 * max(p.efficiency for p in preds)))  # a sharded optimizer's can exceed 1
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])

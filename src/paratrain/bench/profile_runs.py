@@ -61,7 +61,9 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
     round, rank 0's forward / backward / data (with the loop's remaining overhead) / optimizer seconds
     (:func:`~.validate.workload_from_record`) and the standard deviation of its steps' local time from
     step to step (``local_sd_s``: :func:`~.timing.successive_difference_sd`, for
-    :func:`~.straggler.straggle_s`): {threads it ran with: [one dict per round]}. One-thread runs go
+    :func:`~.straggler.straggle_s`) and, on a CPU, its host memory at the end (``host_private_bytes``,
+    ``host_shared_bytes``: :func:`~paratrain.devices.host_memory_split`, for
+    :func:`~.plan_feasible.host_demand`): {threads it ran with: [one dict per round]}. One-thread runs go
     ``concurrent`` at a time (the mean of their steps): what each of that many processes computes
     while the others compute beside it on the same cores (shared caches, memory bandwidth and, on
     SMT machines, the cores' execution units), as N processes of a job do. ``repeats``: rounds over
@@ -94,7 +96,9 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
                     w = workload_from_record(rec, [0], rec["units_per_step"])
                     parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
                                   "optimizer_s": w.optimizer_s,
-                                  "local_sd_s": rec["rank0_timing_ms"].get("local_jitter_ms", 0.0) / 1000})
+                                  "local_sd_s": rec["rank0_timing_ms"].get("local_jitter_ms", 0.0) / 1000,
+                                  **{f"host_{k}_bytes": rec[f"host_{k}_mb"] * 2**20 for k in ("private", "shared")
+                                     if f"host_{k}_mb" in rec}})
                     key = str(rec["threads_per_process"])
                 got = {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
                 if copies > 1:

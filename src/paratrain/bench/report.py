@@ -43,7 +43,8 @@ def run_record(o: RunOutcome) -> dict[str, Any]:
                 "compute_skew": ranks["compute_skew"], "slowest_rank": ranks["slowest_rank"],
                 "breakdown_coverage": parts / measured if finite(measured) and measured > 0 else math.nan,
                 "valid_loss": o.summary.get("valid_loss"), "valid_ppl": o.summary.get("valid_ppl"),
-                "mfu": o.summary.get("mfu", math.nan), "peak_flops_source": o.summary.get("peak_flops_source")})
+                "mfu": o.summary.get("mfu", math.nan), "peak_flops_source": o.summary.get("peak_flops_source"),
+                **{k: o.summary[k] for k in ("host_private_mb", "host_shared_mb") if k in o.summary}})
     return rec
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..bench.timing import RankTimer, breakdown, write_rank_timing
-from ..devices import cpu_allocator_in_effect, peak_memory_bytes, synchronize
+from ..devices import cpu_allocator_in_effect, host_memory_split, peak_memory_bytes, synchronize
 from .metrics import MetricsLog, format_summary
 
 
@@ -123,6 +123,9 @@ class Bookkeeper:
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
             "cpu_allocator": cpu_allocator_in_effect(),  # host memory between steps (devices.apply_cpu_allocator)
         }
+        split = host_memory_split() if env.device.type == "cpu" else None
+        if split:  # rank 0's host memory at the end (the plan's host bound: plan_feasible.host_demand)
+            summary["host_private_mb"], summary["host_shared_mb"] = (round(b / 2**20, 1) for b in split)
         timing = self.timer.summary()
         write_rank_timing(self.run_dir, env.rank, {"rank": env.rank, "world_size": env.world_size,
                                                    "strategy": extra.get("strategy"),
