@@ -293,7 +293,8 @@ def _host(result: dict) -> str:
         return ""
     process, shared = result.get("host_process_bytes") or 0.0, result.get("host_shared_bytes") or 0.0
     each = (f", each process {process / 1e9:.2f} GB beyond its tensors and {shared / 1e9:.2f} GB shared once"
-            if process or shared else ", counting their tensors only: the profile has not measured a process' own (--reprofile does)")
+            if process or shared
+            else ", counting their tensors only: the profile has not measured a process' own (--reprofile does)")
     return f" (this host's {host / 1e9:.1f} GB hold every process of a row{each})"
 
 
