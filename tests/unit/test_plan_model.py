@@ -993,13 +993,16 @@ def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatc
     towers = {"strategy": "replicate", "n": 64, "overrides": {}, "memory": {"total": 30e9}}
     assert host_demand(row) == 12e9 and host_demand(ps) == 4e9 + 4e9 and host_demand(towers) == 30e9
     own = HostMemory(total=100e9, process=0.5e9, shared=0.2e9)
-    assert host_demand(row, own) == pytest.approx(4 * 3.5e9 + 0.2e9)  # 4 processes, the libraries once
-    assert host_demand(ps, own) == pytest.approx(4 * 1.5e9 + 2 * 2.5e9 + 0.2e9)  # 4 workers, 2 servers
+    # 4 processes and their launcher, the libraries once
+    assert host_demand(row, own) == pytest.approx(4 * 3.5e9 + 0.5e9 + 0.2e9)
+    assert host_demand(ps, own) == pytest.approx(4 * 1.5e9 + 2 * 2.5e9 + 0.5e9 + 0.2e9)  # 4 workers, 2 servers
+    one = {**row, "n": 1}
+    assert host_demand(one, own) == pytest.approx(3.5e9 + 0.2e9)  # one process: no launcher
     assert host_demand(towers, own) == pytest.approx(30.7e9)  # one process
     assert _infeasible(row, None, None, HostMemory(10e9)) == (
         "its processes need 12.0 GB of this host's 10.0 GB of memory; use fewer devices")
     assert _infeasible(row, None, None, HostMemory(12e9)) == "" == _infeasible(row, None, None, None)
-    assert _infeasible(row, None, None, HostMemory(12e9, process=0.1e9)).startswith("its processes need 12.4 GB")
+    assert _infeasible(row, None, None, HostMemory(12e9, process=0.1e9)).startswith("its processes need 12.5 GB")
     assert _infeasible(towers, None, None, HostMemory(25e9)).startswith("its processes need 30.0 GB")
     here = {"device": "cpu", "host": platform.node()}
     total = float(psutil.virtual_memory().total)
