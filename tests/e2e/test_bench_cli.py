@@ -147,21 +147,27 @@ def test_predict_covers_the_sharded_and_pipeline_strategies(tmp_path, tiny_data,
     assert all((row[6] == "-") == (strategy != "zero1" or int(row[0]) == 1) for row in rows), rows
 
 
-def test_predict_refuses_a_pipeline_before_measuring_anything(tmp_path):
+def test_predict_refuses_a_pipeline_before_measuring_anything(tmp_path, tiny_data):
     """A pipeline the recipe cannot run is refused in one line before the one-device measurement: the
-    digits CNN has BatchNorm (the stages' statistics would differ from one device's), and --nproc
-    below the recipe's stages leaves no point to predict."""
+    digits CNN has BatchNorm (the stages' statistics would differ from one device's), and predict's N
+    (the powers of 2 up to --nproc, and --nproc) must hold a multiple of the recipe's stages."""
     from pathlib import Path
 
     from .test_pipeline_cli import GPT
 
+    pytest.importorskip("sklearn")
     digits = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     bad = paratrain("predict", digits, "--strategy", "pipeline", "--nproc", "4", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert "--strategy pipeline: strategy 'pipeline' does not run a model with BatchNorm" in bad.stderr, bad.stderr
     assert "measuring one device" not in bad.stdout and "Traceback" not in bad.stderr
     (tmp_path / "gpt.toml").write_text(GPT)
-    bad = paratrain("predict", "gpt.toml", "--strategy", "pipeline", "--nproc", "1", cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
-    assert "--nproc 1: a pipeline of 2 stages needs at least 2 processes" in bad.stderr, bad.stderr
-    assert "measuring one device" not in bad.stdout and list(tmp_path.iterdir()) == [tmp_path / "gpt.toml"]
+    for args, said in ((("--nproc", "1"), "--nproc 1: a pipeline of 2 stages runs on a multiple of 2 processes"),
+                       (("--nproc", "4", "--set", "dist.pipeline_stages=3", "--set", "dist.nproc=3"),
+                        "--nproc 4: a pipeline of 3 stages runs on a multiple of 3 processes, and predict's N "
+                        "(1, 2, 4: the powers of 2 up to --nproc, and --nproc) hold none; give --nproc a "
+                        "multiple of 3")):
+        bad = paratrain("predict", "gpt.toml", "--strategy", "pipeline", *args, "--data-dir", tiny_data, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and said in bad.stderr, bad.stderr
+        assert "measuring one device" not in bad.stdout
+    assert list(tmp_path.iterdir()) == [tmp_path / "gpt.toml"]

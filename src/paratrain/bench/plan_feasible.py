@@ -52,11 +52,13 @@ class HostMemory:
     (psutil's), ``process``, what each training process holds beyond its tensors (the profile's one-device
     ``paratrain train`` run: its private memory at the end less the profile's tracked peak of a step, at
     least 0: the interpreter's, torch's and the allocator's own), and ``shared``, the resident pages the
-    processes share (the libraries': held once however many map them). ``process`` and ``shared`` are 0
-    for a profile that did not measure them (made before 2026-12-01; an optional measurement of version 44)."""
+    processes share (the libraries': held once however many map them). ``measured``: False, and
+    ``process`` and ``shared`` 0, for a profile that did not measure them (made before 2026-12-01; an
+    optional measurement of version 44)."""
     total: float
     process: float = 0.0
     shared: float = 0.0
+    measured: bool = False
 
 
 def host_memory(prof: dict, preset) -> HostMemory | None:
@@ -81,7 +83,7 @@ def host_memory(prof: dict, preset) -> HostMemory | None:
     tracked = prof.get("memory_measured", {}).get("peak_bytes", 0.0)
     return HostMemory(total=float(psutil.virtual_memory().total),
                       process=max(0.0, private - tracked) if private is not None else 0.0,
-                      shared=float(shared or 0.0))
+                      shared=float(shared or 0.0), measured=private is not None)
 
 
 def host_demand(row: dict, host: HostMemory | None = None) -> float:

@@ -118,7 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           if isinstance(link, Cluster) else None),
               "device_memory_bytes": limit, "devices_per_node": per_node, "host_memory_bytes": host and host.total,
               # what each process holds beyond its tensors, and the pages they share (plan_feasible.HostMemory)
-              "host_process_bytes": host and host.process, "host_shared_bytes": host and host.shared,
+              "host_process_bytes": host.process if host and host.measured else None,
+              "host_shared_bytes": host.shared if host and host.measured else None,
               # one machine's devices in the commands (a flat network preset: 1; None: one machine)
               "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -291,9 +292,9 @@ def _host(result: dict) -> str:
     host = result.get("host_memory_bytes")
     if not host:
         return ""
-    process, shared = result.get("host_process_bytes") or 0.0, result.get("host_shared_bytes") or 0.0
+    process, shared = result.get("host_process_bytes"), result.get("host_shared_bytes")
     each = (f", each process {process / 1e9:.2f} GB beyond its tensors and {shared / 1e9:.2f} GB shared once"
-            if process or shared
+            if process is not None and shared is not None
             else ", counting their tensors only: the profile has not measured a process' own (--reprofile does)")
     return f" (this host's {host / 1e9:.1f} GB hold every process of a row{each})"
 

@@ -46,6 +46,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if hook != "none" and "comm_hook" not in cls.dist_keys:
         raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's ({', '.join(owners('comm_hook'))}), "
                          f"not {args.strategy}'s")
+    ns = _points(args.nproc)
+    if _stages(args, cfg) > 1 and not any(n % cfg.dist.pipeline_stages == 0 for n in ns):
+        stages = cfg.dist.pipeline_stages
+        raise UsageError(f"--nproc {args.nproc}: a pipeline of {stages} stages runs on a multiple of {stages} "
+                         f"processes, and predict's N ({', '.join(map(str, ns))}: the powers of 2 up to --nproc, "
+                         f"and --nproc) hold none; give --nproc a multiple of {stages}")
     task = _task(cfg, args.data_dir)
     _check_pipeline(args, cfg, task)  # before the one-device measurement: a refusal costs nothing
     rec, source = _single_step(args, cfg)
@@ -58,9 +64,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         link = measured_link(2)
     else:
         link = preset
-    ns = [2 ** k for k in range(int(math.log2(args.nproc)) + 1)]
-    if ns[-1] != args.nproc:
-        ns.append(args.nproc)
     curve = _curve(args, cfg, task, link, ns)
     plain, hook_cost = None, None
     if (hook == "bf16" and args.interconnect == "measured" and args.algorithm == "ring"
@@ -118,6 +121,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
         _plot_curve(preds, args.plot, f"{link.name}, {args.strategy}", unit)
         print(f"[predict] wrote {args.plot}")
     return 0
+
+
+def _points(nproc: int) -> list[int]:
+    """The N predict predicts: the powers of 2 up to ``nproc``, and ``nproc``."""
+    ns = [2 ** k for k in range(int(math.log2(nproc)) + 1)]
+    return ns if ns[-1] == nproc else [*ns, nproc]
 
 
 def _machines(link, algorithm: str) -> str:
@@ -204,6 +213,8 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     with intra_op_threads(default_threads(cfg.dist.pipeline_stages) if model == STAGES and device.type == "cpu"
                           else None):
         inputs = strategy_inputs(task, cfg, device)
+    if model == STAGES and "activation_bytes" not in inputs:  # (_check_pipeline cut it; a safety net)
+        raise UsageError(f"--strategy {args.strategy}: the model of task {cfg.task.entry!r} does not pipeline")
     if model == STAGES:
         shares = " / ".join(f"{f:.2f}" for f in inputs["stage_fractions"])
         mib = " / ".join(f"{b / 2**20:.1f}" for b in inputs["stage_param_bytes"])
@@ -211,7 +222,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
         print(f"[predict] {cfg.dist.pipeline_stages} stages (dist.pipeline_split {plan!r}): share of a micro-batch's "
               f"forward + backward {shares}; parameters {mib} MiB; {cfg.dist.microbatches} micro-batches cost "
               f"{inputs['microbatch_factor']:.2f}x the whole batch (measured here)", flush=True)
-    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]  # (_check_pipeline: some)
+    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]  # (cmd_predict: some)
     stages = _stages(args, cfg)
 
     def one(w, n: int, measured: dict | None):
@@ -224,21 +235,22 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
 
 
 def _check_pipeline(args: argparse.Namespace, cfg, task) -> None:
-    """For a pipeline ``--strategy``: UsageError, one line, where ``--nproc`` is below its stages or the
-    task's model does not cut into ``dist.pipeline_stages`` stages (:func:`~paratrain.strategies.stages.cut_stages`,
+    """For a pipeline ``--strategy``: UsageError, one line, where the task's model does not cut into
+    ``dist.pipeline_stages`` stages (:func:`~paratrain.strategies.stages.cut_stages`,
     :func:`~paratrain.strategies.stages.task_hooks`: why not, e.g. a model with BatchNorm); nothing otherwise.
-    Builds the model on the CPU, runs nothing."""
+    Builds the model on the meta device (its structure alone), runs nothing."""
+    import torch
+
     from .strategy_model import STAGES
 
     if STRATEGIES[args.strategy].cost_model != STAGES:
         return
-    stages = cfg.dist.pipeline_stages
-    if args.nproc < stages:
-        raise UsageError(f"--nproc {args.nproc}: a pipeline of {stages} stages needs at least {stages} processes")
     from ..strategies.stages import cut_stages, task_hooks
 
     try:
-        cut_stages(task.build_model(), stages, cfg.dist.pipeline_split)
+        with torch.device("meta"):
+            model = task.build_model()
+        cut_stages(model, cfg.dist.pipeline_stages, cfg.dist.pipeline_split)
         task_hooks(task)
     except UsageError as e:
         raise UsageError(f"--strategy {args.strategy}: {e}") from None

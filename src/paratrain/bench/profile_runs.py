@@ -100,7 +100,7 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
                                   **{f"host_{k}_bytes": rec[f"host_{k}_mb"] * 2**20 for k in ("private", "shared")
                                      if f"host_{k}_mb" in rec}})
                     key = str(rec["threads_per_process"])
-                got = {k: statistics.fmean(p[k] for p in parts) for k in parts[0]}
+                got = {k: statistics.fmean(p[k] for p in parts) for k in parts[0] if all(k in p for p in parts)}
                 if copies > 1:
                     got["concurrent"] = copies
                 rounds.setdefault(key, []).append(got)
