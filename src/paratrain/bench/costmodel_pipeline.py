@@ -64,8 +64,9 @@ def predict_pipeline(w: Workload, replicas: int, stages: int, microbatches: int,
     # the bubble is idle compute (above the cores, other processes' turn)
     compute = pipeline_schedule_s(per_mb, M, s) + (w.data_s + optimizer) * s
     # no tied parameters: no message
-    shared = allreduce_s(shared_bytes, S, stage_link or link) if shared_bytes else 0.0
-    shared += sum(allreduce_s(b, S, stage_link or link) for b in step_allreduce_bytes)
+    tied = stage_link or link
+    shared = allreduce_s(shared_bytes, S, tied) if shared_bytes else 0.0
+    shared += sum(allreduce_s(b, S, tied) for b in step_allreduce_bytes)
     step = compute + 2 * (S - 1) * p2p + shared + allreduce_s(min(largest, total), replicas, link)
     return prediction(w, replicas * S, step, compute, "stages", optimizer_s=optimizer * s, replicas=replicas)
 

@@ -78,7 +78,7 @@ def host_memory(prof: dict, preset) -> HostMemory | None:
     if preset is not None or on_gpu(prof) or prof.get("host", platform.node()) != platform.node():
         return None
     one = measured_workload(prof) or {}
-    private, shared = (one.get(k) if isinstance(one.get(k), (int, float)) else None
+    private, shared = (v if isinstance(v := one.get(k), (int, float)) else None
                        for k in ("host_private_bytes", "host_shared_bytes"))
     tracked = prof.get("memory_measured", {}).get("peak_bytes", 0.0)
     return HostMemory(total=float(psutil.virtual_memory().total),
@@ -121,8 +121,8 @@ def infeasible(row: dict, limit: float | None, per_node: int | None, host: HostM
     need = row["memory"]["total"]
     if limit is not None and need > limit:
         return f"needs {need / 1e9:.2f} GB per device > {limit / 1e9:.2f} GB"
-    if host is not None and host_demand(row, host) > host.total:
-        return (f"its processes need {host_demand(row, host) / 1e9:.1f} GB of this host's {host.total / 1e9:.1f} GB "
+    if host is not None and (demand := host_demand(row, host)) > host.total:
+        return (f"its processes need {demand / 1e9:.1f} GB of this host's {host.total / 1e9:.1f} GB "
                 f"of memory; use fewer devices")
     if why := launch_refusal(row, machine):
         return why

@@ -47,11 +47,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--comm-hook {hook}: communication hooks are DDP's ({', '.join(owners('comm_hook'))}), "
                          f"not {args.strategy}'s")
     ns = _points(args.nproc)
-    if _stages(args, cfg) > 1 and not any(n % cfg.dist.pipeline_stages == 0 for n in ns):
-        stages = cfg.dist.pipeline_stages
+    if not _runnable(args, cfg, ns):
+        stages = _stages(args, cfg)
         raise UsageError(f"--nproc {args.nproc}: a pipeline of {stages} stages runs on a multiple of {stages} "
-                         f"processes, and predict's N ({', '.join(map(str, ns))}: the powers of 2 up to --nproc, "
-                         f"and --nproc) hold none; give --nproc a multiple of {stages}")
+                         f"processes, and predict's N ({', '.join(map(str, ns))}: the powers of 2 "
+                         f"up to --nproc, and --nproc) hold none; give --nproc a multiple of {stages}")
     task = _task(cfg, args.data_dir)
     _check_pipeline(args, cfg, task)  # before the one-device measurement: a refusal costs nothing
     rec, source = _single_step(args, cfg)
@@ -129,6 +129,11 @@ def _points(nproc: int) -> list[int]:
     return ns if ns[-1] == nproc else [*ns, nproc]
 
 
+def _runnable(args: argparse.Namespace, cfg, ns: list[int]) -> list[int]:
+    """The N of ``ns`` that ``--strategy`` runs on: every one, a pipeline's the multiples of its stages."""
+    return [n for n in ns if n % _stages(args, cfg) == 0]
+
+
 def _machines(link, algorithm: str) -> str:
     """The header's words for a flat network preset (ib400, eth25): every device its own machine and NIC,
     its all-reduces on NCCL's pick of rings and trees, its all-gathers of ring and PAT
@@ -188,7 +193,7 @@ def _sync_batchnorm_terms(args: argparse.Namespace, cfg, link, ns: list[int]) ->
 
 def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
     """(workload, a bf16 hook's measured cost or None) -> predictions at each N of ``ns`` for
-    ``--strategy`` (a pipeline: the N that are a multiple of its stages); with the hook's cost
+    ``--strategy`` (a pipeline: the N that are a multiple of its stages, :func:`_runnable`); with the hook's cost
     (:func:`~.microbench_hooks.measured_compress_hook`) each bucket is priced by it
     (:func:`~.costmodel_hooks.compress_hook_bucket_s` at that N). On a flat network preset (ib400, eth25)
     the collectives go on :func:`~.costmodel_cluster.flat_links`' links, as ``paratrain plan`` prices
@@ -222,8 +227,7 @@ def _curve(args: argparse.Namespace, cfg, task, link, ns: list[int]):
         print(f"[predict] {cfg.dist.pipeline_stages} stages (dist.pipeline_split {plan!r}): share of a micro-batch's "
               f"forward + backward {shares}; parameters {mib} MiB; {cfg.dist.microbatches} micro-batches cost "
               f"{inputs['microbatch_factor']:.2f}x the whole batch (measured here)", flush=True)
-    points = [n for n in ns if model != STAGES or n % cfg.dist.pipeline_stages == 0]  # (cmd_predict: some)
-    stages = _stages(args, cfg)
+    points, stages = _runnable(args, cfg, ns), _stages(args, cfg)
 
     def one(w, n: int, measured: dict | None):
         collective, placed = _links(link, n, stages, args.algorithm)

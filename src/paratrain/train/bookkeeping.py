@@ -123,7 +123,7 @@ class Bookkeeper:
             "peak_memory_mb": round(peak_memory_bytes(env.device) / 2**20, 1),
             "cpu_allocator": cpu_allocator_in_effect(),  # host memory between steps (devices.apply_cpu_allocator)
         }
-        split = host_memory_split() if env.device.type == "cpu" else None
+        split = host_memory_split() if env.device.type == "cpu" and self.log else None
         if split:  # rank 0's host memory at the end (the plan's host bound: plan_feasible.host_demand)
             summary["host_private_mb"], summary["host_shared_mb"] = (round(b / 2**20, 1) for b in split)
         timing = self.timer.summary()
