@@ -2021,6 +2021,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({}, {}))
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
+    monkeypatch.setattr(profile_runs, "loop_towers", lambda *a, **k: None)  # (its run failed: no key)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
                               task=None, overrides=[], data_dir=None)
@@ -2046,7 +2047,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     failing = ()  # the towers' steps plain and synchronised were timed in the profile's process: the processes' pair
     in_process["towers_forward_threads"] = {"towers": cores, "seconds": 0.01, "sync_batchnorm_s": 0.002}
     prof, _ = plan_profile.load_profile(args, cfg, None, tmp_path / "c")
-    assert loops[0] == (2, steps, (processes,))
+    assert loops[0] == (2, steps, (processes,)) and "loop_towers" not in prof
 
 
 def test_loop_buffer_broadcast_is_ddps_two_replica_step_with_the_broadcast_minus_without(monkeypatch, capsys):
@@ -2189,12 +2190,20 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
             got["1"] = [{**parts(4.0), "concurrent": concurrent}] * repeats
         return got
 
+    towers = cores if device == "cpu" and cores > 1 else 0  # CPU towers, one a core, timed in process
     monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
         "device": device, "cores": cores, "default_threads": cores, "batchnorm_inputs": [],
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.001, "backward_s": 0.001,
-                                              "optimizer_s": 0.0}}})
+                                              "optimizer_s": 0.0}},
+        **({"towers_forward_threads": {"towers": towers, "seconds": 0.002}} if towers else {})})
     monkeypatch.setattr(profile_runs, "loop_workload_rounds", rounds)
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: events.append("one-rank") or {})
+    looped = {"towers": towers, "data_s": 0.0, "forward_s": 0.002, "backward_s": 0.001, "optimizer_s": 0.0005}
+
+    def loop_towers(config, task, overrides, data_dir, batch, steps, n, repeats=1, accumulation=1):
+        events.append(("towers", n, steps, repeats))
+        return looped
+    monkeypatch.setattr(profile_runs, "loop_towers", loop_towers)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: events.append("ps") or ({}, {}))
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
@@ -2203,18 +2212,23 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     first = ("rounds", (None, 1) if device == "cpu" and cores > 1 else (None,), 2)
     if device == "cpu":
         if cores > 1:  # the PS jobs' loop runs where the workers share several cores, then a last round
-            assert events == [first, "one-rank", ("rounds", (None,), 1), "ps", ("rounds", (None,), 1)]
+            # the towers' step in the loop after the one-rank runs: at the in-process guess of 2 ms, a step of
+            # `cores` towers is priced cores x 2 ms, and run_steps gives the steps of that
+            steps = plan_profile.run_steps(6, 0.002 * cores, 2.0)
+            assert events == [first, "one-rank", ("towers", cores, steps, 2), ("rounds", (None,), 1), "ps",
+                              ("rounds", (None,), 1)]
+            assert prof["loop_towers"] == looped
             # 3.2, 3.0, 2.4, 2.5 ms: the lower middle of four is 2.5 ms, the last round
             assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.00125)
             assert prof["workloads"]["2"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024, 0.0025])
         else:  # one core: no loop runs after the one-rank runs, so no last round; 3.2, 3.0, 2.4: 3.0 ms
-            assert events == [first, "one-rank", ("rounds", (None,), 1)]
+            assert events == [first, "one-rank", ("rounds", (None,), 1)] and "loop_towers" not in prof
             assert prof["workloads"]["1"]["forward_s"] == pytest.approx(0.0015)
             assert prof["workloads"]["1"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024])
         if cores > 1:  # the one-thread runs side by side: their own rounds, not drawn again
             assert prof["workloads"]["1"] == {**parts(4.0), "concurrent": cores, "rounds_step_s": [0.004, 0.004]}
     else:  # a GPU's: its first rounds alone (3.2, 3.0: the lower middle 3.0)
-        assert events == [first, "one-rank"]
+        assert events == [first, "one-rank"] and "loop_towers" not in prof  # no CPU towers
         assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.0015)
 
 

@@ -12,7 +12,8 @@ from .costmodel import Link, Prediction, Workload, _check_n, prediction
 def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, compute_scale: float = 1.0,
                    shared_cores: bool = False, copy_s: Callable[[float], float] | None = None,
                    forward_side_by_side_s: float | None = None, joined: bool = False,
-                   backward_measured_s: float | None = None) -> Prediction:
+                   backward_measured_s: float | None = None, data_measured_s: float | None = None,
+                   optimizer_measured_s: float | None = None) -> Prediction:
     """One ``replicate`` step: n towers in one process, each on the measured per-replica batch
     (torch's DataParallel; Krizhevsky 2014, "One weird trick", and TensorFlow's towers). On separate
     devices, each phase after the other (DataParallel is synchronous): broadcast the parameters from
@@ -28,14 +29,18 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
     (none without ``copy_s``), unless ``joined``: ``forward_side_by_side_s`` was measured with the
     join and the loss on the joined outputs in it (:func:`~.microbench_towers.measured_towers_forward`).
     ``backward_measured_s``: that backward as measured after that forward (shared cores only; None: n x
-    backward)."""
+    backward). ``data_measured_s``, ``optimizer_measured_s``: the towers' data and optimizer step as
+    measured in the training loop (shared cores only; :func:`~.plan_inputs.loop_towers_parts`; None:
+    the one-device step's)."""
     _check_n(n)
     s, P = compute_scale, sum(w.param_bytes)
     towers = n if shared_cores else 1
     measured = shared_cores and forward_side_by_side_s is not None
     forward = forward_side_by_side_s if measured else w.forward_s * towers
     backward = backward_measured_s if shared_cores and backward_measured_s is not None else w.backward_s * towers
-    compute = (forward + backward + w.data_s + w.optimizer_s) * s
+    data = data_measured_s if shared_cores and data_measured_s is not None else w.data_s
+    optimizer = optimizer_measured_s if shared_cores and optimizer_measured_s is not None else w.optimizer_s
+    compute = (forward + backward + data + optimizer) * s
     if n == 1:
         comm = 0.0
     elif shared_cores:
@@ -44,7 +49,7 @@ def predict_towers(w: Workload, n: int, link: Link, *, output_bytes: float, comp
         comm = ((n - 1) * link.alpha_s + P * link.beta_s_per_byte
                 + 2 * (n - 1) * (link.alpha_s + output_bytes * link.beta_s_per_byte)
                 + (n - 1) * link.alpha_s + P * (link.beta_s_per_byte + link.gamma_s_per_byte))
-    return prediction(w, n, compute + comm, compute, "towers", optimizer_s=w.optimizer_s * s)
+    return prediction(w, n, compute + comm, compute, "towers", optimizer_s=optimizer * s)
 
 
 __all__ = ["predict_towers"]

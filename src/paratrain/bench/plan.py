@@ -41,10 +41,9 @@ from ..errors import UsageError
 from .costmodel import PRESETS, Link
 from .costmodel_cluster import CHANNELS_PER_NIC, Cluster, cluster, flat_links
 from .costmodel_hooks import measured_hook
-from .plan_inputs import (buffer_broadcast_s, meetings, memory_inputs, recompute_fraction,  # noqa: F401 (API)
-                          stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s, tower_sync_batchnorm_s,
-                          towers_backward_s,
-                          towers_forward_s, workload)
+from .plan_inputs import (buffer_broadcast_s, loop_towers_parts, meetings, memory_inputs,  # noqa: F401 (API)
+                          recompute_fraction, stage_outputs, sync_batchnorm_recompute_s, sync_batchnorm_s,
+                          tower_sync_batchnorm_s, towers_backward_s, towers_forward_s, workload)
 from .plan_memory import memory_per_device
 from .plan_model import Layout, best_bucket, layout_batch, refusal, step_parts  # noqa: F401 (refusal: API)
 from .plan_command import NODE0, NODE_RANK, command_line, launch_refusal, machines_of  # noqa: F401 (API)
@@ -209,6 +208,26 @@ CHECKPOINTING_KEY = "model.activation_checkpointing=true"
 """The ``--set`` a checkpointed row's run and its recipe's refusal check add."""
 
 
+def _cpu_towers(prof: dict, cfg, n: int, ratio: float, recompute_s: float, shared_cores: bool) -> dict[str, Any]:
+    """The towers' inputs of :func:`~.strategy_model.predict_model` for n CPU towers on this machine's
+    cores (none elsewhere): their step in the training loop where the profile has it
+    (:func:`~.plan_inputs.loop_towers_parts`, since 2026-12-01: forward with the join and the loss,
+    backward, data and optimizer), else their forward and backward timed in the profile's process
+    (:func:`~.plan_inputs.towers_forward_s`, :func:`~.plan_inputs.towers_backward_s`; since version 26
+    the forward with the join and the loss on it). ``recompute_s``: activation checkpointing's
+    forwards again in the one backward (every tower's in turn)."""
+    if not shared_cores:
+        return {"towers_forward_s": None, "towers_backward_s": None, "towers_forward_joined": False}
+    looped = loop_towers_parts(prof, cfg, n, ratio, recompute_s)
+    if looped:
+        return {"towers_forward_s": looped["forward_s"], "towers_backward_s": looped["backward_s"],
+                "towers_forward_joined": True, "towers_data_s": looped["data_s"],
+                "towers_optimizer_s": looped["optimizer_s"]}
+    return {"towers_forward_s": towers_forward_s(prof, n, ratio),
+            "towers_backward_s": towers_backward_s(prof, n, ratio, recompute_s),
+            "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined"))}
+
+
 def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_this_machine: bool,
                    global_batch: int | None, checkpointing: bool = False) -> dict[str, Any] | None:
     """One plan row: the layout's predicted step parts, throughput, speedup and efficiency (against
@@ -284,11 +303,7 @@ def predict_layout(layout: Layout, prof: dict, cfg, link: Link | Cluster, *, on_
               "fsdp_step_s": prof.get("fsdp_step_s") if shared_cores else None,
               # 2 processes: fsdp_units, zero1_step_s, fsdp_step_s
               "path_meetings": prof.get("meetings") if shared_cores else None,
-              "towers_forward_s": towers_forward_s(prof, n, ratio) if shared_cores else None,
-              # (the towers' one backward, in one thread: every tower's recompute in turn)
-              "towers_backward_s": towers_backward_s(prof, n, ratio, n * recompute) if shared_cores else None,
-              # a profile since version 26 measured the towers' join and loss in their forward
-              "towers_forward_joined": bool((prof.get("towers_forward_threads") or {}).get("joined")),
+              **_cpu_towers(prof, cfg, n, ratio, n * recompute, shared_cores),
               # the strategy's own work at one rank (any link: it is the device's): a GPU's at every N; a
               # CPU's on a preset (this machine's CPU rows price it between two processes: zero1_step_s, fsdp_units)
               "one_rank_s": (None if shared_cores else (prof.get("loop_one_rank_s") or {}).get(layout.strategy))}

@@ -39,7 +39,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import in_process_step_s, sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
-                               loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
+                               loop_towers, loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
                                sync_batchnorm_strategies, towers_sync_in_process)
     from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps, ps_loop_applies
 
@@ -47,10 +47,10 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     key = profile_key(config_text(cfg), available_cores())
     if args.reprofile and path.exists():
         path.unlink()
-    # the most progress() calls: the profile's 6; the loop's 4 (the one-rank runs; sync BatchNorm's or
-    # DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the PS jobs); the
-    # fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
-    phases = 12
+    # the most progress() calls: the profile's 6; the loop's 5 (the one-rank runs; the CPU towers; sync
+    # BatchNorm's or DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the PS jobs);
+    # the fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
+    phases = 13
 
     def measure() -> dict:
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
@@ -84,6 +84,14 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             # CPU's prices the presets (this machine's rows have their own two-process terms)
             progress("each strategy's own step: one-rank runs")
             prof["loop_one_rank_s"] = loop_one_rank_overheads(*recipe, steps, repeats=args.profile_repeats)
+            if prof.get("towers_forward_threads"):  # CPU towers, one a core (measurable in process)
+                towers = int(prof["towers_forward_threads"]["towers"])
+                progress(f"CPU towers in the loop's steps: {towers} towers")
+                # each step about towers times the one-device step's work: as many fewer steps
+                looped = loop_towers(*recipe, run_steps(args.profile_steps, guess * towers, args.timed_seconds),
+                                     towers, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                if looped:
+                    prof["loop_towers"] = looped
             later_round()
             if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
                 over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
@@ -133,7 +141,7 @@ REQUIRED = {"version": int, "device": str, "task": str, "unit": str, "batch_size
 
 OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dict, "loop_ps_stolen_s": dict,
             "loop_ps_guard_s": dict, "loop_sync_batchnorm_s": dict, "loop_sync_batchnorm_oversubscribed": dict,
-            "loop_buffer_broadcast_s": dict, "bf16_hook": dict,
+            "loop_buffer_broadcast_s": dict, "bf16_hook": dict, "loop_towers": dict,
             "fsdp_units": list,
             "checkpointing": (dict, type(None)),  # None: no blocks, or no room on the GPU for the model's copy
             "memory_copy": list, "meetings": list, "meetings_oversubscribed": dict, "ps_round_trips_loaded": dict,

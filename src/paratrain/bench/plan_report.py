@@ -120,6 +120,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
               # what each process holds beyond its tensors, and the pages they share (plan_feasible.HostMemory)
               "host_process_bytes": host.process if host and host.measured else None,
               "host_shared_bytes": host.shared if host and host.measured else None,
+              # what the CPU towers' rows on this machine are priced from (plan._cpu_towers); None: none measured
+              "cpu_towers_step": ("the training loop" if prof.get("loop_towers") else "the profile's process"
+                                  if prof.get("towers_forward_threads") else None) if host else None,
               # one machine's devices in the commands (a flat network preset: 1; None: one machine)
               "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -194,7 +197,7 @@ def markdown(result: dict) -> str:
     cost_table = result["objective"] == "cost"  # the rate it ranks by: per device, a column of its own
     lines = [f"# paratrain plan — {result['config']} ({result['date']})", "",
              f"{_interconnect(result)}; device memory {'unlimited' if limit is None else f'{limit / 1e9:.1f} GB'}"
-             f"{_host(result)}; "
+             f"{_host(result)}{_towers(result)}; "
              f"profiled on {p['device']} ({p['cores']} cores{_elsewhere(result)}): {p['tokens_per_step']:g} {unit} "
              f"per replica step, "
              f"{p['flops_per_unit'] / 1e6:.1f} MFLOP per {unit.rstrip('s')}, peak {p['peak_flops_source']}; "
@@ -297,6 +300,15 @@ def _host(result: dict) -> str:
             if process is not None and shared is not None
             else ", counting their tensors only: the profile has not measured a process' own (--reprofile does)")
     return f" (this host's {host / 1e9:.1f} GB hold every process of a row{each})"
+
+
+def _towers(result: dict) -> str:
+    """The header's words where this machine's CPU towers are priced from their timing in the profile's
+    process, not their step in the training loop (a profile made before 2026-12-01)."""
+    if result.get("cpu_towers_step") != "the profile's process":
+        return ""
+    return ("; CPU towers priced from their forward and backward timed in the profile's process (--reprofile "
+            "times their step in the training loop)")
 
 
 def _bw(link: dict) -> str:

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-PROFILE_VERSION = 44  # 44: a CPU's sync BatchNorm between processes (loop_sync_batchnorm_s, sync_batchnorm_s)
+PROFILE_VERSION = 44  # (since 2026-12-01 a CPU's profile of 44 may hold loop_towers, the towers' step in the
+# training loop, and its one-device runs' host memory: optional keys, without which the plan prices as before)
+# 44: a CPU's sync BatchNorm between processes (loop_sync_batchnorm_s, sync_batchnorm_s)
 # with its backward in one function (strategies.sync_batchnorm.GroupBatchNorm: 3 all-reduces a layer, was 4);
 # 43: what each pipeline stage's forward saves for a micro-batch (stage_saved_bytes, the
 # plan's split of the activations over the stages; was their compute's split), and the part of the

@@ -303,7 +303,9 @@ def predict_model(model: str, w: Workload, n: int, link: Link, cfg, inputs: dict
     (:func:`~.plan_ps.loop_guard`; None or absent: unpriced). ``inputs["memory_copy"]``: measured
     (bytes, seconds) of memory copies (:func:`~.costmodel_sharded.copy_seconds`), for CPU towers' join
     (unless ``inputs["towers_forward_joined"]``: their measured forward ``inputs["towers_forward_s"]``
-    holds it; ``inputs["towers_backward_s"]``, where not None: their backward measured after it), FSDP2's
+    holds it; ``inputs["towers_backward_s"]``, where not None: their backward measured after it;
+    ``inputs["towers_data_s"]``, ``inputs["towers_optimizer_s"]``, where not None: their data and
+    optimizer measured in the training loop, :func:`~.plan_inputs.loop_towers_parts`), FSDP2's
     buffers and ZeRO-1's rows; ``inputs["meetings"]``: measured (compute seconds, seconds) of a
     blocking collective inside a step (:func:`~.costmodel_sharded.meeting_seconds`), for ZeRO-1's and
     FSDP's collectives here and the wait for the last rank (:func:`straggler_wait_s`);
@@ -384,5 +386,7 @@ def _formula(model: str, w: Workload, n: int, link: Link, d, inputs: dict[str, A
                               shared_cores=inputs.get("shared_cores", False), copy_s=copy_s,
                               forward_side_by_side_s=inputs.get("towers_forward_s"),
                               backward_measured_s=inputs.get("towers_backward_s"),
-                              joined=inputs.get("towers_forward_joined", False))
+                              joined=inputs.get("towers_forward_joined", False),
+                              data_measured_s=inputs.get("towers_data_s"),
+                              optimizer_measured_s=inputs.get("towers_optimizer_s"))
     raise ValueError(f"no cost model named {model!r}; use one of {', '.join((*MODELS, PS))}")
