@@ -974,8 +974,23 @@ def test_the_plan_bounds_this_machines_rows_by_the_hosts_memory_end_to_end(monke
     assert plan["recommended"]["n"] < 64
     # a profile made before a process' own memory was measured: the tensors alone, and the header says so
     assert plan["host_process_bytes"] is None and plan["host_shared_bytes"] is None
+    said = capsys.readouterr().out
     assert ("this host's 1.0 GB hold every process of a row, counting their tensors only: the profile has not "
-            "measured a process' own (--reprofile does)") in capsys.readouterr().out
+            "measured a process' own (--reprofile does)") in said
+    # nor the towers' step in the training loop: its CPU towers are priced from the in-process timing, and it says so
+    assert plan["cpu_towers_step"] == {"source": "the profile's process", "n_at_least": 2}
+    clause = "; CPU towers (N >= 2) priced from their forward and backward timed in the profile's process"
+    assert clause in said
+    # with the towers' step in the loop: priced from it (the row at N = 4: its parts twice, the optimizer once)
+    looped = {"towers": 2, "data_s": 0.001, "forward_s": 0.05, "backward_s": 0.08, "optimizer_s": 0.006}
+    (tmp_path / "v.json").write_text(json.dumps({**json.loads(profile.read_text()), "loop_towers": looped}))
+    args.profile, args.out = tmp_path / "v.json", tmp_path / "q"
+    assert cmd_plan(args) == 0
+    plan = json.loads((tmp_path / "q" / "plan.json").read_text())
+    assert plan["cpu_towers_step"] == {"source": "the training loop", "n_at_least": 2}
+    assert clause not in capsys.readouterr().out
+    four = next(r for r in plan["rows"] if r["strategy"] == "replicate" and r["n"] == 4 and not r["checkpointing"])
+    assert four["step_s"] == pytest.approx(2 * (0.001 + 0.05 + 0.08) + 0.006)  # ptb_small: no BatchNorm
 
 
 def test_on_this_machines_cpu_a_rows_processes_share_the_hosts_memory(monkeypatch):

@@ -229,3 +229,10 @@ def test_each_key_the_plan_reads_missing_or_of_another_type_is_one_line_naming_i
         read_profile(_write(tmp, {**whole, "peak_flops": True}), cfg, task)
     with pytest.raises(UsageError, match="lacks blocks \\(each a mapping\\)"):
         read_profile(_write(tmp, {**whole, "blocks": [*whole["blocks"], 3]}), cfg, task)
+    # the towers' step in the loop (an optional key since 2026-12-01) read whole, or one line naming it
+    looped = {"towers": 2, "data_s": 0.0004, "forward_s": 0.0103, "backward_s": 0.0058, "optimizer_s": 0.0007}
+    assert read_profile(_write(tmp, {**whole, "loop_towers": looped}), cfg, task)["loop_towers"] == looped
+    for bad in ({k: v for k, v in looped.items() if k != "forward_s"}, {**looped, "towers": 2.0},
+                {**looped, "optimizer_s": "x"}):
+        with pytest.raises(UsageError, match="lacks loop_towers \\(towers, data_s"):
+            read_profile(_write(tmp, {**whole, "loop_towers": bad}), cfg, task)

@@ -296,23 +296,27 @@ def towers_backward_s(prof: dict, n: int, ratio: float = 1.0, extra_s: float = 0
 def loop_towers_parts(prof: dict, cfg, n: int, ratio: float = 1.0, extra_s: float = 0.0) -> dict[str, float] | None:
     """n CPU towers' step parts on this machine's cores from the training loop's step of m towers, one
     per core (``loop_towers``, :func:`~.profile_runs.loop_towers`; an optional key since 2026-12-01):
-    ``{"forward_s", "backward_s", "data_s", "optimizer_s"}``. The data, forward and backward times
-    n / m (each core runs n / m towers in turn), the batch scaled by ``ratio``; the forward less the
-    synchronised BatchNorm of m towers (:func:`tower_sync_batchnorm_s` at m: the loop's forward holds
-    it, and the plan adds the term at n apart); the backward plus ``extra_s`` (activation
-    checkpointing's forwards again, every tower's in turn); the optimizer as measured (the parameters
-    do not change with n or the batch). At n = m and ratio 1 the parts add up, with the sync term at n,
-    to the loop's step. None where not measured (an older profile, a GPU's, a failed run: the plan then
-    prices the towers from their timing in the profile's process, :func:`towers_forward_s` and
-    :func:`towers_backward_s`) or n < m (towers of several threads each)."""
+    ``{"forward_s", "backward_s", "data_s", "optimizer_s"}``. The loop's forward and backward hold the
+    synchronised BatchNorm of m towers (:func:`tower_sync_batchnorm_s` at m; its meetings sit in both),
+    which the plan adds at n apart: it is taken out of the two in proportion to their seconds (neither
+    below 0). Then the data, forward and backward times n / m (each core runs n / m towers in turn), the
+    batch scaled by ``ratio`` (the data part holds the loop's bookkeeping around the step too,
+    :func:`~.validate.workload_from_record`, which does not grow with n: a small over-count above m);
+    the backward plus ``extra_s`` (activation checkpointing's forwards again, every tower's in turn);
+    the optimizer as measured (the parameters do not change with n or the batch). At n = m and ratio 1
+    the parts add up, with the sync term at n, to the loop's step. None where not measured (an older
+    profile, a GPU's, a failed run: the plan then prices the towers from their timing in the
+    profile's process, :func:`towers_forward_s` and :func:`towers_backward_s`) or n < m (towers of
+    several threads each)."""
     got = prof.get("loop_towers")
     if not got or n < int(got["towers"]):
         return None
     m = int(got["towers"])
     share = ratio * n / m
-    synced = tower_sync_batchnorm_s(prof, cfg, m, True)
-    return {"forward_s": max(0.0, got["forward_s"] - synced) * share,
-            "backward_s": got["backward_s"] * share + extra_s,
+    both = got["forward_s"] + got["backward_s"]
+    kept = max(0.0, both - tower_sync_batchnorm_s(prof, cfg, m, True)) / both if both > 0 else 0.0
+    return {"forward_s": got["forward_s"] * kept * share,
+            "backward_s": got["backward_s"] * kept * share + extra_s,
             "data_s": got["data_s"] * share, "optimizer_s": got["optimizer_s"]}
 
 

@@ -153,7 +153,8 @@ OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dic
 
 def malformed(prof: dict) -> list[str]:
     """The keys of ``prof`` that :data:`REQUIRED` names and it lacks, or that it holds in another type than
-    :data:`REQUIRED` or :data:`OPTIONAL` give, and a block (``blocks``) that is not a mapping."""
+    :data:`REQUIRED` or :data:`OPTIONAL` give, a block (``blocks``) that is not a mapping, and a
+    ``loop_towers`` without its count and parts in seconds."""
     def wrong(value, kind) -> bool:  # (a bool is an int to isinstance, not a number here)
         kinds = kind if isinstance(kind, tuple) else (kind,)
         return not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
@@ -161,6 +162,10 @@ def malformed(prof: dict) -> list[str]:
     bad += [k for k, kind in OPTIONAL.items() if k in prof and wrong(prof[k], kind)]
     if "blocks" not in bad and not all(isinstance(b, dict) for b in prof["blocks"]):
         bad.append("blocks (each a mapping)")
+    looped = prof.get("loop_towers")
+    if isinstance(looped, dict) and (wrong(looped.get("towers"), int) or any(
+            wrong(looped.get(k), _NUMBER) for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))):
+        bad.append("loop_towers (towers, data_s, forward_s, backward_s, optimizer_s)")
     return bad
 
 

@@ -120,9 +120,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               # what each process holds beyond its tensors, and the pages they share (plan_feasible.HostMemory)
               "host_process_bytes": host.process if host and host.measured else None,
               "host_shared_bytes": host.shared if host and host.measured else None,
-              # what the CPU towers' rows on this machine are priced from (plan._cpu_towers); None: none measured
-              "cpu_towers_step": ("the training loop" if prof.get("loop_towers") else "the profile's process"
-                                  if prof.get("towers_forward_threads") else None) if host else None,
+              # what this machine's CPU towers rows are priced from (plan._cpu_towers), and from which N
+              "cpu_towers_step": _towers_source(prof) if preset is None else None,
               # one machine's devices in the commands (a flat network preset: 1; None: one machine)
               "machine_devices": machine,
               "objective": args.objective, "global_batch": args.global_batch,
@@ -302,13 +301,28 @@ def _host(result: dict) -> str:
     return f" (this host's {host / 1e9:.1f} GB hold every process of a row{each})"
 
 
+def _towers_source(prof: dict) -> dict | None:
+    """What the plan prices this machine's CPU towers from (:func:`~.plan._cpu_towers`): ``{"source": "the
+    training loop" or "the profile's process", "n_at_least": the towers measured, one a core}`` (below
+    it each tower has several threads, and a row is priced as N one-device forwards and backwards in
+    turn); None where neither was measured (a GPU's profile, one core)."""
+    looped, in_process = prof.get("loop_towers"), prof.get("towers_forward_threads")
+    if not (looped or in_process):
+        return None
+    return {"source": "the training loop" if looped else "the profile's process",
+            "n_at_least": int((looped or in_process)["towers"])}
+
+
 def _towers(result: dict) -> str:
     """The header's words where this machine's CPU towers are priced from their timing in the profile's
-    process, not their step in the training loop (a profile made before 2026-12-01)."""
-    if result.get("cpu_towers_step") != "the profile's process":
+    process, not their step in the training loop (a profile made before 2026-12-01, or whose towers' run
+    in the loop failed)."""
+    got = result.get("cpu_towers_step") or {}
+    if got.get("source") != "the profile's process":
         return ""
-    return ("; CPU towers priced from their forward and backward timed in the profile's process (--reprofile "
-            "times their step in the training loop)")
+    return (f"; CPU towers (N >= {got['n_at_least']}) priced from their forward and backward timed in the "
+            "profile's process: the profile has no step of theirs in the training loop (--reprofile times one, "
+            "unless its run fails)")
 
 
 def _bw(link: dict) -> str:
