@@ -2010,7 +2010,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     import argparse
     from pathlib import Path
 
-    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps, profile_runs_towers
     from paratrain.config import load
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
@@ -2036,7 +2036,7 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: ({}, {}))
     monkeypatch.setattr(profile_runs, "loop_sync_batchnorm", loop_sync_batchnorm)
-    monkeypatch.setattr(profile_runs, "loop_towers", lambda *a, **k: None)  # (its run failed: no key)
+    monkeypatch.setattr(profile_runs_towers, "loop_towers", lambda *a, **k: None)  # (its run failed: no key)
     monkeypatch.setattr("paratrain.env.available_cores", lambda: cores)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
                               task=None, overrides=[], data_dir=None)
@@ -2187,7 +2187,7 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     import argparse
     from pathlib import Path
 
-    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps, profile_runs_towers
     from paratrain.config import load
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "ptb_small.toml")
@@ -2218,7 +2218,7 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     def loop_towers(config, task, overrides, data_dir, batch, steps, n, repeats=1, accumulation=1):
         events.append(("towers", n, steps, repeats))
         return looped
-    monkeypatch.setattr(profile_runs, "loop_towers", loop_towers)
+    monkeypatch.setattr(profile_runs_towers, "loop_towers", loop_towers)
     monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: events.append("ps") or ({}, {}))
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
     args = argparse.Namespace(reprofile=True, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,

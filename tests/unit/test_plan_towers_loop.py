@@ -1,4 +1,4 @@
-"""CPU towers priced from their step in the training loop (profile_runs.loop_towers,
+"""CPU towers priced from their step in the training loop (profile_runs_towers.loop_towers,
 plan_inputs.loop_towers_parts): the loop's forward, backward, data and optimizer of m towers, one a
 core, scaled to n towers, its sync BatchNorm at m taken out and the plan's term at n put in."""
 from __future__ import annotations
@@ -97,13 +97,13 @@ def test_the_towers_model_takes_the_loops_data_and_optimizer_on_shared_cores_onl
 
 
 def test_loop_towers_runs_replicate_at_one_tower_a_core_and_keeps_the_median_round(monkeypatch, capsys):
-    """profile_runs.loop_towers with the runs stubbed: the commands (replicate over ``towers`` CPU devices of one
+    """profile_runs_towers.loop_towers with the runs stubbed: the commands (replicate over ``towers`` CPU devices of one
     process, the
     global batch towers x the recipe's batch, the recipe's keys, round after round) and the round
     kept (the median step, its parts together); a failed run, one that timed no step, or a batch that
     does not split into the micro-batches gives None and one line."""
     from paratrain.bench import report, runner, sweep, validate
-    from paratrain.bench.profile_runs import loop_towers
+    from paratrain.bench.profile_runs_towers import loop_towers
 
     # (data, forward, backward, optimizer) seconds of each round's rank 0
     rounds = [(0.0004, 0.0110, 0.0060, 0.0007), (0.0004, 0.0103, 0.0058, 0.0007), (0.0004, 0.0090, 0.0050, 0.0006)]

@@ -295,7 +295,7 @@ def towers_backward_s(prof: dict, n: int, ratio: float = 1.0, extra_s: float = 0
 
 def loop_towers_parts(prof: dict, cfg, n: int, ratio: float = 1.0, extra_s: float = 0.0) -> dict[str, float] | None:
     """n CPU towers' step parts on this machine's cores from the training loop's step of m towers, one
-    per core (``loop_towers``, :func:`~.profile_runs.loop_towers`; an optional key since 2026-12-01):
+    per core (``loop_towers``, :func:`~.profile_runs_towers.loop_towers`; an optional key since 2026-12-01):
     ``{"forward_s", "backward_s", "data_s", "optimizer_s"}``. The loop's forward and backward hold the
     synchronised BatchNorm of m towers (:func:`tower_sync_batchnorm_s` at m; its meetings sit in both),
     which the plan adds at n apart: it is taken out of the two in proportion to their seconds (neither

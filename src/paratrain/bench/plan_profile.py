@@ -13,6 +13,7 @@ import functools
 import math
 from pathlib import Path
 
+from .plan_inputs import STEP_PARTS
 
 TIMED_S = 2.0
 """The least seconds of timed steps in a run of the profile or of ``--validate`` (:func:`run_steps`)."""
@@ -39,9 +40,10 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from .profile_cache import cached_profile, profile_key
     from .plan_inputs import in_process_step_s, sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
-                               loop_towers, loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
+                               loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
                                sync_batchnorm_strategies, towers_sync_in_process)
     from .profile_runs_ps import PS_LOOP_WORKERS, loop_ps, ps_loop_applies
+    from .profile_runs_towers import loop_towers
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
@@ -163,9 +165,9 @@ def malformed(prof: dict) -> list[str]:
     if "blocks" not in bad and not all(isinstance(b, dict) for b in prof["blocks"]):
         bad.append("blocks (each a mapping)")
     looped = prof.get("loop_towers")
-    if isinstance(looped, dict) and (wrong(looped.get("towers"), int) or any(
-            wrong(looped.get(k), _NUMBER) for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))):
-        bad.append("loop_towers (towers, data_s, forward_s, backward_s, optimizer_s)")
+    if isinstance(looped, dict) and (wrong(looped.get("towers"), int)
+                                     or any(wrong(looped.get(k), _NUMBER) for k in STEP_PARTS)):
+        bad.append(f"loop_towers (towers, {', '.join(STEP_PARTS)})")
     return bad
 
 
