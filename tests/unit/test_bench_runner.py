@@ -20,6 +20,17 @@ CALLER = textwrap.dedent("""
 
     signal.signal(signal.SIGTERM, terminated)
     out = Path(sys.argv[1])
+    if len(sys.argv) > 2:  # the caller is descheduled right after the run starts: the interrupt lands in Popen
+        import subprocess, time
+
+        class SlowPopen(subprocess.Popen):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                deadline = time.monotonic() + 120
+                while not (out / "sent").exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+        subprocess.Popen = SlowPopen
     body = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \\
            "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"
     try:
@@ -38,10 +49,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_an_interrupted_run_cmd_ends_its_run_which_has_a_session_of_its_own(tmp_path):
+def _interrupt_a_run(tmp_path, *slow: str) -> None:
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), *slow])
     pid_file, child = tmp_path / "child.pid", None
     try:
         deadline = time.monotonic() + 120  # start-up, apart from the behaviour: two interpreters on a busy machine
@@ -51,6 +62,7 @@ def test_an_interrupted_run_cmd_ends_its_run_which_has_a_session_of_its_own(tmp_
         child = int(pid_file.read_text())
         assert _alive(child) and os.getsid(child) != os.getsid(caller.pid)  # its own session: no signal reaches it
         caller.send_signal(signal.SIGTERM)
+        (tmp_path / "sent").touch()
         assert caller.wait(timeout=60) == 130  # the run gets SIGTERM, then up to 15 s before SIGKILL
         assert (tmp_path / "interrupted").exists()
         assert not _alive(child)
@@ -59,3 +71,13 @@ def test_an_interrupted_run_cmd_ends_its_run_which_has_a_session_of_its_own(tmp_
         caller.wait()
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_an_interrupted_run_cmd_ends_its_run_which_has_a_session_of_its_own(tmp_path):
+    _interrupt_a_run(tmp_path)
+
+
+def test_an_interrupt_while_the_run_starts_still_ends_it(tmp_path):
+    """SIGTERM while ``Popen`` has started the run but not returned (a caller descheduled there on a
+    busy machine): run_cmd holds it until the run is known, then ends the run."""
+    _interrupt_a_run(tmp_path, "slow")

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..interrupts import signals_held
 
 
 def descendants(pid: int) -> list[int]:
@@ -69,20 +70,27 @@ def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | 
     exception: ``paratrain``'s handler), before the interrupt goes on: the run's own session does not
     get the terminal's or the caller's signal, so it would outlive ``paratrain plan`` or ``bench``.
 
+    An interrupt while the run starts is held until ``proc`` is known (``signals_held``), then raised
+    where it ends the run.
+
     Returns (exit code, wall seconds); exit code 124 means timed out.
     """
     t0 = time.perf_counter()
     with open(log, "w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                                start_new_session=True)
+        proc = None
         try:
+            with signals_held():
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                                        start_new_session=True)
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_tree(proc)
             rc = 124
         except BaseException:  # interrupted here: end the run and everything below it too
+            if proc is None:  # Popen failed: no run started
+                raise
             below = descendants(proc.pid)
             try:
                 kill_tree(proc)

@@ -24,19 +24,17 @@ whole or absent. It loads under any world size and strategy (:mod:`paratrain.str
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import signal
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import UsageError
+from ..interrupts import signals_held
 
 FORMAT = 1
 _NAME = re.compile(r"^checkpoint-(\d+)\.(pt|dcp)$")
@@ -84,33 +82,6 @@ def sha256_of(path: Path) -> str:
 def checksum_path(path: Path) -> Path:
     """The sidecar ``checkpoint-<step>.pt.sha256`` of a checkpoint."""
     return path.with_name(path.name + ".sha256")
-
-
-@contextlib.contextmanager
-def signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
-    """Hold ``signals`` while a checkpoint is written, then deliver them: an interrupt that arrives
-    mid-write stops the run after the write, with the new checkpoint complete, instead of inside
-    ``torch.save``, whose zip writer turns an exception raised in its write callback into a failed
-    write ("unexpected pos"), which was then reported as a disk that cannot be written. Each held
-    signal is raised again (``signal.raise_signal``) under its original handler once the block ends,
-    also when the block raises. Only Python-level handlers can be swapped, so this acts in the main
-    thread on signals whose handler Python installed (a default or a Python function); elsewhere it
-    holds nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {s: signal.getsignal(s) for s in signals}
-    old = {s: h for s, h in old.items() if h is not None and h is not signal.SIG_IGN}
-    for s in old:
-        signal.signal(s, lambda signum, frame: got.append(signum))
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for s in dict.fromkeys(got):
-            signal.raise_signal(s)
 
 
 def atomic_torch_save(obj, path: Path) -> None:

@@ -1,0 +1,43 @@
+"""Hold SIGINT and SIGTERM over a few lines that must not be cut in two, then deliver them.
+
+Used where an exception raised mid-way would lose work or leave a process behind: a checkpoint's
+write and renames (``train.checkpoint``), and the start of a run in a session of its own
+(``bench.runner.run_cmd``)."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+
+@contextlib.contextmanager
+def signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+    """Hold ``signals`` over the block, then deliver them.
+
+    Each held signal is raised again (``signal.raise_signal``), once, under its original handler when
+    the block ends, also when the block raises. Only Python-level handlers can be swapped, so this
+    acts in the main thread on signals whose handler Python installed (a default or a Python
+    function); elsewhere it holds nothing.
+
+    Why, where it is used:
+    - a checkpoint's write: an interrupt that arrives mid-write stops the run after the write, with
+      the new checkpoint complete, instead of inside ``torch.save``, whose zip writer turns an
+      exception raised in its write callback into a failed write ("unexpected pos"), which was then
+      reported as a disk that cannot be written;
+    - the start of a run in a session of its own: an interrupt raised inside ``subprocess.Popen``,
+      after the child started but before the caller knows it, would leave the run behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in signals}
+    old = {s: h for s, h in old.items() if h is not None and h is not signal.SIG_IGN}
+    for s in old:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
