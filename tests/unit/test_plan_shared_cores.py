@@ -128,6 +128,7 @@ def test_loop_ps_is_each_jobs_compute_less_its_rounds_side_by_side_one_thread_ru
     refuses (sync BatchNorm), a failed job or one that timed no step leaves it out with a line; a
     failed side-by-side run leaves every strategy out. profile_runs_ps.loop_ps answers with it the
     workers' guard: the median over the rounds of the job's mean optimizer time (its timed workers);
+    a line gives each round's job and side-by-side compute beside the term;
     by default for ps-sync too, its own job in each round before the side-by-side runs. With the
     recipe's BatchNorm synchronised, ps-sync's compute is no term (its job timed the layers' meetings as
     compute, which the plan prices apart), while its guard stays."""
@@ -179,6 +180,8 @@ def test_loop_ps_is_each_jobs_compute_less_its_rounds_side_by_side_one_thread_ru
     stolen, guards = loop_ps(recipe, None, sets, None, 64, 12, repeats=3, strategies=("ps-async",))
     assert stolen == pytest.approx({"ps-async": 4.0e-3}) and guards == pytest.approx({"ps-async": 0.6e-3})
     assert len(commands) == 9  # 3 rounds x (the job, 2 side by side)
+    assert ("ps-async's compute in the loop: 12.0, 13.0, 11.5 ms a step in its job against 8.0, 8.5, 9.0 side by "
+            "side, round by round: 4.0 ms a step taken by the exchanges") in capsys.readouterr().out
     for cmd in commands.values():
         assert "train.max_steps=12" in cmd
         if "ps-async" in cmd:

@@ -64,7 +64,12 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     each and one server (K = 1, as ``--validate`` runs it) than ``workers`` one-thread one-device
     runs of the same batch side by side}. Each of ``repeats``
     rounds runs each job, then the side-by-side runs at once (their mean); the answer is the median
-    over the rounds of the job's compute less its own round's side-by-side compute, at least 0. For
+    over the rounds of the job's compute less its own round's side-by-side compute, at least 0; a line
+    gives each round's pair beside it. On the 2-vCPU EPYC VM (2026-12-01) ptb_small's ps-async job
+    computed 91.5-105.5 ms a step over four rounds where its side-by-side runs, before and after each
+    job, held 84.6-88.6 ms: the term (+4 to +21 ms a round) is the job's own spread. gpt_wt2's
+    side-by-side runs moved 924-1070 ms from one round to the next, so its term (0 to 43 ms in two
+    profiles) is within the noise of two rounds; more ``--profile-repeats`` narrow it. For
     :func:`~.plan_ps.loop_stolen`, which the plan uses in place of
     :func:`~.plan_ps.ps_compute_stolen_s`, on a CPU where :func:`ps_loop_applies`.
 
@@ -101,6 +106,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     left_out = {s: why for s in strategies
                 if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
     differences: dict[str, list[float]] = {}
+    rounds: dict[str, list[tuple[float, float]]] = {}  # (the job's compute, the side-by-side runs') of each round
     guards: dict[str, list[float]] = {}
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
@@ -145,6 +151,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                 break
             for strategy, (compute, optimizer) in jobs.items():
                 differences.setdefault(strategy, []).append(compute - base[0])
+                rounds.setdefault(strategy, []).append((compute, base[0]))
                 guards.setdefault(strategy, []).append(optimizer)
     for strategy, why in left_out.items():
         print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices "
@@ -157,5 +164,11 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     for strategy in meetings:
         print(f"[plan] {strategy}'s compute in the loop: not a term (its job synchronised BatchNorm inside the "
               f"compute it timed; the plan prices that apart); its guard is kept", flush=True)
-    return ({s: max(0.0, statistics.median(differences[s])) for s in kept if s not in meetings},
+    stolen = {s: max(0.0, statistics.median(differences[s])) for s in kept if s not in meetings}
+    for strategy, seconds in stolen.items():  # each round's pair: how far apart they are says how sure the term is
+        ms = [", ".join(f"{pair[i] * 1e3:.1f}" for pair in rounds[strategy]) for i in (0, 1)]
+        print(f"[plan] {strategy}'s compute in the loop: {ms[0]} ms a step in its job against {ms[1]} side by "
+              f"side, round by round: {seconds * 1e3:.1f} ms a step taken by the exchanges (the median "
+              f"difference, at least 0)", flush=True)
+    return (stolen,
             {s: statistics.median(guards[s]) for s in kept})
