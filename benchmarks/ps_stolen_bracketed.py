@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+import _runner  # noqa: F401  (SIGTERM ends the runs, as Ctrl-C does; benchmarks/ is the script folder)
 from paratrain.bench.plan_profile import run_steps
-from paratrain.bench.profile_runs import _loop_run, _loop_spec
+from paratrain.bench.profile_runs import _loop_runs, _loop_spec
+from paratrain.bench.profile_runs_ps import timed_compute
 from paratrain.bench.sweep import RunPlan
 from paratrain.config import load
 from paratrain.strategies import REFERENCE
@@ -43,32 +42,28 @@ def main() -> None:
     batch = load(args.config, args.overrides).train.batch_size
     steps = run_steps(args.min_steps, args.step_s)
     spec = _loop_spec(args.config, None, tuple(args.overrides), None, (args.strategy, REFERENCE), (2,), "strong", steps)
-    tmp = Path(tempfile.mkdtemp(prefix="ps-stolen-"))
     copies = iter(range(1000, 10**6))
+    with tempfile.TemporaryDirectory(prefix="ps-stolen-") as tmp:
 
-    def compute_ms(plans: list) -> float:  # the runs at once; the mean timed compute of their workers
-        with ThreadPoolExecutor(len(plans)) as pool:
-            done = list(pool.map(lambda p: _loop_run(spec, p, tmp / p.name), plans))
-        got = []
-        for rec, rc, said in done:
-            if not rec["ok"]:
-                raise SystemExit(f"a run failed (exit {rc}): {said}")
-            got += [t["data_ms"] + t["compute_ms"] for t in rec["per_rank_ms"] if t["step_ms"] > 0]
-        return statistics.fmean(got)
+        def compute_ms(plans: list) -> float:  # the runs at once; the mean timed compute of their workers, ms
+            got, why = timed_compute(_loop_runs(spec, plans, tmp))
+            if got is None:
+                raise SystemExit(f"a run {why}")
+            return got[0] * 1e3
 
-    def side_by_side() -> float:
-        return compute_ms([RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1, repeat=next(copies))
-                           for _ in range(2)])
+        def side_by_side() -> float:
+            return compute_ms([RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1, repeat=next(copies))
+                               for _ in range(2)])
 
-    t0, out, before = time.time(), [], side_by_side()
-    for r in range(args.rounds):
-        job = compute_ms([RunPlan(strategy=args.strategy, n=2, global_batch=2 * batch, repeat=r)])
-        after = side_by_side()
-        out.append({"before_ms": before, "job_ms": job, "after_ms": after})
-        print(f"round {r}: side by side before {before:.1f} ms, {args.strategy}'s job {job:.1f}, side by side "
-              f"after {after:.1f}; job - before {job - before:+.1f}, job - after {job - after:+.1f}, "
-              f"job - their mean {job - (before + after) / 2:+.1f}", flush=True)
-        before = after
+        t0, out, before = time.time(), [], side_by_side()
+        for r in range(args.rounds):
+            job = compute_ms([RunPlan(strategy=args.strategy, n=2, global_batch=2 * batch, repeat=r)])
+            after = side_by_side()
+            out.append({"before_ms": before, "job_ms": job, "after_ms": after})
+            print(f"round {r}: side by side before {before:.1f} ms, {args.strategy}'s job {job:.1f}, side by side "
+                  f"after {after:.1f}; job - before {job - before:+.1f}, job - after {job - after:+.1f}, "
+                  f"job - their mean {job - (before + after) / 2:+.1f}", flush=True)
+            before = after
     print(f"{steps} steps a run, {time.time() - t0:.0f} s")
     print(json.dumps(out))
 

@@ -14,8 +14,10 @@ import threading
 def signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """Hold ``signals`` over the block, then deliver them.
 
-    Each held signal is raised again (``signal.raise_signal``), once, under its original handler when
-    the block ends, also when the block raises. Only Python-level handlers can be swapped, so this
+    The held signals are raised again (``signal.raise_signal``) in the order they came, each once,
+    under its original handler when the block ends, also when the block raises; the first whose
+    handler raises (KeyboardInterrupt, paratrain's SIGTERM) ends that, and those after it are dropped:
+    each asked the process to stop, and it is stopping. Only Python-level handlers can be swapped, so this
     acts in the main thread on signals whose handler Python installed (a default or a Python
     function); elsewhere it holds nothing.
 

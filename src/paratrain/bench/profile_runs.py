@@ -45,6 +45,14 @@ def _loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
     return run_record(read_outcome(plan, rc, run_dir)), rc, (said or ["no output"])[0][:200]
 
 
+def _loop_runs(spec, plans: list, tmp: Path | str) -> list[tuple[dict[str, Any], int, str]]:
+    """:func:`_loop_run` of each of ``plans`` at once (side by side), each into ``tmp`` under its name,
+    in order; an interrupt of the caller ends them all (:func:`~.runner.runs_at_once`)."""
+    from .runner import runs_at_once
+
+    return runs_at_once(lambda plan: _loop_run(spec, plan, Path(tmp) / plan.name), plans)
+
+
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                    batch: int, steps: int, threads: tuple[int | None, ...], concurrent: int = 1, repeats: int = 1
                    ) -> dict[str, dict[str, float]]:
@@ -72,8 +80,6 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
     later default-thread rounds of its own, :func:`~.plan_profile.load_profile`). Raises UsageError
     where a run fails."""
     import tempfile
-    from concurrent.futures import ThreadPoolExecutor
-
     from ..errors import UsageError
     from ..strategies import REFERENCE
     from .sweep import RunPlan
@@ -87,9 +93,7 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
                 copies = concurrent if t == 1 else 1
                 plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=t, repeat=r * copies + c)
                          for c in range(copies)]
-
-                with ThreadPoolExecutor(copies) as pool:
-                    done = list(pool.map(lambda plan: _loop_run(spec, plan, Path(tmp) / plan.name), plans))
+                done = _loop_runs(spec, plans, tmp)
                 parts = []
                 for rec, rc, said in done:
                     if not rec["ok"]:

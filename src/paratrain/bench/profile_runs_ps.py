@@ -5,10 +5,9 @@ outnumber (:func:`ps_loop_applies`). The runs go through :mod:`.profile_runs`' b
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 from typing import Any
 
-from .profile_runs import _loop_run, _loop_spec
+from .profile_runs import _loop_runs, _loop_spec
 
 
 def ps_strategies() -> tuple[str, ...]:
@@ -28,6 +27,24 @@ def async_ps_strategies() -> tuple[str, ...]:
     from .strategy_model import PS
 
     return tuple(s for s in modelled(PS) if not STRATEGIES[s].synchronous)
+
+
+def timed_compute(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
+    """``done``'s runs' (:func:`~.profile_runs._loop_run`'s answers) mean timed (compute, optimizer)
+    seconds a step over every worker that timed a step, or None and why not. Compute: the timed parts
+    (data + forward + backward + compute), as a parameter server's worker's step also holds its
+    exchange. Every worker, not rank 0 alone: an async job stops on the servers' count of updates, and
+    a worker that starts late (a busy machine) may time none while the others step on."""
+    computes, optimizers = [], []
+    for rec, rc, said in done:
+        if not rec["ok"]:
+            return None, f"failed (exit {rc}): {said}"
+        timed_ranks = [t for t in rec["per_rank_ms"] if t["step_ms"] > 0]
+        if not timed_ranks:
+            return None, "timed no step (too few steps)"
+        computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in timed_ranks]
+        optimizers += [t.get("optimizer_ms", 0.0) / 1000 for t in timed_ranks]
+    return (statistics.fmean(computes), statistics.fmean(optimizers)), ""
 
 
 PS_LOOP_WORKERS = 2
@@ -96,7 +113,6 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     and backward it counts as compute, which the plan prices apart (``sync_overhead_s``), so its
     ``stolen`` is left out (digits_cnn's ps-sync: 18 ms of a 19 ms step, 2026-11-28); its guard is kept."""
     import tempfile
-    from concurrent.futures import ThreadPoolExecutor
 
     from ..strategies import REFERENCE
     from .plan_model import Layout, refusal
@@ -105,30 +121,9 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
     strategies = ps_strategies() if strategies is None else strategies
     left_out = {s: why for s in strategies
                 if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
-    differences: dict[str, list[float]] = {}
     rounds: dict[str, list[tuple[float, float]]] = {}  # (the job's compute, the side-by-side runs') of each round
     guards: dict[str, list[float]] = {}
     spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
-
-    def timed(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
-        """The runs' mean timed (compute, optimizer) seconds over every worker that timed a step, or
-        None and why not. Every worker, not rank 0 alone: an async job stops on the servers' count of
-        updates, and a worker that starts late (a busy machine) may time none while the others step on."""
-        computes, optimizers = [], []
-        for rec, rc, said in done:
-            if not rec["ok"]:
-                return None, f"failed (exit {rc}): {said}"
-            timed_ranks = [t for t in rec["per_rank_ms"] if t["step_ms"] > 0]
-            if not timed_ranks:
-                return None, "timed no step (too few steps)"
-            # the timed parts (data + forward + backward + compute): a worker's step also holds its exchange
-            computes += [(t["data_ms"] + t["compute_ms"]) / 1000 for t in timed_ranks]
-            optimizers += [t.get("optimizer_ms", 0.0) / 1000 for t in timed_ranks]
-        return (statistics.fmean(computes), statistics.fmean(optimizers)), ""
-
-    def runs(plans: list) -> list[tuple[dict[str, Any], int, str]]:
-        with ThreadPoolExecutor(len(plans)) as pool:  # at once: side by side
-            return list(pool.map(lambda p: _loop_run(spec, p, Path(tmp) / p.name), plans))
 
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-") as tmp:
         for r in range(repeats):
@@ -136,35 +131,34 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
             for strategy in strategies:
                 if strategy in left_out:
                     continue
-                got, why = timed(runs([RunPlan(strategy=strategy, n=workers, global_batch=batch * workers,
-                                               repeat=r)]))
+                got, why = timed_compute(_loop_runs(spec, [RunPlan(strategy=strategy, n=workers,
+                                                                   global_batch=batch * workers, repeat=r)], tmp))
                 if got is None:
                     left_out[strategy] = f"its job {why}"
                 else:
                     jobs[strategy] = got
             if not jobs:
                 break
-            base, why = timed(runs([RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
-                                            repeat=r * workers + c) for c in range(workers)]))
+            base, why = timed_compute(_loop_runs(spec, [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
+                                                                repeat=r * workers + c) for c in range(workers)], tmp))
             if base is None:
                 left_out.update({s: f"a one-thread run side by side {why}" for s in strategies if s not in left_out})
                 break
             for strategy, (compute, optimizer) in jobs.items():
-                differences.setdefault(strategy, []).append(compute - base[0])
                 rounds.setdefault(strategy, []).append((compute, base[0]))
                 guards.setdefault(strategy, []).append(optimizer)
     for strategy, why in left_out.items():
         print(f"[plan] {strategy}'s compute in the loop: left out ({why}); the plan prices "
               f"{'it from the micro-benchmark' if strategy in async_ps_strategies() else 'none of it'}, nor its "
               f"guard", flush=True)
-    kept = [s for s in differences if s not in left_out]
+    kept = [s for s in rounds if s not in left_out]
     from ..strategies import STRATEGIES
 
     meetings = [s for s in kept if synced_batchnorm and STRATEGIES[s].synchronous]
     for strategy in meetings:
         print(f"[plan] {strategy}'s compute in the loop: not a term (its job synchronised BatchNorm inside the "
               f"compute it timed; the plan prices that apart); its guard is kept", flush=True)
-    stolen = {s: max(0.0, statistics.median(differences[s])) for s in kept if s not in meetings}
+    stolen = {s: max(0.0, statistics.median(job - side for job, side in rounds[s])) for s in kept if s not in meetings}
     for strategy, seconds in stolen.items():  # each round's pair: how far apart they are says how sure the term is
         ms = [", ".join(f"{pair[i] * 1e3:.1f}" for pair in rounds[strategy]) for i in (0, 1)]
         print(f"[plan] {strategy}'s compute in the loop: {ms[0]} ms a step in its job against {ms[1]} side by "

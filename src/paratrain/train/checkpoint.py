@@ -161,7 +161,7 @@ def save_sharded(run_dir: Path, sharded: dict, meta: dict, step: int, *, is_main
     folder renamed into place (rank 0). Every rank must call it; ``barrier()`` waits for all of them.
     An interrupt during ``dcp.save`` (a collective: holding it there could wait on a dead peer) leaves
     the hidden temp folder, which :func:`prune` removes, and the previous checkpoints as they were; one
-    during the renames lands after them (:func:`signals_held`). Returns the folder's path."""
+    during the renames lands after them (:func:`~paratrain.interrupts.signals_held`). Returns the folder's path."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
