@@ -12,16 +12,23 @@ from pathlib import Path
 
 import pytest
 
-CALLER = textwrap.dedent("""
+PRELUDE = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    from paratrain.bench.runner import run_cmd
+    from paratrain.bench.runner import run_cmd, runs_at_once
 
     def terminated(signum, frame):  # as paratrain's own handler: SIGTERM raised in the main thread
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminated)
     out = Path(sys.argv[1])
+    body = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \\
+           "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"
+""")
+"""The callers' start: SIGTERM raises KeyboardInterrupt; ``body``, a run that writes its pid to the
+file it is given, then sleeps 120 s."""
+
+CALLER = PRELUDE + textwrap.dedent("""
     if len(sys.argv) > 2:  # the caller is descheduled right after the run starts: the interrupt lands in Popen
         import subprocess, time
 
@@ -33,8 +40,6 @@ CALLER = textwrap.dedent("""
                     time.sleep(0.01)
 
         subprocess.Popen = SlowPopen
-    body = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \\
-           "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"
     try:
         run_cmd([sys.executable, "-c", body, str(out / "child.pid")], out / "run.log", 300, dict(os.environ))
     except KeyboardInterrupt:
@@ -85,19 +90,7 @@ def test_an_interrupt_while_the_run_starts_still_ends_it(tmp_path):
     _interrupt_a_run(tmp_path, "slow")
 
 
-AT_ONCE = textwrap.dedent("""
-    import os, signal, sys
-    from pathlib import Path
-    from paratrain.bench.runner import run_cmd, runs_at_once
-
-    def terminated(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminated)
-    out = Path(sys.argv[1])
-    body = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \\
-           "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"
-
+AT_ONCE = PRELUDE + textwrap.dedent("""
     def run(i):
         return run_cmd([sys.executable, "-c", body, str(out / f"child{i}.pid")], out / f"run{i}.log", 300,
                        dict(os.environ))

@@ -48,14 +48,7 @@ def kill_trees(procs: list[subprocess.Popen]) -> None:
     below = {proc.pid: descendants(proc.pid) for proc in procs}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for proc in procs:
-            for target in [proc.pid, *below[proc.pid]]:
-                try:
-                    if target == proc.pid:
-                        os.killpg(proc.pid, sig)  # the group started here (start_new_session)
-                    else:
-                        os.kill(target, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            _signal_tree(proc, below[proc.pid], sig)
         try:
             deadline = time.monotonic() + 15
             for proc in procs:
@@ -108,13 +101,19 @@ def runs_at_once(run: Callable[[T], R], items: list[T]) -> list[R]:
             _ENDING = False
 
 
-def _kill_now(proc: subprocess.Popen, below: list[int]) -> None:
-    """SIGKILL the run's process group, ``below`` and what is below the run now, without waiting."""
-    for target in [proc.pid, *dict.fromkeys([*below, *descendants(proc.pid)])]:
+def _signal_tree(proc: subprocess.Popen, below: list[int], sig: int) -> None:
+    """Send ``sig`` to the run's process group (started here: start_new_session) and to each of
+    ``below``; one already gone, or not ours, is passed over."""
+    for target in [proc.pid, *below]:
         try:
-            os.killpg(target, signal.SIGKILL) if target == proc.pid else os.kill(target, signal.SIGKILL)
+            os.killpg(target, sig) if target == proc.pid else os.kill(target, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _kill_now(proc: subprocess.Popen, below: list[int]) -> None:
+    """SIGKILL the run's process group, ``below`` and what is below the run now, without waiting."""
+    _signal_tree(proc, list(dict.fromkeys([*below, *descendants(proc.pid)])), signal.SIGKILL)
 
 
 def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: Path | str | None = None) -> tuple[int, float]:
