@@ -8,16 +8,12 @@ from pathlib import Path
 
 from paratrain.bench import runner
 from paratrain.bench.runner import descendants, kill_tree  # noqa: F401
+from paratrain.interrupts import sigterm_raises
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _terminated(signum, frame):
-    raise KeyboardInterrupt
-
-
 if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-    signal.signal(signal.SIGTERM, _terminated)
+    sigterm_raises(KeyboardInterrupt)
 
 
 def run_cmd(cmd: list[str], log: Path, timeout_s: float, env: dict) -> tuple[int, float]:

@@ -11,6 +11,12 @@
 # $WORK in $OUT/plan-gpu-small.tgz (name it last).
 # On a 15-minute lease (2026-11-27, H200): env gpt_bf16 ptb digits towers_tf32 nvlink pack takes about
 # 12 minutes; give each call's steps so that the call ends inside its limit, and pack in every call.
+# A GPU profile took under 150 s (2026-11-27, version 19, its one-rank runs included; later versions add a
+# little on a GPU: stage and checkpointing timings) and a
+# validation run about 10 s, so one call of 540 s holds about three workloads at REPEATS=2:
+#   REPEATS=2 PYTHONPATH=src bash benchmarks/gpu_plan_validation.sh env gpt_bf16 ptb digits nvlink pack
+# A step cut by its limit keeps its profile.json (written before the validation starts) and, since
+# 2026-12-01, the validation's runs so far (validation.partial.json and .md), which pack brings back.
 # BUDGET (seconds, default 540: the device tool's 600 s a call, less the pack and the transfers): no
 # step runs past it (but for timeout's 10 s grace), a step that would start with under 30 s left is
 # skipped, and pack always runs.
@@ -100,9 +106,10 @@ torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())'" ;
       done ;;
     pack)  # the small files (profiles, plans, validations, logs) in one archive: run folders hold MBs
       # of metrics and TensorBoard files, and the device tool brings back at most 16 MiB a file
+      dest=$(realpath -m "${OUT:-$WORK}")  # (absolute: the archive is written from $WORK's parent)
       (cd "$WORK/.." && find "$(basename "$WORK")" \( -name '*.json' -o -name '*.md' -o -name '*.log' \) \
-        -size -2M -print0 | tar czf "${OUT:-$WORK}/plan-gpu-small.tgz" --null -T -)
-      ls -la "${OUT:-$WORK}/plan-gpu-small.tgz" ;;
+        -size -2M -print0 | tar czf "$dest/plan-gpu-small.tgz" --null -T -)
+      ls -la "$dest/plan-gpu-small.tgz" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -23,7 +23,7 @@ import time
 
 import _runner  # noqa: F401  (SIGTERM ends the runs, as Ctrl-C does; benchmarks/ is the script folder)
 from paratrain.bench.plan_profile import run_steps
-from paratrain.bench.profile_runs import _loop_runs, _loop_spec
+from paratrain.bench.profile_runs import loop_runs, loop_spec
 from paratrain.bench.profile_runs_ps import timed_compute
 from paratrain.bench.sweep import RunPlan
 from paratrain.config import load
@@ -41,12 +41,12 @@ def main() -> None:
     args = ap.parse_args()
     batch = load(args.config, args.overrides).train.batch_size
     steps = run_steps(args.min_steps, args.step_s)
-    spec = _loop_spec(args.config, None, tuple(args.overrides), None, (args.strategy, REFERENCE), (2,), "strong", steps)
+    spec = loop_spec(args.config, None, tuple(args.overrides), None, (args.strategy, REFERENCE), (2,), "strong", steps)
     copies = iter(range(1000, 10**6))
     with tempfile.TemporaryDirectory(prefix="ps-stolen-") as tmp:
 
         def compute_ms(plans: list) -> float:  # the runs at once; the mean timed compute of their workers, ms
-            got, why = timed_compute(_loop_runs(spec, plans, tmp))
+            got, why = timed_compute(loop_runs(spec, plans, tmp))
             if got is None:
                 raise SystemExit(f"a run {why}")
             return got[0] * 1e3

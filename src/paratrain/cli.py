@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import TrainingStopped, UsageError
+from .interrupts import Terminated, sigterm_raises
 
 _TRAIN_EPILOG = """\
 tasks (--task or [task] entry): lstm-lm (default), gpt, digits-cnn, module:factory, path/to/file.py:factory
@@ -166,10 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import signal
 
-    def terminated(signum, frame):  # SIGTERM ends a one-process run like Ctrl-C does (torchrun's agent has its own)
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminated)
+    # SIGTERM ends a one-process run like Ctrl-C does (torchrun's agent has its own)
+    previous = sigterm_raises(Terminated)
     try:
         return _run(args)
     finally:
@@ -212,10 +211,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"paratrain: {name} received: stopped (exit {code}){_checkpoint_hint()}", file=sys.stderr)
         return code
     return 2
-
-
-class Terminated(BaseException):
-    """SIGTERM reached the paratrain process (raised by its handler, like KeyboardInterrupt)."""
 
 
 _RUN_DIR: Path | None = None  # the run dir of this paratrain train, once it exists

@@ -1,6 +1,7 @@
-"""Hold SIGINT and SIGTERM over a few lines that must not be cut in two, then deliver them.
+"""SIGTERM raised as an exception (:func:`sigterm_raises`), and SIGINT and SIGTERM held over a few
+lines that must not be cut in two, then delivered (:func:`signals_held`).
 
-Used where an exception raised mid-way would lose work or leave a process behind: a checkpoint's
+``signals_held`` is used where an exception raised mid-way would lose work or leave a process behind: a checkpoint's
 write and renames (``train.checkpoint``), and the start of a run in a session of its own
 (``bench.runner.run_cmd``)."""
 from __future__ import annotations
@@ -8,6 +9,25 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+
+
+class Terminated(BaseException):
+    """SIGTERM reached this process (raised by :func:`sigterm_raises`' handler, like KeyboardInterrupt
+    for SIGINT)."""
+
+
+def sigterm_raises(exc: type[BaseException] = Terminated):
+    """Make SIGTERM raise ``exc`` in the main thread, so that it unwinds like Ctrl-C: ``finally`` blocks
+    run, and a run started in a session of its own is ended by its caller (``bench.runner.run_cmd``)
+    instead of left behind by the default action, which ends this process alone.
+
+    Returns the handler it replaced (None where Python did not install it). Call from the main thread
+    (``signal.signal`` raises ValueError elsewhere). Used by ``paratrain``'s ``main`` (``Terminated``)
+    and the benchmark scripts (``KeyboardInterrupt``)."""
+    def terminated(signum, frame):
+        raise exc
+
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 @contextlib.contextmanager

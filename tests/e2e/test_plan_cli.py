@@ -429,6 +429,8 @@ def test_validate_compares_predictions_with_runs_here(planned, tiny_data):
                   timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     v = json.loads((tmp / "p" / "validation.json").read_text())
+    assert not list((tmp / "p").glob("validation.partial.*"))  # written after each run, removed at the end
+    assert "the rows so far are written to" in r.stdout
     got = {(row["strategy"], row["n"]) for row in v["rows"]}
     assert {("single", 1), ("allreduce", 2), ("zero1", 2), ("fsdp", 2), ("pipeline", 2), ("ps-sync", 2),
             ("ps-async", 2), ("replicate", 2)} == got

@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 
 PRELUDE = textwrap.dedent("""
-    import os, signal, sys
+    import os, sys
     from pathlib import Path
     from paratrain.bench.runner import run_cmd, runs_at_once
+    from paratrain.interrupts import sigterm_raises
 
-    def terminated(signum, frame):  # as paratrain's own handler: SIGTERM raised in the main thread
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminated)
+    sigterm_raises(KeyboardInterrupt)  # as paratrain's and the benchmark scripts': SIGTERM raised in the main thread
     out = Path(sys.argv[1])
     body = "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); " \\
            "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)"

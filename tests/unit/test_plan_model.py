@@ -2511,6 +2511,68 @@ def test_the_profile_times_the_model_plain_and_a_checkpointed_copy_in_paired_rou
     assert recompute_fraction(noisy) == pytest.approx(0.4)
 
 
+def test_an_interrupted_validation_keeps_the_runs_it_measured_and_the_whole_validation_before_it(monkeypatch,
+                                                                                                 tmp_path):
+    """After each run the validation writes the rows so far to validation.partial.json and .md (a
+    layout not run yet has no row; ``partial`` says how many runs of how many); an interrupt (here in
+    the third run of four) leaves them, and the previous whole validation.json untouched; a validation
+    that ends writes validation.json and removes the partial files."""
+    import argparse
+    import json
+    import types
+
+    import paratrain.bench.plan as pl
+    import paratrain.bench.report as report
+    import paratrain.bench.sweep as sweep
+    from paratrain.bench import plan_validate as pv
+
+    lays = [(pl.Layout("single", 1, {}, "single"), 1), (pl.Layout("allreduce", 2, {}, "allreduce"), 2)]
+    monkeypatch.setattr(pv, "validation_runs", lambda *a, **k: list(lays))
+    monkeypatch.setattr(pv, "plan_first", lambda *a, **k: lays[1][0])
+    monkeypatch.setattr(pv, "side_by_side_ms", lambda prof: None)
+    monkeypatch.setattr(pl, "predict_layout", lambda lay, *a, **k: {
+        "step_s": 0.004 * lay.n, "compute_s": 0.003, "comm_s": 0.0, "bubble_s": 0.0, "optimizer_s": 0.001,
+        "memory": {"total": 2 ** 20}, "units_per_s": 100.0, "synchronous": True, "overrides": {}})
+    ran, seen = [], []
+
+    def fake_sweep(spec, plans, folder, progress):
+        ran.append(spec.strategies[0])
+        part = tmp_path / "validation.partial.json"
+        seen.append(json.loads(part.read_text()) if part.exists() else None)
+        if len(ran) == stop_at:
+            raise KeyboardInterrupt
+        return [types.SimpleNamespace(ms=4.0 * plans[0].n + len(ran), summary={"tracked_peak_memory_mb": 1.0})]
+
+    monkeypatch.setattr(sweep, "run_sweep", fake_sweep)
+    monkeypatch.setattr(report, "run_record", lambda o: {"ok": True, "train_step_ms": o.ms, "units_per_s": 1e3 / o.ms,
+                                                         "rank0_timing_ms": {}})
+    args = argparse.Namespace(config="c.toml", task=None, overrides=[], validate_steps=6, timed_seconds=0.0,
+                              validate_repeats=2, validate_runoff=0, validate_pace="run", data_dir=None)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=8))
+    prof = {"links": {"all_reduce": {"alpha_s": 1e-4, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 0.0}}, "cores": 2}
+    (tmp_path / "validation.json").write_text('{"rows": [], "earlier": true}')
+    stop_at = 3
+    with pytest.raises(KeyboardInterrupt):
+        pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
+    # before run 1 nothing; before run 2 single's row alone (allreduce not run yet); before run 3 both
+    assert seen[0] is None and [r["label"] for r in seen[1]["rows"]] == ["single"]
+    assert seen[1]["partial"] == {"runs_done": 1, "runs": 4} and seen[2]["partial"] == {"runs_done": 2, "runs": 4}
+    part = json.loads((tmp_path / "validation.partial.json").read_text())
+    assert part == seen[2]  # the third run was interrupted: the file holds the two runs measured
+    assert {r["label"]: r["measured_step_ms_all"] for r in part["rows"]} == {"single": [5.0], "allreduce": [10.0]}
+    assert part["choice"]["recommended"] == "allreduce"
+    assert "**Partial: 2 of 4 runs**" in (tmp_path / "validation.partial.md").read_text()
+    assert json.loads((tmp_path / "validation.json").read_text()) == {"rows": [], "earlier": True}
+    ran.clear()
+    seen.clear()
+    stop_at = 0  # never: the validation ends
+    pv.validate(args, cfg, None, prof, tmp_path, ([1, 2], (), []))
+    whole = json.loads((tmp_path / "validation.json").read_text())
+    assert "partial" not in whole and [len(r["measured_step_ms_all"]) for r in whole["rows"]] == [2, 2]
+    assert "Partial" not in (tmp_path / "validation.md").read_text()
+    assert not list(tmp_path.glob("validation.partial.*")) and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_the_validation_with_activation_checkpointing_runs_each_layout_again_checkpointed(monkeypatch, tmp_path):
     """``--validate --activation-checkpointing``: each validated layout runs again with
     ``model.activation_checkpointing=true``, labelled ``+ checkpointing``, predicted with

@@ -6,7 +6,8 @@ through the bench sweep: weak scaling, the recipe's batch per replica, one layou
 included), its measured step time (rank 0's ``train_step_ms`` after warm-up) and peak
 memory (``train.track_memory_step``: torch's MemTracker over one step, the largest rank) against the
 plan's predictions for this machine (the profile's links and per-thread step, N processes sharing
-the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder; the next
+the cores). Writes ``validation.json`` and ``validation.md`` in the plan folder (after each run, the
+rows so far in :data:`PARTIAL`'s files, removed at the end: an interrupted validation keeps them); the next
 ``paratrain plan`` there shows each strategy's error beside its predictions. Targets: |step error|
 <= 15% at N <= 2, |memory error| <= 20%, and the recommended layout at N = 2 measured within 5%
 of the fastest measured one. Beside each step error, the same error at the machine's speed measured
@@ -63,7 +64,6 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
     if getattr(args, "activation_checkpointing", False):  # each layout again with every block checkpointed
         more = checkpointed_runs(prof, runs, args.config, args.task, args.overrides)
         runs, checkpointed = runs + more, checkpointed + [True] * len(more)
-    rows = []
     print(f"[plan] validating {len(runs)} layouts here, at least {args.validate_steps} steps each and about "
           f"{args.timed_seconds:g} s timed, {args.validate_repeats} run(s) per layout (the median; repeats go "
           f"round the layouts)", flush=True)
@@ -102,6 +102,30 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
 
         per_run = args.validate_pace == "run"
         paced_runs: list[list[float]] = [[] for _ in runs]  # per_run: the machine's speed before each run
+
+        def scored(runoff: dict | None = None) -> dict:  # the result of the runs done so far
+            rows = []
+            for (lay, n), got, steps, pred, own, ckpt in zip(runs, done, counts, preds, paced_runs, checkpointed):
+                if not got:  # not run yet (a partial result)
+                    continue
+                row = _row(lay, n, got, pred)
+                row.update(steps=steps, overrides=pred["overrides"])  # the dist keys it ran with
+                if ckpt:
+                    row["checkpointing"] = True
+                if own:  # its runs' own measurements of the machine's speed, run r's before run r
+                    row["side_by_side_ms_all"] = own[:len(got)]
+                rows.append(row)
+            paced_rounds = ({"profile_ms": paced, "rounds_ms": rounds, "pace": "run" if per_run else "round"}
+                            if rounds or any(paced_runs) else None)
+            same_speed_errors(rows, paced_rounds)
+            return {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows,
+                    "rounds": True, "side_by_side": paced_rounds, "runoff": runoff,
+                    "choice": _choice(rows, first.label if first else None, runoff),
+                    "profile_rounds_ms": profile_rounds_ms(prof)}
+
+        total = len(runs) * args.validate_repeats
+        print(f"[plan] after each run the rows so far are written to {out / PARTIAL}.json and .md (kept where "
+              f"the validation is stopped; validation.json is written when it ends)", flush=True)
         for r in range(args.validate_repeats):  # round-robin: a slow spell of the machine hits every layout alike
             if paced is not None and any(n > 1 for _, n in runs) and not per_run:
                 rounds.append(speed_now(f"round {r + 1}"))
@@ -109,22 +133,16 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                 if paced is not None and per_run and n > 1:
                     paced_runs[i].append(speed_now(f"before {lay.label} N={n}"))
                 done[i].append(run(i, r))
-                print(f"[plan] run {r * len(runs) + i + 1}/{len(runs) * args.validate_repeats}: {lay.label} N={n}: "
+                print(f"[plan] run {r * len(runs) + i + 1}/{total}: {lay.label} N={n}: "
                       f"step {done[i][-1][0].get('train_step_ms', math.nan):.1f} ms", flush=True)
-        for (lay, n), got, steps, pred, own, ckpt in zip(runs, done, counts, preds, paced_runs, checkpointed):
-            row = _row(lay, n, got, pred)
-            row.update(steps=steps, overrides=pred["overrides"])  # the dist keys it ran with
-            if ckpt:
-                row["checkpointing"] = True
-            if own:  # its runs' own measurements of the machine's speed, run r's before run r
-                row["side_by_side_ms_all"] = own
-            rows.append(row)
-            print(f"[plan] {lay.label:>22} N={n}: step predicted {row['predicted_step_ms']:8.1f} ms, measured "
-                  f"{row['measured_step_ms']:8.1f} ms ({pct(row['step_error'])}); memory predicted "
+                _write(out, PARTIAL, {**scored(), "partial": {"runs_done": r * len(runs) + i + 1, "runs": total}})
+        result = scored()
+        for row in result["rows"]:
+            print(f"[plan] {row['label']:>22} N={row['n']}: step predicted {row['predicted_step_ms']:8.1f} ms, "
+                  f"measured {row['measured_step_ms']:8.1f} ms ({pct(row['step_error'])}); memory predicted "
                   f"{row['predicted_memory_bytes'] / 2**20:7.1f} MiB, measured "
                   f"{row['measured_memory_bytes'] / 2**20:7.1f} MiB ({pct(row['memory_error'])})", flush=True)
-        runoff = None
-        choice = _choice(rows, first.label if first else None)
+        choice = result["choice"]
         if args.validate_runoff and choice and choice["recommended"] != choice["measured_fastest"]:
             where = {lay.label: i for i, (lay, n) in enumerate(runs) if n == 2}
             pair = (choice["recommended"], choice["measured_fastest"])
@@ -132,18 +150,30 @@ def validate(args: argparse.Namespace, cfg, task, prof: dict, out: Path,
                   f"{args.validate_runoff} pair(s) back to back", flush=True)
             runoff = run_off(lambda i, k: run(i, args.validate_repeats + k)[0], where[pair[0]], where[pair[1]],
                              args.validate_runoff, pair)
-            choice = judged(choice, runoff)
-    paced_rounds = ({"profile_ms": paced, "rounds_ms": rounds, "pace": "run" if per_run else "round"}
-                    if rounds or any(paced_runs) else None)
-    same_speed_errors(rows, paced_rounds)
-    result = {"config": args.config, "steps": args.validate_steps, "link": prof["links"], "rows": rows, "rounds": True,
-              "side_by_side": paced_rounds, "runoff": runoff, "choice": choice,
-              "profile_rounds_ms": profile_rounds_ms(prof)}
-    (out / "validation.json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    (out / "validation.md").write_text(text)
+            result = scored(runoff)
+    text = _write(out, "validation", result)
+    for suffix in (".json", ".md"):  # the whole result is written: the partial one is not needed
+        (out / f"{PARTIAL}{suffix}").unlink(missing_ok=True)
     print(text)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in result["rows"]) else 1
+
+
+PARTIAL = "validation.partial"
+"""The stem of the files a validation writes after each run (``.json``, ``.md``: the rows so far, with
+``"partial": {"runs_done", "runs"}``), removed when it writes ``validation.json``: what an interrupted or
+timed-out validation measured is kept, and a previous whole validation is not replaced by a part."""
+
+
+def _write(out: Path, stem: str, result: dict) -> str:
+    """Write ``result`` to ``out/stem.json`` and its table (:func:`markdown`) to ``out/stem.md``, each
+    whole or not at all (a temporary file, then a rename: an interrupt mid-write leaves the last one);
+    returns the table."""
+    text = markdown(result)
+    for suffix, body in ((".json", json.dumps(result, indent=1)), (".md", text)):
+        tmp = out / f".{stem}{suffix}.tmp"
+        tmp.write_text(body)
+        tmp.replace(out / f"{stem}{suffix}")
+    return text
 
 
 GPU_LINK = "the profile's links are gloo between CPU processes, not NCCL between GPUs"

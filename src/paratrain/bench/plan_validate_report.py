@@ -25,6 +25,10 @@ def markdown(result: dict) -> str:
     lines = [f"# paratrain plan --validate — {result['config']}", "",
              "Step parts in ms, predicted (compute + comm + bubble + optimizer) and measured on rank 0 "
              "(forward + backward + data, comm, idle, optimizer).", "",
+             *([f"**Partial: {result['partial']['runs_done']} of {result['partial']['runs']} runs** when this was "
+                f"written (the validation was stopped, or is still running); a layout's row holds its runs so far, "
+                f"and `paratrain plan` reads validation.json, which a whole validation writes.", ""]
+               if result.get("partial") else []),
              "| layout | N | predicted step ms | measured step ms | step error | runs ms (spread) | "
              f"step error at the {'run' if per_run else 'round'}'s measured speed | "
              "predicted memory MiB | measured memory MiB | memory error | predicted parts | measured parts |",

@@ -10,7 +10,7 @@ both pair runs through :func:`_paired_runs`); what each strategy's own work adds
 asynchronous parameter server's workers compute longer in their job than side by side
 (:mod:`.profile_runs_ps`); on a CPU of several cores, the towers' step
 (:mod:`.profile_runs_towers`). Each run goes through
-:func:`_loop_run`. The rest of the profile is
+:func:`loop_run`. The rest of the profile is
 measured in process (:mod:`.profile`)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _loop_spec(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
+def loop_spec(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
                strategies: tuple[str, ...], nprocs: tuple[int, ...], scaling: str, steps: int):
     """The bench sweep's spec of the profile's training runs: ``steps`` steps, a third of them warm-up,
     no checkpoints, about six log intervals (each timed interval wholly after the warm-up)."""
@@ -31,7 +31,7 @@ def _loop_spec(config: str, task_entry: str | None, overrides: tuple[str, ...], 
                      overrides=(*overrides, "train.checkpoint_every=0", f"train.log_every={max(1, steps // 6)}"))
 
 
-def _loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
+def loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
     """One ``paratrain train`` run of the profile (``spec``, ``plan``: the bench sweep's) into ``run_dir``,
     its log beside it: (its record, :func:`~.report.run_record`; its exit code; its log's last line,
     at most 200 characters, for a failure's line)."""
@@ -45,12 +45,12 @@ def _loop_run(spec, plan, run_dir: Path) -> tuple[dict[str, Any], int, str]:
     return run_record(read_outcome(plan, rc, run_dir)), rc, (said or ["no output"])[0][:200]
 
 
-def _loop_runs(spec, plans: list, tmp: Path | str) -> list[tuple[dict[str, Any], int, str]]:
-    """:func:`_loop_run` of each of ``plans`` at once (side by side), each into ``tmp`` under its name,
+def loop_runs(spec, plans: list, tmp: Path | str) -> list[tuple[dict[str, Any], int, str]]:
+    """:func:`loop_run` of each of ``plans`` at once (side by side), each into ``tmp`` under its name,
     in order; an interrupt of the caller ends them all (:func:`~.runner.runs_at_once`)."""
     from .runner import runs_at_once
 
-    return runs_at_once(lambda plan: _loop_run(spec, plan, Path(tmp) / plan.name), plans)
+    return runs_at_once(lambda plan: loop_run(spec, plan, Path(tmp) / plan.name), plans)
 
 
 def loop_workloads(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None,
@@ -82,10 +82,11 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
     import tempfile
     from ..errors import UsageError
     from ..strategies import REFERENCE
+    from .plan_inputs import STEP_PARTS
     from .sweep import RunPlan
     from .validate import workload_from_record
 
-    spec = _loop_spec(config, task_entry, overrides, data_dir, (REFERENCE,), (1,), "weak", steps)
+    spec = loop_spec(config, task_entry, overrides, data_dir, (REFERENCE,), (1,), "weak", steps)
     rounds: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-") as tmp:
         for r in range(repeats):
@@ -93,14 +94,13 @@ def loop_workload_rounds(config: str, task_entry: str | None, overrides: tuple[s
                 copies = concurrent if t == 1 else 1
                 plans = [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=t, repeat=r * copies + c)
                          for c in range(copies)]
-                done = _loop_runs(spec, plans, tmp)
+                done = loop_runs(spec, plans, tmp)
                 parts = []
                 for rec, rc, said in done:
                     if not rec["ok"]:
                         raise UsageError(f"the one-device run for the profile failed (exit {rc}): {said}")
                     w = workload_from_record(rec, [0], rec["units_per_step"])
-                    parts.append({"data_s": w.data_s, "forward_s": w.forward_s, "backward_s": w.backward_s,
-                                  "optimizer_s": w.optimizer_s,
+                    parts.append({**{k: getattr(w, k) for k in STEP_PARTS},
                                   "local_sd_s": rec["rank0_timing_ms"].get("local_jitter_ms", 0.0) / 1000,
                                   **{f"host_{k}_bytes": rec[f"host_{k}_mb"] * 2**20 for k in ("private", "shared")
                                      if f"host_{k}_mb" in rec}})
@@ -228,7 +228,7 @@ def _paired_runs(config: str, task_entry: str | None, overrides: tuple[str, ...]
     from .validate import workload_from_record
 
     strategies = tuple(variants)
-    specs = {(s, v): _loop_spec(config, task_entry, (*overrides, *keys), data_dir, strategies, (replicas,), "strong",
+    specs = {(s, v): loop_spec(config, task_entry, (*overrides, *keys), data_dir, strategies, (replicas,), "strong",
                                 steps) for s, vs in variants.items() for v, keys in vs.items()}
     seen: dict[tuple[str, str], list[float]] = {}
     left_out: dict[str, str] = {}
@@ -243,7 +243,7 @@ def _paired_runs(config: str, task_entry: str | None, overrides: tuple[str, ...]
                     if strategy in left_out:
                         continue
                     plan = RunPlan(strategy=strategy, n=replicas, global_batch=global_batch, repeat=r)
-                    rec, rc, said = _loop_run(specs[strategy, v], plan, Path(tmp) / f"{plan.name}-{i}")
+                    rec, rc, said = loop_run(specs[strategy, v], plan, Path(tmp) / f"{plan.name}-{i}")
                     if not rec["ok"]:
                         left_out[strategy] = f"its run with {v} failed (exit {rc}): {said}"
                         continue
@@ -345,7 +345,7 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
     from .validate import workload_from_record
 
     strategies = strategies or one_rank_strategies()
-    spec = _loop_spec(config, task_entry, overrides, data_dir, (REFERENCE, *strategies), (1,), "weak", steps)
+    spec = loop_spec(config, task_entry, overrides, data_dir, (REFERENCE, *strategies), (1,), "weak", steps)
     seen: dict[str, list[tuple[float, float, float]]] = {}
     left_out: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-one-rank-") as tmp:
@@ -354,7 +354,7 @@ def loop_one_rank_overheads(config: str, task_entry: str | None, overrides: tupl
                 if strategy in left_out:
                     continue
                 plan = RunPlan(strategy=strategy, n=1, global_batch=batch, repeat=r)
-                rec, rc, said = _loop_run(spec, plan, Path(tmp) / plan.name)
+                rec, rc, said = loop_run(spec, plan, Path(tmp) / plan.name)
                 if not (rec["ok"] and math.isfinite(rec["train_step_ms"])):
                     why = said if not rec["ok"] else "no step was timed (too few steps)"
                     if strategy == REFERENCE:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .profile_runs import _loop_runs, _loop_spec
+from .profile_runs import loop_runs, loop_spec
 
 
 def ps_strategies() -> tuple[str, ...]:
@@ -30,7 +30,7 @@ def async_ps_strategies() -> tuple[str, ...]:
 
 
 def timed_compute(done: list[tuple[dict[str, Any], int, str]]) -> tuple[tuple[float, float] | None, str]:
-    """``done``'s runs' (:func:`~.profile_runs._loop_run`'s answers) mean timed (compute, optimizer)
+    """``done``'s runs' (:func:`~.profile_runs.loop_run`'s answers) mean timed (compute, optimizer)
     seconds a step over every worker that timed a step, or None and why not. Compute: the timed parts
     (data + forward + backward + compute), as a parameter server's worker's step also holds its
     exchange. Every worker, not rank 0 alone: an async job stops on the servers' count of updates, and
@@ -123,7 +123,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                 if (why := refusal(config, task_entry, list(overrides), Layout(s, workers))) is not None}
     rounds: dict[str, list[tuple[float, float]]] = {}  # (the job's compute, the side-by-side runs') of each round
     guards: dict[str, list[float]] = {}
-    spec = _loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
+    spec = loop_spec(config, task_entry, overrides, data_dir, (*strategies, REFERENCE), (workers,), "strong", steps)
 
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-ps-") as tmp:
         for r in range(repeats):
@@ -131,7 +131,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
             for strategy in strategies:
                 if strategy in left_out:
                     continue
-                got, why = timed_compute(_loop_runs(spec, [RunPlan(strategy=strategy, n=workers,
+                got, why = timed_compute(loop_runs(spec, [RunPlan(strategy=strategy, n=workers,
                                                                    global_batch=batch * workers, repeat=r)], tmp))
                 if got is None:
                     left_out[strategy] = f"its job {why}"
@@ -139,7 +139,7 @@ def loop_ps(config: str, task_entry: str | None, overrides: tuple[str, ...], dat
                     jobs[strategy] = got
             if not jobs:
                 break
-            base, why = timed_compute(_loop_runs(spec, [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
+            base, why = timed_compute(loop_runs(spec, [RunPlan(strategy=REFERENCE, n=1, global_batch=batch, threads=1,
                                                                 repeat=r * workers + c) for c in range(workers)], tmp))
             if base is None:
                 left_out.update({s: f"a one-thread run side by side {why}" for s in strategies if s not in left_out})

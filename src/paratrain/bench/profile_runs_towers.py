@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .profile_runs import _loop_run, _loop_spec, median_rounds, sync_batchnorm_strategies
+from .profile_runs import loop_run, loop_spec, median_rounds, sync_batchnorm_strategies
 
 
 def loop_towers(config: str, task_entry: str | None, overrides: tuple[str, ...], data_dir: str | None, batch: int,
@@ -44,12 +44,12 @@ def loop_towers(config: str, task_entry: str | None, overrides: tuple[str, ...],
 
     if batch % accumulation:
         return left_out(f"a batch of {batch} per tower does not split into {accumulation} micro-batches")
-    spec = _loop_spec(config, task_entry, overrides, data_dir, (strategy,), (towers,), "strong", steps)
+    spec = loop_spec(config, task_entry, overrides, data_dir, (strategy,), (towers,), "strong", steps)
     rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="paratrain-profile-towers-") as tmp:
         for r in range(repeats):
             plan = RunPlan(strategy=strategy, n=towers, global_batch=batch * towers, repeat=r)
-            rec, rc, said = _loop_run(spec, plan, Path(tmp) / plan.name)
+            rec, rc, said = loop_run(spec, plan, Path(tmp) / plan.name)
             if not (rec["ok"] and math.isfinite(rec["train_step_ms"])):
                 return left_out(f"its run failed (exit {rc}): {said}" if not rec["ok"] else
                                 "no step was timed (too few steps)")
