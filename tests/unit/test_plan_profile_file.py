@@ -236,3 +236,24 @@ def test_each_key_the_plan_reads_missing_or_of_another_type_is_one_line_naming_i
                 {**looped, "optimizer_s": "x"}):
         with pytest.raises(UsageError, match="lacks loop_towers \\(towers, data_s"):
             read_profile(_write(tmp, {**whole, "loop_towers": bad}), cfg, task)
+
+
+def test_reprofiling_replaces_the_cached_profile_only_with_a_whole_new_one(tmp_path):
+    """``--reprofile`` (``fresh``) measures again although the cached profile's key matches, and writes
+    the new one; a measurement interrupted part-way (Ctrl-C in the profile's minutes) leaves the last
+    profile as it was (it was deleted before the measurement began); without ``fresh``, the cached one
+    is read and nothing is measured."""
+    from paratrain.bench.profile_cache import cached_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"key": "k", "old": True}))
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cached_profile(path, "k", interrupted, fresh=True)
+    assert json.loads(path.read_text()) == {"key": "k", "old": True}
+    assert cached_profile(path, "k", interrupted) == ({"key": "k", "old": True}, True)
+    assert cached_profile(path, "k", lambda: {"new": True}, fresh=True) == ({"new": True, "key": "k"}, False)
+    assert json.loads(path.read_text()) == {"new": True, "key": "k"} and not list(tmp_path.glob("*.tmp"))

@@ -47,8 +47,6 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
 
     path = out / "profile.json"
     key = profile_key(config_text(cfg), available_cores())
-    if args.reprofile and path.exists():
-        path.unlink()
     # the most progress() calls: the profile's 6; the loop's 5 (the one-rank runs; the CPU towers; sync
     # BatchNorm's or DDP's buffer broadcast, as a recipe with sync BatchNorm sends no buffers; the PS jobs);
     # the fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
@@ -127,7 +125,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
             bar.update(phases - bar.n)
             return prof
 
-    return cached_profile(path, key, measure)
+    return cached_profile(path, key, measure, fresh=args.reprofile)
 
 
 _NUMBER = (int, float)

@@ -131,12 +131,13 @@ def profile_key(config_text: str, cores: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cached_profile(path: Path, key: str, measure: Callable[[], dict]) -> tuple[dict, bool]:
-    """(profile, True if read from ``path``): the cached one when its key matches, else measured now
-    and written (atomically)."""
+def cached_profile(path: Path, key: str, measure: Callable[[], dict], fresh: bool = False) -> tuple[dict, bool]:
+    """(profile, True if read from ``path``): the cached one when its key matches and not ``fresh``
+    (``--reprofile``), else measured now and written (atomically): the file there is replaced only by a
+    whole new profile, so an interrupted measurement leaves the last one in place."""
     try:
         cached = json.loads(path.read_text())
-        if cached.get("key") == key:
+        if cached.get("key") == key and not fresh:
             return cached, True
     except (OSError, ValueError):
         pass
