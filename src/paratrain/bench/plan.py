@@ -90,7 +90,8 @@ def add_plan_parser(sub) -> None:
                    "layout so, twice the runs)")
     p.add_argument("--out", type=Path, help="folder for profile.json (the cache), plan.json, plan.md, plots "
                    "(default runs/plan-<config name>)")
-    p.add_argument("--reprofile", action="store_true", help="measure again even if the cached profile matches (it is replaced when the new one is whole)")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure again even if the cached profile matches (it is replaced when the new one is whole)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="plan from FILE, the profile.json of `paratrain plan --out DIR` on another machine (e.g. a "
                         "GPU), instead of profiling here: it must be this CONFIG's (same --set) and a version this "
