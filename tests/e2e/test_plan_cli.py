@@ -57,6 +57,7 @@ def test_plan_predicts_every_strategy_and_layout_and_writes_its_files(planned):
     assert ckpt["allreduce + checkpointing"]["memory"]["activations"] < ckpt["allreduce"]["memory"]["activations"]
     for name in ("plan.md", "throughput.png", "memory.png", "profile.json"):
         assert (tmp / "p" / name).stat().st_size > 500, name
+    assert not (tmp / "p" / "profile.partial.json").exists()  # its phases are in the whole profile
     assert "Recommended:" in r.stdout and plan["recommended"]["command"] in r.stdout
     prof = json.loads((tmp / "p" / "profile.json").read_text())
     assert prof["flops_per_step"] > 0 and len(prof["blocks"]) == 2 and prof["links"]["p2p"]["beta_s_per_byte"] > 0

@@ -3,6 +3,7 @@ never predicts a slower step; more shards never predict more memory per device."
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 
@@ -1999,6 +2000,14 @@ def test_sync_batchnorm_micro_benchmarks_run_only_for_what_the_loop_did_not_meas
     assert not calls and "sync_batchnorm_s" not in gpu
 
 
+def _stub_profile(keys):
+    """A stand-in for profile.profile_model that writes ``keys()`` into its ``out`` (its phases unrecorded)."""
+    def profile_model(task, cfg, progress, towers_task, data_dir, out, phase):
+        out.update(keys())
+        return out
+    return profile_model
+
+
 @pytest.mark.parametrize("cores", [2, 4])
 def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_fewer_cores(monkeypatch, tmp_path,
                                                                                            cores):
@@ -2025,10 +2034,10 @@ def test_the_profile_measures_sync_batchnorm_in_the_loop_at_4_processes_only_on_
         return {k: v for k, v in measured.items() if k not in failing}
 
     in_process = {}  # the towers' steps timed in the profile's process (version 36)
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
+    monkeypatch.setattr(profile, "profile_model", _stub_profile(lambda: {
         "device": "cpu", "cores": cores, "default_threads": 2, "batchnorm_inputs": [[64, 16, 8, 8]],
         "buffer_bytes": 920, "workloads_in_process": {"2": {"data_s": 0.0, "forward_s": 0.004, "backward_s": 0.004,
-                                       "optimizer_s": 0.002}}, **in_process})
+                                       "optimizer_s": 0.002}}, **in_process}))
     monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks",
                         lambda prof, loop, progress: fallbacks.append(dict(loop)))
     monkeypatch.setattr(profile_runs, "loop_workload_rounds", lambda *a, **k: {})
@@ -2127,10 +2136,10 @@ def test_the_profile_measures_ddps_buffer_broadcast_where_the_recipe_keeps_it(mo
 
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
     calls = []
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
+    monkeypatch.setattr(profile, "profile_model", _stub_profile(lambda: {
         "device": "cpu", "cores": cores, "default_threads": cores, "batchnorm_inputs": [], "buffer_bytes": 920,
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.002, "backward_s": 0.002,
-                                              "optimizer_s": 0.0005}}})
+                                              "optimizer_s": 0.0005}}}))
     monkeypatch.setattr(profile_runs, "loop_workload_rounds", lambda *a, **k: {})
     one_rank = {"allreduce": {"step_s": 0.0004, "compute_s": 0.0003, "optimizer_s": 0.0}}
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: one_rank)  # a CPU's too (presets)
@@ -2206,11 +2215,11 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
         return got
 
     towers = cores if device == "cpu" and cores > 1 else 0  # CPU towers, one a core, timed in process
-    monkeypatch.setattr(profile, "profile_model", lambda task, cfg, progress, towers_task, data_dir: {
+    monkeypatch.setattr(profile, "profile_model", _stub_profile(lambda: {
         "device": device, "cores": cores, "default_threads": cores, "batchnorm_inputs": [],
         "workloads_in_process": {str(cores): {"data_s": 0.0, "forward_s": 0.001, "backward_s": 0.001,
                                               "optimizer_s": 0.0}},
-        **({"towers_forward_threads": {"towers": towers, "seconds": 0.002}} if towers else {})})
+        **({"towers_forward_threads": {"towers": towers, "seconds": 0.002}} if towers else {})}))
     monkeypatch.setattr(profile_runs, "loop_workload_rounds", rounds)
     monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: events.append("one-rank") or {})
     looped = {"towers": towers, "data_s": 0.0, "forward_s": 0.002, "backward_s": 0.001, "optimizer_s": 0.0005}
@@ -2245,6 +2254,96 @@ def test_a_cpu_profile_takes_its_one_device_step_over_rounds_spread_across_the_p
     else:  # a GPU's: its first rounds alone (3.2, 3.0: the lower middle 3.0)
         assert events == [first, "one-rank"] and "loop_towers" not in prof  # no CPU towers
         assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.0015)
+
+
+def test_a_profile_cut_short_resumes_at_the_phase_it_was_in(monkeypatch, tmp_path, capsys):
+    """plan_profile.load_profile with the measurements stubbed (ptb_small on 2 CPU cores): an interrupt
+    in the towers' loop runs leaves profile.partial.json with the phases before it (in process, the
+    one-device rounds, the one-rank runs) and no profile.json; the next measurement of the same key
+    measures only the towers and what follows, its later rounds joining the first sitting's in the
+    median, says it resumed, writes the whole profile with both sittings and removes the partial file.
+    A partial file of another key (another recipe) is measured from the start."""
+    import argparse
+    from pathlib import Path
+
+    from paratrain.bench import plan_profile, profile, profile_runs, profile_runs_ps, profile_runs_towers
+    from paratrain.bench.profile_cache import PARTIAL
+    from paratrain.config import load
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "ptb_small.toml")
+    cfg = load(recipe, [])
+    # each call's default-thread rounds (ms)
+    events, draws = [], iter([[3.2, 3.0], [2.4], [2.5], [9.0, 9.0], [9.0], [9.0]])
+
+    def parts(step_ms):
+        return {"data_s": 0.0, "forward_s": step_ms / 2000, "backward_s": step_ms / 2000, "optimizer_s": 0.0,
+                "local_sd_s": 0.0}
+
+    def rounds(config, task, overrides, data_dir, batch, steps, threads, concurrent=1, repeats=1):
+        events.append("rounds")
+        return {"2": [parts(ms) for ms in next(draws)]}
+
+    def in_process(task, cfg, progress, towers_task, data_dir, out, phase):  # its three phases
+        phase("in process", lambda: events.append("in process") or out.update(
+            {"device": "cpu", "cores": 2, "default_threads": 1, "batchnorm_inputs": [],
+             "workloads_in_process": {"1": {"data_s": 0.0, "forward_s": 0.001, "backward_s": 0.001,
+                                            "optimizer_s": 0.0}}}))
+        phase("links", lambda: events.append("links") or out.update({"links": {}}))
+        phase("CPU towers' forward", lambda: events.append("towers in process") or out.update(
+            {"towers_forward_threads": {"towers": 2, "seconds": 0.002}}))
+        return out
+
+    cut = [True]
+
+    def loop_towers(*a, **k):
+        events.append("towers")
+        if cut and cut.pop():
+            raise KeyboardInterrupt
+        return {"towers": 2, "data_s": 0.0, "forward_s": 0.002, "backward_s": 0.001, "optimizer_s": 0.0}
+
+    monkeypatch.setattr(profile, "profile_model", in_process)
+    monkeypatch.setattr(profile_runs, "loop_workload_rounds", rounds)
+    monkeypatch.setattr(profile_runs, "loop_one_rank_overheads", lambda *a, **k: events.append("one-rank") or {})
+    monkeypatch.setattr(profile_runs_towers, "loop_towers", loop_towers)
+    monkeypatch.setattr(profile_runs_ps, "loop_ps", lambda *a, **k: events.append("ps") or ({}, {}))
+    monkeypatch.setattr(profile_runs, "sync_batchnorm_fallbacks", lambda prof, loop, progress: None)
+    monkeypatch.setattr("paratrain.env.available_cores", lambda: 2)
+    args = argparse.Namespace(reprofile=False, profile_steps=6, timed_seconds=2.0, profile_repeats=2, config=recipe,
+                              task=None, overrides=[], data_dir=None)
+    out = tmp_path / "p"
+    with pytest.raises(KeyboardInterrupt):
+        plan_profile.load_profile(args, cfg, None, out)
+    assert events == ["in process", "links", "towers in process", "rounds", "one-rank", "towers"]
+    assert not (out / "profile.json").exists()
+    saved = json.loads((out / PARTIAL).read_text())
+    assert saved["done"] == [*profile.PHASES, "one-device runs", "one-rank runs"] and len(saved["sittings"]) == 1
+    assert saved["profile"]["workloads"]["2"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030])
+    assert not list(out.glob("*.tmp"))
+    events.clear()
+    capsys.readouterr()
+    prof, cached = plan_profile.load_profile(args, cfg, None, out)
+    assert not cached and events == ["towers", "rounds", "ps", "rounds"]
+    assert "[plan] profile: resuming the one begun" in capsys.readouterr().out
+    # the first sitting's rounds (3.2, 3.0) and this one's (2.4, 2.5): the lower middle of four, 2.5 ms
+    assert prof["workloads"]["2"]["rounds_step_s"] == pytest.approx([0.0032, 0.0030, 0.0024, 0.0025])
+    assert prof["workloads"]["2"]["forward_s"] == pytest.approx(0.00125)
+    assert prof["loop_towers"]["towers"] == 2 and len(prof["sittings"]) == 2
+    assert json.loads((out / "profile.json").read_text())["sittings"] == prof["sittings"]
+    assert not (out / PARTIAL).exists()
+    # a partial profile of another key is not resumed: everything is measured, and it is replaced
+    events.clear()
+    (out / PARTIAL).write_text(json.dumps({**saved, "key": "another recipe's"}))
+    args.reprofile, cut[:] = True, [False]
+    prof, _ = plan_profile.load_profile(args, cfg, None, out)
+    assert events[:5] == ["in process", "links", "towers in process", "rounds", "one-rank"] and "sittings" not in prof
+    assert not (out / PARTIAL).exists()
+    # a --reprofile cut short beside a whole profile: a plain plan reads the whole one and says how to resume
+    saved["key"] = json.loads((out / "profile.json").read_text())["key"]
+    (out / PARTIAL).write_text(json.dumps(saved))
+    args.reprofile = False
+    capsys.readouterr()
+    assert plan_profile.load_profile(args, cfg, None, out)[1]
+    assert "holds the phases of a profile cut short: --reprofile resumes it" in capsys.readouterr().out
 
 
 def test_the_reports_profile_rounds_are_the_default_thread_runs_in_ms():

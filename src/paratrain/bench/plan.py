@@ -91,7 +91,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--out", type=Path, help="folder for profile.json (the cache), plan.json, plan.md, plots "
                    "(default runs/plan-<config name>)")
     p.add_argument("--reprofile", action="store_true",
-                   help="measure again even if the cached profile matches (it is replaced when the new one is whole)")
+                   help="measure again even if the cached profile matches (it is replaced when the new one is whole; "
+                   "a profile cut short resumes from DIR/profile.partial.json)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="plan from FILE, the profile.json of `paratrain plan --out DIR` on another machine (e.g. a "
                         "GPU), instead of profiling here: it must be this CONFIG's (same --set) and a version this "

@@ -37,7 +37,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     from ..env import available_cores
     from ..runs import build_task
     from .profile import profile_model
-    from .profile_cache import cached_profile, profile_key
+    from .profile_cache import PARTIAL, PartialProfile, cached_profile, profile_key
     from .plan_inputs import in_process_step_s, sends_buffers
     from .profile_runs import (OVERSUBSCRIBED, loop_buffer_broadcast, loop_one_rank_overheads, loop_sync_batchnorm,
                                loop_workload_rounds, median_rounds, sync_batchnorm_fallbacks,
@@ -53,22 +53,38 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     phases = 13
 
     def measure() -> dict:
+        # each phase is kept in profile.partial.json as it ends: a profile cut short resumes at the next
+        saved = PartialProfile(out / PARTIAL, key)
+        prof, extra = saved.profile, saved.extra
+        if saved.resumed:
+            done = len(saved.done)
+            print(f"[plan] profile: resuming the one begun {saved.sittings[0]}, cut short after {done} "
+                  f"phase{'s' if done > 1 else ''} ({', '.join(saved.done)}); delete {out / PARTIAL} to measure "
+                  f"from the start", flush=True)
         with tqdm(total=phases, desc="[plan] profiling", unit="phase", dynamic_ncols=True) as bar:
             def progress(what: str) -> None:
                 bar.set_postfix_str(what)
                 bar.update(min(1, phases - bar.n))
 
-            prof = profile_model(task, cfg, progress=progress, towers_task=lambda batch: build_task(
+            def phase(name: str, run) -> None:
+                if not saved.phase(name, run):
+                    progress(f"{name}: measured before")
+
+            # in this process: its own phases (profile.PHASES), each kept as it ends
+            profile_model(task, cfg, progress=progress, towers_task=lambda batch: build_task(
                 dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=batch)), args.data_dir,
-                world_size=1), data_dir=args.data_dir)
-            progress("the training loop's step: one-device runs")
+                world_size=1), data_dir=args.data_dir, out=prof, phase=phase)
             threads = (None, 1) if prof["device"] == "cpu" and prof["default_threads"] > 1 else (None,)
             guess = in_process_step_s(prof)
             steps = run_steps(args.profile_steps, guess, args.timed_seconds)
             recipe = (args.config, args.task, tuple(args.overrides), args.data_dir, cfg.train.batch_size)  # every run's
-            rounds = loop_workload_rounds(*recipe, steps, threads, concurrent=prof["cores"],
-                                          repeats=args.profile_repeats)
-            prof["workloads"] = median_rounds(rounds)
+
+            def one_device() -> None:
+                progress("the training loop's step: one-device runs")
+                extra["rounds"] = loop_workload_rounds(*recipe, steps, threads, concurrent=prof["cores"],
+                                                       repeats=args.profile_repeats)
+                prof["workloads"] = median_rounds(extra["rounds"])
+            phase("one-device runs", one_device)
 
             def later_round() -> None:
                 """A CPU's default-thread one-device run once more, after a later phase: on the 2-vCPU EPYC
@@ -77,55 +93,80 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
                 back, could fall in one spell (3.0 and 3.2 ms at v37, where the validation's runs took
                 2.4), so its median is taken over rounds spread across the profile."""
                 if prof["device"] == "cpu":
-                    for key, more in loop_workload_rounds(*recipe, steps, (None,)).items():
-                        rounds.setdefault(key, []).extend(more)
-                    prof["workloads"] = median_rounds(rounds)
+                    for got, more in loop_workload_rounds(*recipe, steps, (None,)).items():
+                        extra["rounds"].setdefault(got, []).extend(more)
+                    prof["workloads"] = median_rounds(extra["rounds"])
+
             # each strategy's own work around its compute, at one rank: on a GPU it prices every N > 1; a
             # CPU's prices the presets (this machine's rows have their own two-process terms)
-            progress("each strategy's own step: one-rank runs")
-            prof["loop_one_rank_s"] = loop_one_rank_overheads(*recipe, steps, repeats=args.profile_repeats)
-            if prof.get("towers_forward_threads"):  # CPU towers, one a core (measurable in process)
-                towers = int(prof["towers_forward_threads"]["towers"])
-                progress(f"CPU towers in the loop's steps: {towers} towers")
-                # each step about towers times the one-device step's work: as many fewer steps
-                looped = loop_towers(*recipe, run_steps(args.profile_steps, guess * towers, args.timed_seconds),
-                                     towers, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
-                if looped:
-                    prof["loop_towers"] = looped
-            later_round()
-            if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
-                over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
-                progress(f"sync BatchNorm in the loop's steps: 2 replicas{f', {OVERSUBSCRIBED}' if over_cores else ''}")
-                loop = functools.partial(loop_sync_batchnorm, *recipe, steps=steps, repeats=args.profile_repeats,
-                                         accumulation=cfg.train.accumulation)
-                processes, towers = sync_batchnorm_strategies()
-                # the towers' term, since version 36, from their steps plain and synchronised in turn in one
-                # process (microbench_towers): the loop's on/off pair a minute apart moved with the machine
-                prof["loop_sync_batchnorm_s"] = loop(
-                    strategies=(processes,) if towers_sync_in_process(prof) else (processes, towers))
-                if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
-                    # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
-                    fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"], args.timed_seconds)
-                    over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
-                    if processes in over:
-                        prof["loop_sync_batchnorm_oversubscribed"] = {"processes": OVERSUBSCRIBED,
-                                                                      "seconds": over[processes]}
-            if prof["device"] == "cpu" and prof["cores"] > 1 and sends_buffers(prof, cfg):
-                progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
-                prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
-                    *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
-            if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
-                progress(f"a PS worker's compute and guard in the loop's steps: {PS_LOOP_WORKERS} workers")
-                prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(
-                    *recipe, steps, repeats=args.profile_repeats, synced_batchnorm=bool(prof.get("batchnorm_inputs")))
-            if any(k in prof for k in ("loop_sync_batchnorm_s", "loop_buffer_broadcast_s", "loop_ps_stolen_s")):
-                later_round()  # (after none of them it would run straight after the last round: no spread)
-            # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
-            sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress)
-            bar.update(phases - bar.n)
-            return prof
+            def one_rank() -> None:
+                progress("each strategy's own step: one-rank runs")
+                prof["loop_one_rank_s"] = loop_one_rank_overheads(*recipe, steps, repeats=args.profile_repeats)
+            phase("one-rank runs", one_rank)
 
-    return cached_profile(path, key, measure, fresh=args.reprofile)
+            def cpu_towers() -> None:
+                if prof.get("towers_forward_threads"):  # CPU towers, one a core (measurable in process)
+                    towers = int(prof["towers_forward_threads"]["towers"])
+                    progress(f"CPU towers in the loop's steps: {towers} towers")
+                    # each step about towers times the one-device step's work: as many fewer steps
+                    looped = loop_towers(*recipe, run_steps(args.profile_steps, guess * towers, args.timed_seconds),
+                                         towers, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+                    if looped:
+                        prof["loop_towers"] = looped
+            phase("CPU towers", cpu_towers)
+            phase("a later one-device round", later_round)
+
+            def sync_batchnorm() -> None:
+                if prof.get("batchnorm_inputs") and prof["device"] == "cpu" and prof["cores"] > 1:
+                    over_cores = prof["cores"] < OVERSUBSCRIBED  # N > cores: the processes take turns on the cores
+                    progress(f"sync BatchNorm in the loop's steps: 2 replicas"
+                             f"{f', {OVERSUBSCRIBED}' if over_cores else ''}")
+                    loop = functools.partial(loop_sync_batchnorm, *recipe, steps=steps, repeats=args.profile_repeats,
+                                             accumulation=cfg.train.accumulation)
+                    processes, towers = sync_batchnorm_strategies()
+                    # the towers' term, since version 36, from their steps plain and synchronised in turn in one
+                    # process (microbench_towers): the loop's on/off pair a minute apart moved with the machine
+                    prof["loop_sync_batchnorm_s"] = loop(
+                        strategies=(processes,) if towers_sync_in_process(prof) else (processes, towers))
+                    if over_cores and processes in prof["loop_sync_batchnorm_s"]:  # a line needs the loop's 2 too
+                        # each step about OVERSUBSCRIBED / cores times as long: as many fewer steps
+                        fewer = run_steps(args.profile_steps, guess * OVERSUBSCRIBED / prof["cores"],
+                                          args.timed_seconds)
+                        over = loop(strategies=(processes,), replicas=OVERSUBSCRIBED, steps=fewer)
+                        if processes in over:
+                            prof["loop_sync_batchnorm_oversubscribed"] = {"processes": OVERSUBSCRIBED,
+                                                                          "seconds": over[processes]}
+            phase("sync BatchNorm", sync_batchnorm)
+
+            def buffer_broadcast() -> None:
+                if prof["device"] == "cpu" and prof["cores"] > 1 and sends_buffers(prof, cfg):
+                    progress("DDP's buffer broadcast in the loop's steps: 2 replicas")
+                    prof["loop_buffer_broadcast_s"] = loop_buffer_broadcast(
+                        *recipe, steps, repeats=args.profile_repeats, accumulation=cfg.train.accumulation)
+            phase("DDP's buffer broadcast", buffer_broadcast)
+
+            def ps_jobs() -> None:
+                if prof["device"] == "cpu" and ps_loop_applies(prof["cores"]):  # the workers share the cores
+                    progress(f"a PS worker's compute and guard in the loop's steps: {PS_LOOP_WORKERS} workers")
+                    prof["loop_ps_stolen_s"], prof["loop_ps_guard_s"] = loop_ps(
+                        *recipe, steps, repeats=args.profile_repeats,
+                        synced_batchnorm=bool(prof.get("batchnorm_inputs")))
+            phase("PS jobs", ps_jobs)
+            if any(k in prof for k in ("loop_sync_batchnorm_s", "loop_buffer_broadcast_s", "loop_ps_stolen_s")):
+                # (after none of them it would run straight after the last round: no spread)
+                phase("a last one-device round", later_round)
+            # the layers' micro-benchmarks, only for what the loop did not measure (a GPU; a failed run)
+            phase("layers' micro-benchmarks",
+                  lambda: sync_batchnorm_fallbacks(prof, prof.get("loop_sync_batchnorm_s") or {}, progress))
+            bar.update(phases - bar.n)
+        if saved.resumed:
+            prof["sittings"] = saved.sittings
+        return prof
+
+    prof, cached = cached_profile(path, key, measure, fresh=args.reprofile)
+    if cached and (out / PARTIAL).exists():
+        print(f"[plan] {out / PARTIAL} holds the phases of a profile cut short: --reprofile resumes it", flush=True)
+    return prof, cached
 
 
 _NUMBER = (int, float)
@@ -147,7 +188,8 @@ OPTIONAL = {"towers_forward_threads": (dict, type(None)), "loop_one_rank_s": dic
             "memory_copy": list, "meetings": list, "meetings_oversubscribed": dict, "ps_round_trips_loaded": dict,
             "ps_round_trips_loaded_4": dict, "zero1_step_s": _NUMBER, "fsdp_step_s": _NUMBER,
             "sharded_optimizer_s": _NUMBER, "sharded_norm_s": _NUMBER, "sync_batchnorm_s": _NUMBER,
-            "device_memory_bytes": (int, float, type(None)), "recipe": str}
+            "device_memory_bytes": (int, float, type(None)), "recipe": str,
+            "sittings": list}  # when each sitting of a profile that was cut short and resumed began
 """The keys a profile holds where it measured them, by type: checked where present."""
 
 

@@ -97,29 +97,94 @@ def _memory_peak(model, optimizer, step: Callable[[], None]) -> dict[str, float]
 
 def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Callable[[str], None] = print,
                   links: bool = True, towers_task: Callable[[int], Any] | None = None,
-                  data_dir: str | None = None) -> dict[str, Any]:
+                  data_dir: str | None = None, out: dict[str, Any] | None = None,
+                  phase: Callable[[str, Callable[[], None]], Any] | None = None) -> dict[str, Any]:
     """Measure the task's model on one device (see the module). ``task``: built for one rank
     holding the whole global batch (``build_task(..., world_size=1)``). ``towers_task(batch)``: the
     same task built for one rank holding a global batch of ``batch``, for CPU towers' forward (None:
     not measured; the plan then prices the towers' forwards one after the other). ``data_dir``: the
     task's data, for the links' processes that build the task again (None: the default). ``progress(what)``
-    is told of each phase (a tqdm bar in ``paratrain plan``). Returns a JSON-able dict."""
+    is told of each phase (a tqdm bar in ``paratrain plan``). Three phases, :data:`PHASES`: the
+    in-process one, the links, the CPU towers' forward; ``phase(name, run)`` runs ``run()`` unless
+    that phase was measured in an earlier sitting (:meth:`~.profile_cache.PartialProfile.phase`;
+    default: always). ``out``: the dict the keys go into (default a new one; resumed, it holds the
+    earlier sitting's). A phase that runs after an earlier sitting's builds the model again and takes
+    ``warmup`` optimizer steps first (the links time the optimizer's step on its state). Returns
+    ``out``, JSON-able."""
+    out = {} if out is None else out
+    phase = phase or (lambda name, run: run())
+    built: dict[str, Any] = {}
+
+    def model_and_step() -> dict[str, Any]:
+        """The model, its device, batch, loss and optimizer, and one training step of them: built once."""
+        if not built:
+            from ..train.optim import build_optimizer
+
+            model, device, tokens, draw, loss_fn = _model_and_batch(task, cfg)
+            optimizer = build_optimizer(model.parameters(), cfg.train, cfg.train.lr)
+
+            def one_step() -> None:
+                loss_fn(draw()).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            built.update(model=model, device=device, tokens=tokens, draw=draw, loss_fn=loss_fn, optimizer=optimizer,
+                         one_step=one_step, stepped=False)
+        return built
+
+    def stepped() -> dict[str, Any]:
+        """:func:`model_and_step`, its optimizer stepped (by the in-process phase, or ``warmup`` steps)."""
+        got = model_and_step()
+        if not got["stepped"]:
+            for _ in range(warmup):
+                got["one_step"]()
+            got["stepped"] = True
+        return got
+
+    phase(PHASES[0], lambda: out.update(_in_process(task, cfg, model_and_step(), warmup, steps, progress)))
+    if built:  # the in-process phase ran here: it stepped the optimizer
+        built["stepped"] = True
+    if links:
+        def measure_links() -> None:
+            progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update and exchange "
+                     "(alone and among computing workers); DTensor steps; what FSDP2 adds to each unit and ZeRO-1 "
+                     "and FSDP2 to the optimizer's step")
+            from .profile_links import profile_links
+
+            got = stepped()
+            out.update(profile_links(got["model"], got["optimizer"], cfg, got["device"], out, data_dir))
+        phase(PHASES[1], measure_links)
+    if out["device"] == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
+        def measure_towers() -> None:
+            progress("CPU towers' forward")
+            from .microbench_towers import towers_forward
+
+            got = stepped()
+            towers = towers_forward(task, got["model"], got["device"], got["one_step"], towers_task, out["cores"],
+                                    cfg.train.batch_size, sync_batchnorm=bool(out["batchnorm_inputs"]),
+                                    precision=cfg.train.precision)
+            if towers:
+                out["towers_forward_threads"] = towers
+        phase(PHASES[2], measure_towers)
+    return out
+
+
+PHASES = ("in process", "links", "CPU towers' forward")
+""":func:`profile_model`'s phases, by the names a resumed profile keeps them under."""
+
+
+def _in_process(task, cfg, got: dict[str, Any], warmup: int, steps: int,
+                progress: Callable[[str], None]) -> dict[str, Any]:
+    """:func:`profile_model`'s first phase on ``got`` (its model, optimizer and step): everything but the
+    links and the CPU towers."""
     import platform
 
     from ..consistency import config_text
     from ..env import available_cores
-    from ..train.optim import build_optimizer
     from .mfu import peak_flops
     from .validate import model_gradient_bytes
 
-    model, device, tokens, draw, loss_fn = _model_and_batch(task, cfg)
-    optimizer = build_optimizer(model.parameters(), cfg.train, cfg.train.lr)
-
-    def one_step() -> None:
-        loss_fn(draw()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    model, device, tokens, draw, loss_fn = (got[k] for k in ("model", "device", "tokens", "draw", "loss_fn"))
+    optimizer, one_step = got["optimizer"], got["one_step"]
     out: dict[str, Any] = {"version": PROFILE_VERSION, "date": f"{datetime.datetime.now():%Y-%m-%d %H:%M}",
                            "task": cfg.task.entry, "unit": getattr(task, "unit", "samples"),
                            "batch_size": cfg.train.batch_size, "tokens_per_step": tokens, "device": str(device),
@@ -159,21 +224,6 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
     out["strategy_inputs"] = _stage_inputs(task, cfg, out["cores"] if device.type == "cpu" else None, device)
     # what model.sync_batchnorm synchronises (an extra forward, only for a recipe that sets it)
     out["batchnorm_inputs"] = _batchnorm_inputs(model, loss_fn, draw) if cfg.model_value("sync_batchnorm") else []
-    if links:
-        progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update and exchange "
-                 "(alone and among computing workers); DTensor steps; what FSDP2 adds to each unit and ZeRO-1 "
-                 "and FSDP2 to the optimizer's step")
-        from .profile_links import profile_links
-
-        out.update(profile_links(model, optimizer, cfg, device, out, data_dir))
-    if device.type == "cpu" and out["cores"] > 1 and towers_task is not None:  # CPU towers: one per core
-        progress("CPU towers' forward")
-        from .microbench_towers import towers_forward
-
-        towers = towers_forward(task, model, device, one_step, towers_task, out["cores"], cfg.train.batch_size,
-                                sync_batchnorm=bool(out["batchnorm_inputs"]), precision=cfg.train.precision)
-        if towers:
-            out["towers_forward_threads"] = towers
     return out
 
 

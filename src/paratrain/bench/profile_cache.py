@@ -134,7 +134,8 @@ def profile_key(config_text: str, cores: int) -> str:
 def cached_profile(path: Path, key: str, measure: Callable[[], dict], fresh: bool = False) -> tuple[dict, bool]:
     """(profile, True if read from ``path``): the cached one when its key matches and not ``fresh``
     (``--reprofile``), else measured now and written (atomically): the file there is replaced only by a
-    whole new profile, so an interrupted measurement leaves the last one in place."""
+    whole new profile, so an interrupted measurement leaves the last one in place; the phases
+    ``measure`` kept in :data:`PARTIAL` beside it (:class:`PartialProfile`) are removed once it is written."""
     try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key and not fresh:
@@ -146,4 +147,59 @@ def cached_profile(path: Path, key: str, measure: Callable[[], dict], fresh: boo
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(prof, indent=1))
     tmp.replace(path)
+    path.with_name(PARTIAL).unlink(missing_ok=True)  # its phases are in the whole profile now
     return prof, False
+
+
+PARTIAL = "profile.partial.json"
+"""The file beside ``profile.json`` that holds a profile's phases measured so far (:class:`PartialProfile`)."""
+
+
+class PartialProfile:
+    """``DIR/profile.partial.json``: the phases of a profile measured so far, written (atomically) after
+    each one, so that a profile cut short (Ctrl-C, SIGTERM, a job's or a lease's time limit) resumes
+    where it stopped: the next measurement of the same key (:func:`profile_key`: the recipe, the
+    versions, the cores, the host) reads the phases done and measures only the rest. A file of another
+    key is ignored (and replaced at the first phase). :func:`cached_profile` removes it once the whole
+    profile is written.
+
+    ``profile``: the profile's keys so far; ``extra``: what later phases need beyond them (JSON-able,
+    e.g. the one-device rounds); ``done``: the phases' names in the order they were measured;
+    ``sittings``: when each sitting began (``%Y-%m-%d %H:%M``), the first the profile's own."""
+
+    def __init__(self, path: Path, key: str):
+        import datetime
+
+        self.path, self.key = path, key
+        state: dict = {}
+        try:
+            got = json.loads(path.read_text())
+            if isinstance(got, dict) and got.get("key") == key:
+                state = got
+        except (OSError, ValueError):
+            pass
+        self.profile: dict = dict(state.get("profile") or {})
+        self.extra: dict = dict(state.get("extra") or {})
+        self.done: list[str] = list(state.get("done") or [])
+        earlier = (state.get("sittings") or []) if self.done else []
+        self.sittings: list[str] = [*earlier, f"{datetime.datetime.now():%Y-%m-%d %H:%M}"]
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this sitting resumes phases measured in an earlier one."""
+        return len(self.sittings) > 1
+
+    def phase(self, name: str, measure: Callable[[], None]) -> bool:
+        """Run ``measure()`` (which updates :attr:`profile` and :attr:`extra`) unless phase ``name`` is
+        done, then record it done and write the file. Returns whether it ran. An exception in
+        ``measure`` propagates and leaves the file as it was after the last phase."""
+        if name in self.done:
+            return False
+        measure()
+        self.done.append(name)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"key": self.key, "done": self.done, "sittings": self.sittings,
+                                   "profile": self.profile, "extra": self.extra}, indent=1))
+        tmp.replace(self.path)
+        return True
