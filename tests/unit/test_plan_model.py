@@ -2262,7 +2262,9 @@ def test_a_profile_cut_short_resumes_at_the_phase_it_was_in(monkeypatch, tmp_pat
     one-device rounds, the one-rank runs) and no profile.json; the next measurement of the same key
     measures only the towers and what follows, its later rounds joining the first sitting's in the
     median, says it resumed, writes the whole profile with both sittings and removes the partial file.
-    A partial file of another key (another recipe) is measured from the start."""
+    A partial file of another key (another recipe) or of other settings (--profile-repeats) is measured
+    from the start; a cached profile read beside a partial of its own key (not another's) says that
+    --reprofile resumes it."""
     import argparse
     from pathlib import Path
 
@@ -2273,7 +2275,7 @@ def test_a_profile_cut_short_resumes_at_the_phase_it_was_in(monkeypatch, tmp_pat
     recipe = str(Path(__file__).resolve().parents[2] / "configs" / "ptb_small.toml")
     cfg = load(recipe, [])
     # each call's default-thread rounds (ms)
-    events, draws = [], iter([[3.2, 3.0], [2.4], [2.5], [9.0, 9.0], [9.0], [9.0]])
+    events, draws = [], iter([[3.2, 3.0], [2.4], [2.5], *[[9.0, 9.0], [9.0], [9.0]] * 2])
 
     def parts(step_ms):
         return {"data_s": 0.0, "forward_s": step_ms / 2000, "backward_s": step_ms / 2000, "optimizer_s": 0.0,
@@ -2344,6 +2346,63 @@ def test_a_profile_cut_short_resumes_at_the_phase_it_was_in(monkeypatch, tmp_pat
     capsys.readouterr()
     assert plan_profile.load_profile(args, cfg, None, out)[1]
     assert "holds the phases of a profile cut short: --reprofile resumes it" in capsys.readouterr().out
+    # ... but not of another recipe's partial, which --reprofile would not resume
+    (out / PARTIAL).write_text(json.dumps({**saved, "key": "another recipe's"}))
+    assert plan_profile.load_profile(args, cfg, None, out)[1]
+    assert "cut short" not in capsys.readouterr().out
+    # a partial of this key measured under other settings (--profile-repeats 2, now 3) is measured from the start
+    (out / PARTIAL).write_text(json.dumps(saved))
+    events.clear()
+    args.reprofile, args.profile_repeats = True, 3
+    prof, _ = plan_profile.load_profile(args, cfg, None, out)
+    assert events[:5] == ["in process", "links", "towers in process", "rounds", "one-rank"] and "sittings" not in prof
+    assert ("holds a profile cut short under other settings (profile_repeats 2 there, 3 now): measuring from the start"
+            in capsys.readouterr().out)
+    assert not (out / PARTIAL).exists()
+
+
+def test_profile_model_resumed_after_its_in_process_phase_steps_the_optimizer_before_the_towers(monkeypatch):
+    """profile.profile_model resumed in a later sitting (its ``phase`` skips the in-process phase, done
+    before; ``out`` holds that sitting's keys): it builds digits_cnn's model again and takes ``warmup``
+    optimizer steps (3 here) before the CPU towers' forward, which times steps on the optimizer's state
+    (the in-process phase stepped it in a first sitting); it keeps the earlier keys, measures none of
+    the in-process ones again, and adds the towers'."""
+    from pathlib import Path
+
+    from paratrain.bench import microbench_towers, profile
+    from paratrain.config import load
+    from paratrain.runs import build_task
+    from paratrain.train import optim
+
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "digits_cnn.toml")
+    cfg = load(recipe, ["train.batch_size=8"])
+    task = build_task(cfg, None, world_size=1)
+    steps, seen = [0], {}
+    build = optim.build_optimizer
+
+    def counted(*a, **k):
+        opt = build(*a, **k)
+        opt.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+        return opt
+
+    def towers_forward(task, model, device, one_step, towers_task, cores, batch, **k):
+        seen.update(steps=steps[0], cores=cores, sync=k["sync_batchnorm"])
+        return {"towers": cores, "seconds": 0.001}
+
+    monkeypatch.setattr(optim, "build_optimizer", counted)
+    monkeypatch.setattr(microbench_towers, "towers_forward", towers_forward)
+    earlier = {"device": "cpu", "cores": 2, "batchnorm_inputs": [[8, 16, 8, 8]], "version": 1}
+    ran = []
+
+    def later_sitting(name, run):
+        if name != profile.PHASES[0]:
+            ran.append(name)
+            run()
+
+    out = profile.profile_model(task, cfg, warmup=3, steps=1, progress=lambda what: None, links=False,
+                                towers_task=lambda batch: task, out=dict(earlier), phase=later_sitting)
+    assert ran == [profile.PHASES[2]] and seen == {"steps": 3, "cores": 2, "sync": True}
+    assert out == {**earlier, "towers_forward_threads": {"towers": 2, "seconds": 0.001}}
 
 
 def test_the_reports_profile_rounds_are_the_default_thread_runs_in_ms():

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 from pathlib import Path
 
 from .plan_inputs import STEP_PARTS
@@ -52,10 +53,20 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
     # the fallbacks' 2. A GPU's: the loop's 1, the one-rank runs' 1, the fallbacks' 1 at most.
     phases = 13
 
+    # what the measurement depends on beyond the key: a profile cut short resumes only under the same
+    settings = {"profile_repeats": args.profile_repeats, "profile_steps": args.profile_steps,
+                "timed_seconds": args.timed_seconds, "data_dir": args.data_dir,
+                **{name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}}
+
     def measure() -> dict:
         # each phase is kept in profile.partial.json as it ends: a profile cut short resumes at the next
-        saved = PartialProfile(out / PARTIAL, key)
+        saved = PartialProfile(out / PARTIAL, key, settings)
         prof, extra = saved.profile, saved.extra
+        if saved.other_settings is not None:
+            differ = ", ".join(f"{k} {saved.other_settings.get(k)} there, {v} now" for k, v in saved.settings.items()
+                               if saved.other_settings.get(k) != v)
+            print(f"[plan] profile: {out / PARTIAL} holds a profile cut short under other settings ({differ}): "
+                  f"measuring from the start", flush=True)
         if saved.resumed:
             done = len(saved.done)
             print(f"[plan] profile: resuming the one begun {saved.sittings[0]}, cut short after {done} "
@@ -164,7 +175,7 @@ def load_profile(args: argparse.Namespace, cfg, task, out: Path) -> tuple[dict, 
         return prof
 
     prof, cached = cached_profile(path, key, measure, fresh=args.reprofile)
-    if cached and (out / PARTIAL).exists():
+    if cached and PartialProfile(out / PARTIAL, key, settings).done:  # (one of another key is replaced unread)
         print(f"[plan] {out / PARTIAL} holds the phases of a profile cut short: --reprofile resumes it", flush=True)
     return prof, cached
 

@@ -144,10 +144,13 @@ def cached_profile(path: Path, key: str, measure: Callable[[], dict], fresh: boo
         pass
     prof = {**measure(), "key": key}
     path.parent.mkdir(parents=True, exist_ok=True)
+    from ..interrupts import signals_held
+
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(prof, indent=1))
-    tmp.replace(path)
-    path.with_name(PARTIAL).unlink(missing_ok=True)  # its phases are in the whole profile now
+    with signals_held():  # an interrupt between the two would leave a finished partial beside its profile
+        tmp.replace(path)
+        path.with_name(PARTIAL).unlink(missing_ok=True)  # its phases are in the whole profile now
     return prof, False
 
 
@@ -159,23 +162,30 @@ class PartialProfile:
     """``DIR/profile.partial.json``: the phases of a profile measured so far, written (atomically) after
     each one, so that a profile cut short (Ctrl-C, SIGTERM, a job's or a lease's time limit) resumes
     where it stopped: the next measurement of the same key (:func:`profile_key`: the recipe, the
-    versions, the cores, the host) reads the phases done and measures only the rest. A file of another
-    key is ignored (and replaced at the first phase). :func:`cached_profile` removes it once the whole
-    profile is written.
+    versions, the cores, the host) and the same ``settings`` (what else the measurement depends on:
+    the profile's options, the environment that picks the device and threads; JSON-able) reads the
+    phases done and measures only the rest. A file of another key or other settings is ignored (and
+    replaced at the first phase; :attr:`other_settings` holds its settings where only they differ).
+    :func:`cached_profile` removes it once the whole profile is written.
 
     ``profile``: the profile's keys so far; ``extra``: what later phases need beyond them (JSON-able,
     e.g. the one-device rounds); ``done``: the phases' names in the order they were measured;
     ``sittings``: when each sitting began (``%Y-%m-%d %H:%M``), the first the profile's own."""
 
-    def __init__(self, path: Path, key: str):
+    def __init__(self, path: Path, key: str, settings: dict | None = None):
         import datetime
 
         self.path, self.key = path, key
+        self.settings: dict = json.loads(json.dumps(settings or {}))  # as the file holds them
+        self.other_settings: dict | None = None
         state: dict = {}
         try:
             got = json.loads(path.read_text())
             if isinstance(got, dict) and got.get("key") == key:
-                state = got
+                if (got.get("settings") or {}) == self.settings:
+                    state = got
+                elif got.get("done"):
+                    self.other_settings = got.get("settings") or {}
         except (OSError, ValueError):
             pass
         self.profile: dict = dict(state.get("profile") or {})
@@ -199,7 +209,7 @@ class PartialProfile:
         self.done.append(name)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "done": self.done, "sittings": self.sittings,
-                                   "profile": self.profile, "extra": self.extra}, indent=1))
+        tmp.write_text(json.dumps({"key": self.key, "settings": self.settings, "done": self.done,
+                                   "sittings": self.sittings, "profile": self.profile, "extra": self.extra}, indent=1))
         tmp.replace(self.path)
         return True
