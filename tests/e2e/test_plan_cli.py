@@ -571,7 +571,8 @@ def test_the_training_loops_tracked_memory_counts_the_optimizer_state_zero1_hold
 def test_rows_whose_global_batch_the_training_split_cannot_fill_are_infeasible(tmp_path):
     """digits_cnn (64 images a replica, weak scaling) from its shipped profile: at N = 32 the global batch of
     2048 is more than the 1197 training images, which paratrain train refuses, so every N = 32 row is
-    infeasible with the task's reason and the recommendation is at N = 16, whose command sets 1024."""
+    infeasible with the task's reason and the recommendation is at N = 16, whose command sets 1024; the
+    pipeline, which its BatchNorm rules out, is listed as not possible with the reason."""
     from ..conftest import REPO
 
     profile = REPO / "benchmarks" / "results" / "plan-xeon" / "digits_cnn-v44" / "profile.json"
@@ -585,3 +586,6 @@ def test_rows_whose_global_batch_the_training_split_cannot_fill_are_infeasible(t
     assert any(row["feasible"] for row in plan["rows"] if row["n"] == 16)
     best = plan["recommended"]
     assert best["n"] == 16 and "--set train.batch_size=1024" in best["command"]
+    # a model that does not pipeline (BatchNorm) says why under "Not possible", instead of no pipeline row at all
+    assert "BatchNorm" in plan["refused"]["pipeline"] and not any(row["strategy"] == "pipeline" for row in plan["rows"])
+    assert f"* pipeline: {plan['refused']['pipeline']}" in (tmp_path / "p" / "plan.md").read_text()

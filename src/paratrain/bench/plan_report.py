@@ -82,6 +82,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 row["feasible"] = not row["reason"]
                 rows.append(row)
                 batches.append(batch)
+    if max(ns) >= 2 and not prof["strategy_inputs"].get("stage_profiles"):  # no stages were profiled: say why
+        from ..strategies import STRATEGIES
+        from .strategy_model import STAGES, pipeline_refusal
+
+        why = pipeline_refusal(task, 2)
+        for name in (s for s, c in STRATEGIES.items() if c.cost_model == STAGES and STAGES in pl.MODELS):
+            if why:
+                refused.setdefault(name, why)
     too_large = data_refusals(cfg, args.data_dir, set(batches))
     for r, batch in zip(rows, batches):  # a global batch the training split cannot fill: the run would refuse it
         if not r["reason"] and too_large.get(batch):

@@ -243,21 +243,13 @@ def _check_pipeline(args: argparse.Namespace, cfg, task) -> None:
     ``dist.pipeline_stages`` stages (:func:`~paratrain.strategies.stages.cut_stages`,
     :func:`~paratrain.strategies.stages.task_hooks`: why not, e.g. a model with BatchNorm); nothing otherwise.
     Builds the model on the meta device (its structure alone), runs nothing."""
-    import torch
-
-    from .strategy_model import STAGES
+    from .strategy_model import STAGES, pipeline_refusal
 
     if STRATEGIES[args.strategy].cost_model != STAGES:
         return
-    from ..strategies.stages import cut_stages, task_hooks
-
-    try:
-        with torch.device("meta"):
-            model = task.build_model()
-        cut_stages(model, cfg.dist.pipeline_stages, cfg.dist.pipeline_split)
-        task_hooks(task)
-    except UsageError as e:
-        raise UsageError(f"--strategy {args.strategy}: {e}") from None
+    why = pipeline_refusal(task, cfg.dist.pipeline_stages, cfg.dist.pipeline_split)
+    if why:
+        raise UsageError(f"--strategy {args.strategy}: {why}")
 
 
 def _hook_payload(args: argparse.Namespace, hook: str) -> float:
