@@ -84,12 +84,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 batches.append(batch)
     if max(ns) >= 2 and not prof["strategy_inputs"].get("stage_profiles"):  # no stages were profiled: say why
         from ..strategies import STRATEGIES
-        from .strategy_model import STAGES, pipeline_refusal
+        from ..strategies.stages import pipeline_refusal
+        from .strategy_model import STAGES
 
         why = pipeline_refusal(task, 2)
-        for name in (s for s, c in STRATEGIES.items() if c.cost_model == STAGES and STAGES in pl.MODELS):
-            if why:
-                refused.setdefault(name, why)
+        if why:
+            refused.update({s: why for s, c in STRATEGIES.items() if c.cost_model == STAGES and s not in refused})
     too_large = data_refusals(cfg, args.data_dir, set(batches))
     for r, batch in zip(rows, batches):  # a global batch the training split cannot fill: the run would refuse it
         if not r["reason"] and too_large.get(batch):

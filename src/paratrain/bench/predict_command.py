@@ -243,7 +243,8 @@ def _check_pipeline(args: argparse.Namespace, cfg, task) -> None:
     ``dist.pipeline_stages`` stages (:func:`~paratrain.strategies.stages.cut_stages`,
     :func:`~paratrain.strategies.stages.task_hooks`: why not, e.g. a model with BatchNorm); nothing otherwise.
     Builds the model on the meta device (its structure alone), runs nothing."""
-    from .strategy_model import STAGES, pipeline_refusal
+    from ..strategies.stages import pipeline_refusal
+    from .strategy_model import STAGES
 
     if STRATEGIES[args.strategy].cost_model != STAGES:
         return

@@ -139,26 +139,6 @@ def fsdp_gather_scale(cfg) -> float:
     return 1.0 if low is None else min(1.0, low.itemsize / stored.itemsize)
 
 
-def pipeline_refusal(task, stages: int, split: str = "") -> str | None:
-    """Why ``task``'s model does not run as a pipeline of ``stages`` stages (one line, from
-    :func:`~paratrain.strategies.stages.cut_stages` or :func:`~paratrain.strategies.stages.task_hooks`,
-    e.g. a model with BatchNorm, or one whose blocks are not a sequence), or None where it does. Builds
-    the model on the meta device (its structure alone) and runs nothing."""
-    import torch
-
-    from ..errors import UsageError
-    from ..strategies.stages import cut_stages, task_hooks
-
-    try:
-        with torch.device("meta"):
-            model = task.build_model()
-        cut_stages(model, stages, split)
-        task_hooks(task)
-    except UsageError as e:
-        return str(e)
-    return None
-
-
 def strategy_inputs(task, cfg, device=None) -> dict[str, Any]:
     """From the task's model (built in the run's dtype on ``device``, default the CPU: the device its
     stages run on, which times them): ``units``, fsdp's shard units'

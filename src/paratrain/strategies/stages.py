@@ -94,3 +94,20 @@ def task_hooks(task: Any) -> tuple[Callable[[Any], Any], Callable[[Any, int, int
                          f"{type(task).__name__} has batch_dim {task.batch_dim}: give it pipeline_input / "
                          f"pipeline_chunk that lay rows along dimension 0")
     return optional(task, names[0]), optional(task, names[1])
+
+
+def pipeline_refusal(task: Any, stages: int, split: str = "") -> str | None:
+    """Why ``task``'s model does not run as a pipeline of ``stages`` stages (one line, from
+    :func:`cut_stages` or :func:`task_hooks`, e.g. a model with BatchNorm, or one whose blocks are not a
+    sequence), or None where it does. Builds the model on the meta device (its structure alone) and
+    runs nothing."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = task.build_model()
+        cut_stages(model, stages, split)
+        task_hooks(task)
+    except UsageError as e:
+        return str(e)
+    return None
