@@ -140,9 +140,10 @@ def profile_model(task, cfg, *, warmup: int = 2, steps: int = 5, progress: Calla
             got["stepped"] = True
         return got
 
-    phase(PHASES[0], lambda: out.update(_in_process(task, cfg, model_and_step(), warmup, steps, progress)))
-    if built:  # the in-process phase ran here: it stepped the optimizer
-        built["stepped"] = True
+    def in_process() -> None:
+        out.update(_in_process(task, cfg, model_and_step(), warmup, steps, progress))
+        built["stepped"] = True  # its warm-up and timed steps stepped the optimizer
+    phase(PHASES[0], in_process)
     if links:
         def measure_links() -> None:
             progress("links: gloo all-reduce, all-gather, reduce-scatter, send; rpc, a server's update and exchange "
